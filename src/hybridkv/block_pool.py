@@ -1,0 +1,466 @@
+"""The block pool: ids, reference counts, free tiers, the prefix-cache index and events.
+
+The pool knows nothing about attention. It hands out block ids, counts references, remembers
+which full blocks hold which content hash (per group), and decides which free block to reuse
+next. Block 0 is the null block: never allocated, freed or counted.
+
+A free block (reference count 0) sits in exactly one tier; allocation takes from the first
+non-empty tier, so the tiers *are* the eviction order:
+
+1. ``uncached`` -- freed blocks without a hash (nothing to lose), last freed first;
+2. ``fresh``    -- never-used blocks ``next_fresh .. num_blocks - 1`` (a counter, no memory);
+3. ``low``      -- cached blocks that can serve no hit (window blocks dropped mid-sequence,
+   windows released with their prefix), oldest first;
+4. ``lru``      -- cached blocks, least recently freed first (the reference engine's LRU);
+5. ``retained`` -- window/state blocks a future hit needs (seed 004), each tied to an
+   *anchor*: the full-attention block whose prefix the window completes. Evicting the anchor
+   releases its windows into ``low``. Retained blocks whose anchor is held by a running
+   sequence are *reserved*: an admission cannot take them, a running sequence's growth can
+   (oldest first), so retention never stalls a sequence that is already running.
+
+Eviction is lazy: a cached block keeps its hash (and can still be hit) until it is reused.
+Tiers 1, 3, 4 and 5 are O(1) for insert, remove and pop (a list and ordered dicts).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from hybridkv.errors import InvalidInputError
+
+NULL_BLOCK = 0
+
+# Tier tags, one byte per block.
+_HELD = 0
+_UNCACHED = 1
+_FRESH = 2
+_LOW = 3
+_LRU = 4
+_RETAINED = 5
+_TIER_NAMES = {_HELD: "held", _UNCACHED: "uncached", _FRESH: "fresh", _LOW: "low", _LRU: "lru",
+               _RETAINED: "retained"}
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Full blocks entered the prefix cache of ``group`` (hashes and ids in the same order)."""
+
+    group: int
+    block_hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks of ``group`` left the prefix cache (their ids were reused)."""
+
+    group: int
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The whole prefix cache was reset."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class BlockPool:
+    """Block ids ``1 .. num_blocks - 1``, their reference counts, hashes and free tiers."""
+
+    __slots__ = (
+        "num_blocks",
+        "num_groups",
+        "enable_caching",
+        "enable_events",
+        "ref_cnt",
+        "block_hash",
+        "_block_group",
+        "_tier",
+        "index",
+        "_uncached",
+        "_next_fresh",
+        "_low",
+        "_lru",
+        "_retained",
+        "_anchored",
+        "_num_reserved",
+        "_events",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        num_groups: int = 1,
+        *,
+        enable_caching: bool = True,
+        enable_events: bool = False,
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 2:
+            raise InvalidInputError(
+                f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}"
+            )
+        if not 1 <= num_groups <= 255:
+            raise InvalidInputError(f"num_groups must be in 1..255, got {num_groups}")
+        self.num_blocks = num_blocks
+        self.num_groups = num_groups
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self.ref_cnt: list[int] = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self._block_group = bytearray(num_blocks)
+        self._tier = bytearray([_FRESH]) * num_blocks
+        self._tier[NULL_BLOCK] = _HELD
+        # Per group: hash -> block id, or an ordered dict of ids when several blocks hold it.
+        self.index: list[dict[bytes, int | dict[int, None]]] = [{} for _ in range(num_groups)]
+        self._uncached: list[int] = []
+        self._next_fresh = 1
+        self._low: OrderedDict[int, None] = OrderedDict()
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._retained: OrderedDict[int, int] = OrderedDict()  # window block -> anchor block
+        self._anchored: dict[int, dict[int, None]] = {}  # anchor block -> its retained windows
+        self._num_reserved = 0  # retained blocks whose anchor has ref_cnt > 0
+        self._events: list[KVCacheEvent] = []
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a running sequence's allocation could take now (every free tier)."""
+        return (
+            len(self._uncached)
+            + (self.num_blocks - self._next_fresh)
+            + len(self._low)
+            + len(self._lru)
+            + len(self._retained)
+        )
+
+    @property
+    def num_admissible_blocks(self) -> int:
+        """Blocks a new sequence's allocation could take now (reserved windows excluded)."""
+        return self.num_free_blocks - self._num_reserved
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Blocks kept in the retained tier."""
+        return len(self._retained)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose hash is in the prefix cache (held or free)."""
+        return sum(1 for h in self.block_hash if h is not None)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by sequences."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    # ------------------------------------------------------------------ lookup
+    def get_cached_block(self, group: int, block_hash: bytes) -> int | None:
+        """A block of ``group`` holding ``block_hash``, or None."""
+        hit = self.index[group].get(block_hash)
+        if hit is None or isinstance(hit, int):
+            return hit
+        return next(iter(hit))
+
+    # ------------------------------------------------------------------ allocate
+    def admission_cost(self, hit_blocks: Iterable[int]) -> int:
+        """Admissible free blocks that adopting ``hit_blocks`` (a touch) would consume.
+
+        A free hit block leaves its tier; a free anchor that becomes held turns its retained
+        windows (those not among the hits) into reserved blocks.
+        """
+        ref = self.ref_cnt
+        if not self._retained:
+            return sum(1 for b in hit_blocks if b and ref[b] == 0)
+        hits = {b for b in hit_blocks if b and ref[b] == 0}
+        cost = 0
+        for b in hits:
+            anchor = self._retained.get(b)
+            if anchor is None or ref[anchor] == 0:
+                cost += 1
+            windows = self._anchored.get(b)
+            if windows:
+                cost += sum(1 for w in windows if w not in hits)
+        return cost
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each (cached) block, removing free ones from their tier."""
+        ref = self.ref_cnt
+        tier = self._tier
+        for b in block_ids:
+            if b == NULL_BLOCK:
+                continue
+            r = ref[b]
+            if r == 0:
+                t = tier[b]
+                if t == _LRU:
+                    del self._lru[b]
+                elif t == _LOW:
+                    del self._low[b]
+                elif t == _RETAINED:
+                    self._unretain(b)
+                else:
+                    raise AssertionError(f"touch of block {b} in tier {_TIER_NAMES[t]}: not cached")
+                tier[b] = _HELD
+                windows = self._anchored.get(b)
+                if windows:
+                    self._num_reserved += len(windows)
+            ref[b] = r + 1
+
+    def allocate(self, num_blocks: int, *, allow_reserved: bool) -> list[int]:
+        """Take ``num_blocks`` free blocks (reference count 1 each), evicting cached ones lazily.
+
+        The caller has checked the count; running out here is a bug, not a miss.
+        """
+        out: list[int] = []
+        ref = self.ref_cnt
+        tier = self._tier
+        uncached = self._uncached
+        while len(out) < num_blocks:
+            if uncached:
+                b = uncached.pop()
+            elif self._next_fresh < self.num_blocks:
+                b = self._next_fresh
+                self._next_fresh = b + 1
+            elif self._low:
+                b = self._low.popitem(last=False)[0]
+                self._evict(b)
+            elif self._lru:
+                b = self._lru.popitem(last=False)[0]
+                self._evict(b)
+            elif self._retained and allow_reserved:
+                b = next(iter(self._retained))
+                self._unretain(b)
+                self._evict(b)
+            else:
+                for got in out:  # give back what was taken, then fail loudly
+                    ref[got] = 0
+                    tier[got] = _UNCACHED
+                    uncached.append(got)
+                raise AssertionError(
+                    f"allocate({num_blocks}) ran out of blocks after {len(out)}: the caller must "
+                    f"check num_free_blocks first"
+                )
+            ref[b] = 1
+            tier[b] = _HELD
+            out.append(b)
+        return out
+
+    def _evict(self, b: int) -> None:
+        """Drop ``b``'s hash from the cache (it is being reused) and release its windows."""
+        h = self.block_hash[b]
+        if h is None:
+            return
+        group = self._block_group[b]
+        idx = self.index[group]
+        cur = idx[h]
+        if type(cur) is int:
+            del idx[h]
+        else:
+            assert isinstance(cur, dict)
+            del cur[b]
+            if len(cur) == 1:
+                idx[h] = next(iter(cur))
+        self.block_hash[b] = None
+        if self.enable_events:
+            self._events.append(BlockRemoved(group, (h,)))
+        windows = self._anchored.pop(b, None)
+        if windows:
+            # The prefix these windows complete is gone: they can serve no hit any more.
+            for w in windows:
+                del self._retained[w]
+                self._tier[w] = _LOW
+                self._low[w] = None
+
+    def _unretain(self, w: int) -> None:
+        anchor = self._retained.pop(w)
+        windows = self._anchored[anchor]
+        del windows[w]
+        if not windows:
+            del self._anchored[anchor]
+        if self.ref_cnt[anchor] > 0:
+            self._num_reserved -= 1
+
+    # ------------------------------------------------------------------ free
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference on each block; the first listed is reused first.
+
+        Blocks reaching zero go to ``uncached`` without a hash, to the ``lru`` tail with one.
+        """
+        ref = self.ref_cnt
+        tier = self._tier
+        hashes = self.block_hash
+        lru = self._lru
+        for b in block_ids:
+            if b == NULL_BLOCK:
+                continue
+            r = ref[b] - 1
+            ref[b] = r
+            if r == 0:
+                if hashes[b] is None:
+                    tier[b] = _UNCACHED
+                    self._uncached.append(b)
+                else:
+                    tier[b] = _LRU
+                    lru[b] = None
+                windows = self._anchored.get(b)
+                if windows:
+                    self._num_reserved -= len(windows)
+            elif r < 0:
+                ref[b] = 0
+                raise AssertionError(f"block {b} freed more often than referenced")
+
+    def free_low(self, block_ids: Iterable[int]) -> None:
+        """Like ``free``, but cached blocks reaching zero go to the ``low`` tier."""
+        for b in block_ids:
+            if b == NULL_BLOCK:
+                continue
+            if self.ref_cnt[b] == 1 and self.block_hash[b] is not None:
+                self.ref_cnt[b] = 0
+                self._tier[b] = _LOW
+                self._low[b] = None
+            else:
+                self.free((b,))
+
+    def free_retained(self, block_ids: Iterable[int], anchor: int) -> None:
+        """Like ``free``, but cached blocks reaching zero are retained, tied to ``anchor``.
+
+        ``anchor`` must be a cached block of another group; when it is evicted the windows go
+        to ``low``.
+        """
+        if anchor == NULL_BLOCK or self.block_hash[anchor] is None:
+            self.free(block_ids)
+            return
+        anchor_held = self.ref_cnt[anchor] > 0
+        for b in block_ids:
+            if b == NULL_BLOCK:
+                continue
+            if self.ref_cnt[b] == 1 and self.block_hash[b] is not None:
+                self.ref_cnt[b] = 0
+                self._tier[b] = _RETAINED
+                self._retained[b] = anchor
+                self._anchored.setdefault(anchor, {})[b] = None
+                if anchor_held:
+                    self._num_reserved += 1
+            else:
+                self.free((b,))
+
+    def retain_free(self, block_ids: Iterable[int], anchor: int) -> int:
+        """Move free cached blocks (``low`` or ``lru``) into the retained tier under ``anchor``.
+
+        Used when a junction is discovered after its window was already freed. Returns how
+        many blocks moved.
+        """
+        if anchor == NULL_BLOCK or self.block_hash[anchor] is None:
+            return 0
+        moved = 0
+        anchor_held = self.ref_cnt[anchor] > 0
+        for b in block_ids:
+            t = self._tier[b]
+            if b == NULL_BLOCK or t not in (_LOW, _LRU):
+                continue
+            if t == _LOW:
+                del self._low[b]
+            else:
+                del self._lru[b]
+            self._tier[b] = _RETAINED
+            self._retained[b] = anchor
+            self._anchored.setdefault(anchor, {})[b] = None
+            if anchor_held:
+                self._num_reserved += 1
+            moved += 1
+        return moved
+
+    # ------------------------------------------------------------------ cache
+    def cache_blocks(self, group: int, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        """Enter full, held blocks of ``group`` into the prefix cache under their hashes."""
+        idx = self.index[group]
+        hashes = self.block_hash
+        gid = self._block_group
+        for b, h in zip(block_ids, block_hashes):
+            hashes[b] = h
+            gid[b] = group
+            cur = idx.get(h)
+            if cur is None:
+                idx[h] = b
+            elif type(cur) is int:
+                idx[h] = {cur: None, b: None}
+            else:
+                cur[b] = None  # type: ignore[index]
+        if self.enable_events and block_ids:
+            self._events.append(BlockStored(group, tuple(block_hashes), tuple(block_ids)))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash. Refused (False) while any block is held."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for tier in (self._low, self._lru, self._retained):
+            for b in tier:
+                self._tier[b] = _UNCACHED
+                self._uncached.append(b)
+            tier.clear()
+        self._anchored.clear()
+        self._num_reserved = 0
+        for idx in self.index:
+            idx.clear()
+        self.block_hash = [None] * self.num_blocks
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Events since the last call (empty unless the pool was built with events on)."""
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Verify every structural invariant of the pool; raise AssertionError naming the first broken."""
+        n = self.num_blocks
+        ref, tier = self.ref_cnt, self._tier
+        assert ref[NULL_BLOCK] == 0 and tier[NULL_BLOCK] == _HELD, "null block must never be counted"
+        assert 1 <= self._next_fresh <= n, f"next_fresh {self._next_fresh} outside 1..{n}"
+        counts = {t: 0 for t in _TIER_NAMES}
+        for b in range(1, n):
+            t = tier[b]
+            counts[t] += 1
+            if t == _HELD:
+                assert ref[b] > 0, f"block {b} is held with ref_cnt {ref[b]}"
+            else:
+                assert ref[b] == 0, f"block {b} is free ({_TIER_NAMES[t]}) with ref_cnt {ref[b]}"
+            if t == _FRESH:
+                assert b >= self._next_fresh, f"fresh block {b} below next_fresh {self._next_fresh}"
+            if t in (_UNCACHED, _FRESH):
+                assert self.block_hash[b] is None, f"{_TIER_NAMES[t]} block {b} has a hash"
+            if t in (_LOW, _LRU, _RETAINED):
+                assert self.block_hash[b] is not None, f"{_TIER_NAMES[t]} block {b} has no hash"
+        assert counts[_FRESH] == n - self._next_fresh, "fresh counter disagrees with tier tags"
+        assert counts[_UNCACHED] == len(self._uncached) == len(set(self._uncached)), "uncached list"
+        for name, tag, od in (("low", _LOW, self._low), ("lru", _LRU, self._lru),
+                              ("retained", _RETAINED, self._retained)):
+            assert counts[tag] == len(od), f"{name} tier holds {len(od)}, tags say {counts[tag]}"
+            for b in od:
+                assert tier[b] == tag, f"block {b} in {name} tier tagged {_TIER_NAMES[tier[b]]}"
+        assert self.num_free_blocks == n - 1 - counts[_HELD], "free count not conserved"
+        reserved = 0
+        for anchor, windows in self._anchored.items():
+            assert windows, f"anchor {anchor} has an empty window set"
+            assert self.block_hash[anchor] is not None, f"anchor {anchor} is not cached"
+            for w in windows:
+                assert self._retained.get(w) == anchor, f"window {w} not retained under {anchor}"
+            if ref[anchor] > 0:
+                reserved += len(windows)
+        assert sum(len(w) for w in self._anchored.values()) == len(self._retained), "retained tier"
+        assert reserved == self._num_reserved, f"reserved count {self._num_reserved} != {reserved}"
+        for group, idx in enumerate(self.index):
+            for h, cur in idx.items():
+                ids = [cur] if isinstance(cur, int) else list(cur)
+                assert ids, f"empty index entry in group {group}"
+                for b in ids:
+                    assert self.block_hash[b] == h, f"index of group {group} maps a hash to block {b}"
+                    assert self._block_group[b] == group, f"block {b} indexed in the wrong group"
+        indexed = sum(1 if isinstance(c, int) else len(c) for idx in self.index for c in idx.values())
+        assert indexed == self.num_cached_blocks, "hashed blocks missing from the index"

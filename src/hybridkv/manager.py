@@ -1,0 +1,365 @@
+"""The engine-facing KV-cache manager (the stable API of ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hybridkv.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
+from hybridkv.coordinator import CacheHit, Coordinator
+from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequenceError
+from hybridkv.hashing import BlockHasher, HashAlgorithm
+from hybridkv.layout import KVCacheLayout
+from hybridkv.managers import KindManager, manager_for
+from hybridkv.retention import NoRetention, make_policy
+from hybridkv.sequence import Sequence
+from hybridkv.specs import ChunkedLocalAttentionSpec
+
+
+@dataclass
+class KVCacheStats:
+    """Counters since the manager was built (or since ``reset_stats``)."""
+
+    admissions: int = 0
+    queried_tokens: int = 0
+    """Prompt tokens of admitted sequences (a re-admission after preemption counts again)."""
+    hit_tokens: int = 0
+    """Tokens of those served from the local prefix cache."""
+    external_tokens: int = 0
+    """Tokens an external tier supplied at admission."""
+    allocation_failures: int = 0
+    retention: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        """``hit_tokens / queried_tokens`` (0 before any admission)."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+def _check_count(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidInputError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+class KVCacheManager:
+    """Paged KV-cache manager for hybrid models: prefix caching, admission, window dropping.
+
+    ``max_num_batched_tokens`` (default ``max_model_len``) is the largest number of tokens a
+    sequence is given in one step; it sets the per-request block bound of window kinds.
+    """
+
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        max_model_len: int,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        *,
+        retention: str | NoRetention = "none",
+        hash_algorithm: HashAlgorithm = "sha256",
+        enable_events: bool = False,
+    ) -> None:
+        if not isinstance(layout, KVCacheLayout):
+            raise InvalidInputError(f"layout must be a KVCacheLayout, got {type(layout).__name__}")
+        self.max_model_len = _check_count("max_model_len", max_model_len)
+        if max_model_len == 0:
+            raise InvalidInputError("max_model_len must be positive")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max_model_len
+        self.max_num_batched_tokens = _check_count("max_num_batched_tokens", max_num_batched_tokens)
+        if max_num_batched_tokens == 0:
+            raise InvalidInputError("max_num_batched_tokens must be positive")
+        for i, g in enumerate(layout.groups):
+            spec = g.spec
+            if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:
+                raise InvalidInputError(
+                    f"group {i}: attention_chunk_size={spec.attention_chunk_size} is not a multiple "
+                    f"of block_size={spec.block_size}"
+                )
+        self.layout = layout
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(layout.num_blocks, len(layout.groups), enable_caching=enable_prefix_caching,
+                              enable_events=enable_events)
+        self.groups: list[KindManager] = [
+            manager_for(
+                g.spec, i, self.pool,
+                bound=g.spec.max_blocks_per_request(self.max_num_batched_tokens, max_model_len),
+                enable_caching=enable_prefix_caching,
+            )
+            for i, g in enumerate(layout.groups)
+        ]
+        self.coordinator = Coordinator(self.pool, self.groups, BlockHasher(hash_algorithm))
+        self.retention = make_policy(retention)
+        self.retention.bind(self.coordinator)
+        self._seqs: dict[str, Sequence] = {}
+        self._stats = KVCacheStats()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could take now (free, including evictable cached ones)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def num_admissible_blocks(self) -> int:
+        """Blocks a *new* sequence could take now (windows reserved for running prefixes excluded)."""
+        return self.pool.num_admissible_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by sequences."""
+        return self.pool.usage
+
+    @property
+    def stats(self) -> KVCacheStats:
+        """Queried / hit prompt tokens and other counters since start."""
+        self._stats.retention = self.retention.stats()
+        return self._stats
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences currently holding blocks."""
+        return len(self._seqs)
+
+    def blocks_needed_when_empty(self, num_tokens: int) -> int:
+        """Blocks one sequence of ``num_tokens`` tokens holds at its peak (seed-001 bounds)."""
+        return sum(g.whole_sequence_blocks(num_tokens) for g in self.groups)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens fits in the empty pool."""
+        if num_tokens > self.max_model_len:
+            return False
+        return self.blocks_needed_when_empty(num_tokens) <= self.layout.num_blocks - 1
+
+    def block_table(self, seq_id: str) -> tuple[tuple[int, ...], ...]:
+        """The sequence's block ids, one tuple per group (0 = null block)."""
+        if seq_id not in self._seqs:
+            raise UnknownSequenceError(f"sequence {seq_id!r} holds no blocks")
+        return tuple(tuple(g.tables.get(seq_id, ())) for g in self.groups)
+
+    def lookup(self, seq: Sequence) -> CacheHit:
+        """The longest prefix every group can serve from the cache. No side effects."""
+        self._check_sequence(seq)
+        if not self.enable_prefix_caching or seq.seq_id in self._seqs:
+            return CacheHit(seq.seq_id, 0, tuple(() for _ in self.groups))
+        return self.coordinator.find_hit(seq)
+
+    # ------------------------------------------------------------------ allocate
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        hit: CacheHit | None = None,
+        num_external_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+        *,
+        whole_sequence_must_fit: bool = False,
+    ) -> tuple[list[int], ...] | None:
+        """Blocks for the next step of ``seq``: new block ids per group, or None if they do not fit.
+
+        In order: free blocks the windows no longer need, count the blocks needed, check them
+        against the free blocks, adopt the hit in every group (two-phase), allocate for the
+        external and the new tokens, register the full blocks this step computes.
+        """
+        self._check_sequence(seq)
+        _check_count("num_new_tokens", num_new_tokens)
+        _check_count("num_external_tokens", num_external_tokens)
+        _check_count("num_lookahead_tokens", num_lookahead_tokens)
+        sid = seq.seq_id
+        running = sid in self._seqs
+        if running:
+            if self._seqs[sid] is not seq:
+                raise InvalidInputError(f"another Sequence object with id {sid!r} is already running")
+            if hit is not None and (hit.num_tokens or any(hit.block_ids)):
+                raise InvalidInputError(
+                    f"sequence {sid!r} is running: a cache hit can only be passed at its first allocation"
+                )
+            if num_external_tokens:
+                raise InvalidInputError(
+                    f"sequence {sid!r} is running: external tokens can only be loaded at its first allocation"
+                )
+            computed = seq.num_computed_tokens
+            hit_blocks: list[list[int]] = [[] for _ in self.groups]
+        else:
+            if seq.num_computed_tokens:
+                raise InvalidInputError(
+                    f"sequence {sid!r} holds no blocks but num_computed_tokens={seq.num_computed_tokens}; "
+                    f"reset it to 0 after a free or preemption"
+                )
+            if hit is None:
+                hit = CacheHit(sid, 0, tuple(() for _ in self.groups))
+            self._check_hit(seq, hit)
+            computed = hit.num_tokens
+            hit_blocks = [list(ids) for ids in hit.block_ids]
+        known = computed + num_external_tokens + num_new_tokens
+        if known > seq.num_tokens:
+            raise InvalidInputError(
+                f"sequence {sid!r}: {computed} computed + {num_external_tokens} external + "
+                f"{num_new_tokens} new tokens exceed its {seq.num_tokens} tokens"
+            )
+        total = known + num_lookahead_tokens
+        groups = self.groups
+        pool = self.pool
+
+        # 1. Free what the windows no longer need (before counting: it is what makes room).
+        if running:
+            for g in groups:
+                freed = g.remove_skipped(sid, computed)
+                if freed:
+                    self.retention.release_dropped(g, seq, freed)
+        else:
+            hit_blocks = [g.adoptable(blocks, computed + num_external_tokens) if blocks else blocks
+                          for g, blocks in zip(groups, hit_blocks)]
+            for g in groups:
+                g.prepare(seq)
+
+        # 2. Count. 3. Check.
+        need = 0
+        for g, blocks in zip(groups, hit_blocks):
+            step = g.num_new_blocks(sid, blocks, computed, num_external_tokens, total)
+            if whole_sequence_must_fit:
+                held = g.held_blocks(sid) if running else sum(1 for b in blocks if b != NULL_BLOCK)
+                step = max(step, g.whole_sequence_blocks(seq.num_tokens + num_lookahead_tokens) - held)
+            need += step
+        if running:
+            available = pool.num_free_blocks
+        else:
+            need += pool.admission_cost(b for blocks in hit_blocks for b in blocks)
+            available = pool.num_admissible_blocks
+        if need > available:
+            self._stats.allocation_failures += 1
+            return None
+
+        # 4. Adopt the hit in every group before any group allocates (seed 002).
+        if not running:
+            self.coordinator.adopt(seq, hit_blocks)
+            self._seqs[sid] = seq
+        # 5. Allocate: external tokens first (phase 2), then new tokens.
+        allow_reserved = running
+        new_blocks: tuple[list[int], ...]
+        if num_external_tokens:
+            new_blocks = tuple(
+                g.extend(sid, computed + num_external_tokens, computed + num_external_tokens,
+                         allow_reserved=allow_reserved)
+                for g in groups
+            )
+            for out, g in zip(new_blocks, groups):
+                out.extend(g.extend(sid, computed + num_external_tokens, total, allow_reserved=allow_reserved))
+        else:
+            new_blocks = tuple(g.extend(sid, computed, total, allow_reserved=allow_reserved) for g in groups)
+        # 6. Register the full blocks this step computes.
+        if self.enable_prefix_caching:
+            coord = self.coordinator
+            for g in groups:
+                if g.caching:
+                    g.cache_full_blocks(sid, coord.hashes(seq, g), known)
+        if not running:
+            st = self._stats
+            st.admissions += 1
+            st.queried_tokens += seq.num_tokens
+            st.hit_tokens += computed
+            st.external_tokens += num_external_tokens
+            assert hit is not None
+            self.retention.on_admit(seq, hit)
+        return new_blocks
+
+    # ------------------------------------------------------------------ free
+    def free(self, seq: Sequence | str) -> None:
+        """Release every block of the sequence (finished or preempted). Idempotent."""
+        sid = seq if isinstance(seq, str) else seq.seq_id
+        stored = self._seqs.pop(sid, None)
+        tables = [g.pop_table(sid) for g in self.groups]
+        if stored is not None:
+            self.retention.release_sequence(stored, tables)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (and nothing changes) while any sequence holds blocks."""
+        if self._seqs or not self.pool.reset_prefix_cache():
+            return False
+        self.retention.reset()
+        return True
+
+    def reset_stats(self) -> None:
+        """Zero the counters."""
+        self._stats = KVCacheStats()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Cache events (stored, removed, cleared) since the last call; needs ``enable_events``."""
+        return self.pool.take_events()
+
+    # ------------------------------------------------------------------ validation
+    def _check_sequence(self, seq: Sequence) -> None:
+        if not isinstance(seq, Sequence):
+            raise InvalidInputError(f"expected a hybridkv.Sequence, got {type(seq).__name__}")
+        if seq.num_tokens > self.max_model_len:
+            raise SequenceTooLongError(
+                f"sequence {seq.seq_id!r} has {seq.num_tokens} tokens; max_model_len is {self.max_model_len}"
+            )
+        if not 0 <= seq.num_computed_tokens <= seq.num_tokens:
+            raise InvalidInputError(
+                f"sequence {seq.seq_id!r}: num_computed_tokens={seq.num_computed_tokens} is outside "
+                f"0..{seq.num_tokens}"
+            )
+
+    def _check_hit(self, seq: Sequence, hit: CacheHit) -> None:
+        if not isinstance(hit, CacheHit):
+            raise InvalidInputError(f"hit must be a CacheHit from lookup(), got {type(hit).__name__}")
+        if hit.seq_id != seq.seq_id:
+            raise InvalidInputError(f"the hit was looked up for {hit.seq_id!r}, not {seq.seq_id!r}")
+        if hit.num_tokens and (hit.num_tokens >= seq.num_tokens or len(hit.block_ids) != len(self.groups)):
+            raise InvalidInputError(
+                f"hit of {hit.num_tokens} tokens does not fit sequence {seq.seq_id!r} of {seq.num_tokens} tokens"
+            )
+        for g, ids in zip(self.groups, hit.block_ids):
+            if not ids:
+                continue
+            hashes = self.coordinator.hashes(seq, g)
+            for i, b in enumerate(ids):
+                if b != NULL_BLOCK and (i >= len(hashes) or self.pool.block_hash[b] != hashes[i]):
+                    raise InvalidInputError(
+                        f"hit block {b} of group {g.group} no longer holds this prefix (evicted since "
+                        f"the lookup): look the sequence up again"
+                    )
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Raise AssertionError with a precise message on any broken invariant."""
+        self.pool.check_invariants()
+        refs: Counter[int] = Counter()
+        for g in self.groups:
+            assert set(g.tables) <= set(self._seqs), f"group {g.group} has tables of unknown sequences"
+            for sid, table in g.tables.items():
+                live = [b for b in table if b != NULL_BLOCK]
+                assert len(live) == len(set(live)), f"sequence {sid!r} has a block twice in group {g.group}"
+                refs.update(live)
+                for b in live:
+                    h = self.pool.block_hash[b]
+                    if h is not None:
+                        assert self.pool._block_group[b] == g.group, (
+                            f"block {b} of group {g.group} is cached under group {self.pool._block_group[b]}"
+                        )
+                assert g.num_cached.get(sid, 0) <= len(table), f"{sid!r}: num_cached past the table"
+                seq = self._seqs[sid]
+                if g.caching:
+                    hashes = self.coordinator.hashes(seq, g)
+                    for i in range(min(g.num_cached.get(sid, 0), len(hashes))):
+                        b = table[i]
+                        h = self.pool.block_hash[b] if b != NULL_BLOCK else None
+                        assert b == NULL_BLOCK or h is None or h == hashes[i], (
+                            f"sequence {sid!r} group {g.group} block {b} at index {i} holds another prefix"
+                        )
+        for b in range(1, self.pool.num_blocks):
+            r = self.pool.ref_cnt[b]
+            assert r == refs.get(b, 0), f"block {b}: ref_cnt {r} but {refs.get(b, 0)} table references"
+            assert r <= 1 or self.pool.block_hash[b] is not None, (
+                f"block {b} is in {r} tables without being cached (only hits may share blocks)"
+            )
+        for sid in self._seqs:
+            assert any(sid in g.tables for g in self.groups) or not self.groups, f"{sid!r} has no tables"
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheManager(num_blocks={self.layout.num_blocks}, groups={len(self.groups)}, "
+            f"free={self.num_free_blocks}, sequences={len(self._seqs)}, retention={self.retention.name!r})"
+        )

@@ -1,0 +1,163 @@
+"""The per-group manager interface and the behaviour most kinds share.
+
+One manager per KV-cache group. It owns the group's block tables and answers four questions
+for its kind: the longest cache hit, which tokens the attention no longer needs, how many
+blocks an allocation takes, and which blocks a hit at a given position needs (for retention).
+
+Token layout of one allocation, left to right::
+
+    | computed (or local hit) | external | new | lookahead |
+
+``computed`` tokens already have KV in the table (for a new sequence: the adopted hit);
+``external`` tokens get blocks an external tier writes; ``new`` tokens are computed this step;
+``lookahead`` tokens get slots but are never registered in the prefix cache.
+"""
+
+from __future__ import annotations
+
+from hybridkv._util import cdiv
+from hybridkv.block_pool import NULL_BLOCK, BlockPool
+from hybridkv.sequence import Sequence
+from hybridkv.specs import KVCacheSpec
+
+
+class KindManager:
+    """Block tables of one group. Subclasses override the kind-specific hooks."""
+
+    # Does the group's hit constrain the hit all groups agree on?
+    constrains_hits = True
+    # Is the hit downward-closed (a hit at L means a hit at every shorter aligned length)?
+    downward_closed = False
+
+    __slots__ = ("spec", "group", "pool", "block_size", "bound", "caching", "tables", "num_cached")
+
+    def __init__(
+        self, spec: KVCacheSpec, group: int, pool: BlockPool, *, bound: int, enable_caching: bool
+    ) -> None:
+        self.spec = spec
+        self.group = group
+        self.pool = pool
+        self.block_size = spec.block_size
+        self.bound = bound  # spec.max_blocks_per_request(...): the seed-001 per-request bound
+        self.caching = enable_caching and spec.prefix_cacheable
+        self.tables: dict[str, list[int]] = {}
+        self.num_cached: dict[str, int] = {}  # leading table entries already registered
+
+    # ------------------------------------------------------------------ hits
+    def find_longest_cache_hit(self, hashes: list[bytes], max_tokens: int) -> tuple[int, list[int]]:
+        """Longest hit of at most ``max_tokens`` tokens: (tokens, block ids with 0 for null)."""
+        raise NotImplementedError
+
+    def hit_window(self, boundary: int) -> tuple[int, int]:
+        """Block indices ``[first, end)`` whose KV a hit ending at token ``boundary`` reads."""
+        return 0, boundary // self.block_size
+
+    # ------------------------------------------------------------------ windows
+    def skipped_tokens(self, num_computed: int) -> int:
+        """Leading tokens the attention of the next token no longer reads."""
+        return 0
+
+    def remove_skipped(self, seq_id: str, num_computed: int) -> list[tuple[int, int]]:
+        """Null out wholly skipped blocks; return ``(index, block)`` pairs, last index first.
+
+        The caller releases the returned blocks (through the retention policy).
+        """
+        skipped_blocks = self.skipped_tokens(num_computed) // self.block_size
+        table = self.tables.get(seq_id)
+        if not table or skipped_blocks == 0:
+            return []
+        freed: list[tuple[int, int]] = []
+        for i in range(min(skipped_blocks, len(table)) - 1, -1, -1):
+            b = table[i]
+            if b == NULL_BLOCK:
+                break  # everything before was dropped earlier
+            freed.append((i, b))
+            table[i] = NULL_BLOCK
+        return freed
+
+    # ------------------------------------------------------------------ allocation
+    def prepare(self, seq: Sequence) -> None:
+        """Note what the kind needs to know about a sequence before its first allocation."""
+
+    def held_blocks(self, seq_id: str) -> int:
+        """Non-null blocks the sequence holds in this group."""
+        return sum(1 for b in self.tables.get(seq_id, ()) if b != NULL_BLOCK)
+
+    def adoptable(self, hit_blocks: list[int], num_computed: int) -> list[int]:
+        """The hit blocks a new sequence keeps once ``num_computed`` tokens (hit + external) are in."""
+        skipped = min(self.skipped_tokens(num_computed) // self.block_size, len(hit_blocks))
+        return [NULL_BLOCK] * skipped + hit_blocks[skipped:]
+
+    def num_new_blocks(self, seq_id: str, hit_blocks: list[int], num_computed: int,
+                       num_external: int, num_tokens: int) -> int:
+        """Fresh blocks an allocation up to ``num_tokens`` slots needs (hit blocks excluded).
+
+        For a new sequence ``hit_blocks`` is its adopted hit and ``num_computed`` the hit length;
+        for a running one ``hit_blocks`` is empty.
+        """
+        table = self.tables.get(seq_id)
+        length = len(table) if table is not None else len(hit_blocks)
+        return len(self._new_indices(length, num_computed + num_external, num_tokens))
+
+    def _new_indices(self, length: int, num_computed: int, num_tokens: int) -> range:
+        """Indices past ``length`` that need a real block to hold ``num_tokens`` slots."""
+        first = max(length, self.skipped_tokens(num_computed) // self.block_size)
+        return range(first, cdiv(num_tokens, self.block_size))
+
+    def whole_sequence_blocks(self, num_tokens: int) -> int:
+        """Blocks held at the peak for a sequence of ``num_tokens`` tokens (seed-001 bound)."""
+        return min(cdiv(num_tokens, self.block_size), self.bound)
+
+    def adopt(self, seq_id: str, blocks: list[int]) -> None:
+        """Start a table from adopted hit blocks (the caller has touched them)."""
+        self.tables[seq_id] = list(blocks)
+        self.num_cached[seq_id] = len(blocks)
+
+    def extend(self, seq_id: str, num_computed: int, num_tokens: int, *, allow_reserved: bool) -> list[int]:
+        """Grow the table to hold ``num_tokens`` slots; return the fresh block ids."""
+        table = self.tables.setdefault(seq_id, [])
+        self.num_cached.setdefault(seq_id, 0)
+        new_idx = self._new_indices(len(table), num_computed, num_tokens)
+        end = new_idx.stop
+        if end <= len(table):
+            return []
+        new = self.pool.allocate(len(new_idx), allow_reserved=allow_reserved) if new_idx else []
+        table.extend([NULL_BLOCK] * (new_idx.start - len(table)))
+        table.extend(new)
+        return new
+
+    def cache_full_blocks(self, seq_id: str, hashes: list[bytes], num_tokens: int) -> None:
+        """Register the non-null full blocks covering the first ``num_tokens`` tokens."""
+        if not self.caching:
+            return
+        table = self.tables[seq_id]
+        start = self.num_cached[seq_id]
+        end = min(num_tokens // self.block_size, len(hashes), len(table))
+        if end <= start:
+            return
+        ids: list[int] = []
+        hs: list[bytes] = []
+        for i in range(start, end):
+            b = table[i]
+            if b != NULL_BLOCK and self.pool.block_hash[b] is None:
+                ids.append(b)
+                hs.append(hashes[i])
+        self.pool.cache_blocks(self.group, ids, hs)
+        self.num_cached[seq_id] = end
+
+    def pop_table(self, seq_id: str) -> list[int]:
+        """Forget the sequence; return its table (the caller frees the blocks)."""
+        self.num_cached.pop(seq_id, None)
+        return self.tables.pop(seq_id, [])
+
+
+def scan_left_to_right(pool: BlockPool, group: int, hashes: list[bytes], start: int, end: int) -> list[int]:
+    """Cached blocks for ``hashes[start:end]`` up to the first miss."""
+    index = pool.index[group]
+    out: list[int] = []
+    for i in range(start, end):
+        hit = index.get(hashes[i])
+        if hit is None:
+            break
+        out.append(hit if type(hit) is int else next(iter(hit)))  # type: ignore[arg-type]
+    return out

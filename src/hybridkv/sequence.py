@@ -1,0 +1,117 @@
+"""A request as the cache manager sees it: token ids, computed count and block hashes."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+
+from hybridkv.errors import InvalidInputError
+from hybridkv.hashing import BlockHasher, encode_extra_keys
+
+
+def _validated_tokens(seq_id: str, token_ids: Iterable[int], what: str) -> list[int]:
+    tokens = list(token_ids)
+    try:
+        array("Q", tokens)  # C-speed check: every id an integer in [0, 2**64)
+    except (TypeError, OverflowError) as exc:
+        bad = next(
+            (t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or t < 0), None
+        )
+        raise InvalidInputError(
+            f"sequence {seq_id!r}: {what} must be non-negative integers, found {bad!r}"
+        ) from exc
+    return tokens
+
+
+class Sequence:
+    """One request's tokens and progress.
+
+    ``num_computed_tokens`` is owned by the caller (the scheduler): the number of tokens whose
+    KV is already in the sequence's blocks. Block hashes are computed lazily by the manager, at
+    the manager's hash granularity, and extended incrementally as tokens are appended.
+    """
+
+    __slots__ = (
+        "seq_id",
+        "_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "cache_salt",
+        "adapter_id",
+        "num_encoder_tokens",
+        "_block_hashes",
+        "_hash_key",
+        "_first_extra",
+    )
+
+    def __init__(
+        self,
+        seq_id: str,
+        prompt_token_ids: Iterable[int],
+        cache_salt: str | bytes | None = None,
+        *,
+        adapter_id: str | int | None = None,
+        num_encoder_tokens: int = 0,
+    ) -> None:
+        if not isinstance(seq_id, str) or not seq_id:
+            raise InvalidInputError(f"sequence id must be a non-empty string, got {seq_id!r}")
+        tokens = _validated_tokens(seq_id, prompt_token_ids, "prompt token ids")
+        if not tokens:
+            raise InvalidInputError(f"sequence {seq_id!r}: the prompt is empty")
+        if not isinstance(num_encoder_tokens, int) or num_encoder_tokens < 0:
+            raise InvalidInputError(
+                f"sequence {seq_id!r}: num_encoder_tokens must be a non-negative integer, "
+                f"got {num_encoder_tokens!r}"
+            )
+        self.seq_id = seq_id
+        self._token_ids = tokens
+        self.num_prompt_tokens = len(tokens)
+        self.num_computed_tokens = 0
+        self.cache_salt = cache_salt
+        self.adapter_id = adapter_id
+        self.num_encoder_tokens = num_encoder_tokens
+        self._first_extra = encode_extra_keys(cache_salt, adapter_id)
+        self._block_hashes: list[bytes] = []
+        self._hash_key: tuple[str, int] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All token ids, prompt then outputs (do not mutate; use ``append_token_ids``)."""
+        return self._token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids (a copy)."""
+        return self._token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus appended tokens."""
+        return len(self._token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens appended after the prompt."""
+        return len(self._token_ids) - self.num_prompt_tokens
+
+    def append_token_ids(self, token_ids: Iterable[int]) -> None:
+        """Append generated (or externally supplied) tokens."""
+        self._token_ids.extend(_validated_tokens(self.seq_id, token_ids, "appended token ids"))
+
+    def block_hashes(self, hasher: BlockHasher, block_size: int) -> list[bytes]:
+        """Hashes of every full block of ``block_size`` tokens, extended to the current length.
+
+        The list is cached on the sequence and only grows; callers must not mutate it.
+        """
+        key = (hasher.algorithm, block_size)
+        if self._hash_key != key:
+            self._hash_key = key
+            self._block_hashes = []
+        hasher.hash_full_blocks(self._token_ids, block_size, self._block_hashes, self._first_extra)
+        return self._block_hashes
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens})"
+        )

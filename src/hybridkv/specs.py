@@ -1,0 +1,292 @@
+"""Layer specs: one frozen dataclass per kind of KV memory.
+
+A spec knows three things about one layer of its kind:
+
+* ``page_size_bytes`` -- the bytes one block of this layer occupies;
+* ``max_blocks_per_request(max_num_batched_tokens, max_model_len)`` -- the most blocks one
+  request can hold at once in a group of this kind. It is the *single* source of truth for
+  pool sizing and for the admission gate (seed 001): sizing the pool with one number and
+  admitting with another is how schedulers deadlock;
+* ``grows_with_sequence`` -- whether the group's memory grows with every token, and so
+  counts toward token capacity (seed 003).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hybridkv._util import cdiv
+from hybridkv.errors import InvalidInputError
+
+MambaMode = Literal["none", "align", "all"]
+
+
+def _require_positive(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InvalidInputError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """Base of all specs. ``block_size`` is the number of token positions one block covers."""
+
+    block_size: int
+    page_size_padded: int | None = None
+    """Bytes of one block after the layout planner padded pages to a common size."""
+
+    def __post_init__(self) -> None:
+        _require_positive(type(self).__name__, block_size=self.block_size)
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise InvalidInputError(
+                f"{type(self).__name__}.page_size_padded={self.page_size_padded} is smaller than "
+                f"the unpadded page of {self.real_page_size_bytes} bytes"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Short name of the layer kind, for reports."""
+        return "base"
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Bytes of one block of one layer before padding."""
+        raise NotImplementedError
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer (after padding, when the planner padded it)."""
+        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+
+    @property
+    def grows_with_sequence(self) -> bool:
+        """True when a request's blocks in this group grow with its length."""
+        raise NotImplementedError
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """True when full blocks of this kind can be shared through the prefix cache."""
+        return True
+
+    def max_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        """The most blocks one request can hold at once in a group of this spec."""
+        raise NotImplementedError
+
+    def blocks_for_tokens(self, num_tokens: int, max_num_batched_tokens: int, max_model_len: int) -> int:
+        """Blocks one request of ``num_tokens`` tokens holds at its peak (bound applied)."""
+        return min(cdiv(num_tokens, self.block_size),
+                   self.max_blocks_per_request(max_num_batched_tokens, max_model_len))
+
+    def max_memory_bytes_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        """Bytes one layer of this kind needs for one request at its peak."""
+        return self.max_blocks_per_request(max_num_batched_tokens, max_model_len) * self.page_size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec(KVCacheSpec):
+    """Common fields of the attention kinds: K and V pages of ``num_kv_heads x head_size``."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            type(self).__name__,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype_bytes=self.dtype_bytes,
+        )
+        super().__post_init__()
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Global attention: every token attends to all earlier tokens."""
+
+    @property
+    def kind(self) -> str:
+        return "full"
+
+    @property
+    def grows_with_sequence(self) -> bool:
+        return True
+
+    def max_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        return cdiv(max_model_len, self.block_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): one latent vector per token, no separate V.
+
+    ``head_size`` is the latent width (``kv_lora_rank + qk_rope_head_dim``); ``num_kv_heads``
+    is 1 for the usual layout.
+    """
+
+    num_kv_heads: int = 1
+
+    @property
+    def kind(self) -> str:
+        return "mla"
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Local attention over the last ``sliding_window`` tokens (the token itself included)."""
+
+    sliding_window: int
+
+    def __post_init__(self) -> None:
+        _require_positive(type(self).__name__, sliding_window=self.sliding_window)
+        super().__post_init__()
+
+    @property
+    def kind(self) -> str:
+        return "sliding_window"
+
+    @property
+    def grows_with_sequence(self) -> bool:
+        return False
+
+    def max_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        # During a chunked prefill a request holds the last W - 1 computed tokens plus one batch
+        # of new tokens; +1 because the window need not start on a block boundary (seed 001).
+        num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        return cdiv(num_tokens, self.block_size) + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Local attention within fixed chunks of ``attention_chunk_size`` tokens (Llama 4)."""
+
+    attention_chunk_size: int
+
+    def __post_init__(self) -> None:
+        _require_positive(type(self).__name__, attention_chunk_size=self.attention_chunk_size)
+        super().__post_init__()
+
+    @property
+    def kind(self) -> str:
+        return "chunked_local"
+
+    @property
+    def grows_with_sequence(self) -> bool:
+        return False
+
+    def max_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        # The current chunk plus one batch of new tokens (seed 001).
+        num_tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
+        return cdiv(num_tokens, self.block_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec(KVCacheSpec):
+    """Recurrent state (Mamba, linear attention): a constant-size state per request.
+
+    ``state_bytes`` is the bytes of one layer's whole state (conv + SSM). ``mode``:
+
+    * ``"none"`` -- one state per request, updated in place; never prefix-cached;
+    * ``"align"`` -- a state checkpoint at block boundaries where a step ends, so a prefix can
+      resume from the latest cached checkpoint; a request holds at most two states
+      (the one it reads and the one it writes);
+    * ``"all"`` -- a checkpoint at every block boundary; memory grows with the sequence.
+
+    ``block_size`` is the checkpoint granularity in tokens.
+    """
+
+    state_bytes: int
+    mode: MambaMode = "align"
+
+    def __post_init__(self) -> None:
+        _require_positive(type(self).__name__, state_bytes=self.state_bytes)
+        if self.mode not in ("none", "align", "all"):
+            raise InvalidInputError(
+                f"MambaSpec.mode must be 'none', 'align' or 'all', got {self.mode!r}"
+            )
+        super().__post_init__()
+
+    @property
+    def kind(self) -> str:
+        return f"mamba_{self.mode}"
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return self.state_bytes
+
+    @property
+    def grows_with_sequence(self) -> bool:
+        return self.mode == "all"
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return self.mode != "none"
+
+    def max_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        if self.mode == "none":
+            return 1
+        if self.mode == "align":
+            return min(2, cdiv(max_model_len, self.block_size))
+        return cdiv(max_model_len, self.block_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Decoder cross attention over encoder outputs: sized by the encoder input, never cached."""
+
+    max_encoder_len: int
+
+    def __post_init__(self) -> None:
+        _require_positive(type(self).__name__, max_encoder_len=self.max_encoder_len)
+        super().__post_init__()
+
+    @property
+    def kind(self) -> str:
+        return "cross_attention"
+
+    @property
+    def grows_with_sequence(self) -> bool:
+        return False
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    def max_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        return cdiv(self.max_encoder_len, self.block_size)
+
+    def blocks_for_tokens(self, num_tokens: int, max_num_batched_tokens: int, max_model_len: int) -> int:
+        return self.max_blocks_per_request(max_num_batched_tokens, max_model_len)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderOnlyAttentionSpec(AttentionSpec):
+    """Bidirectional encoder attention recomputed every step: it keeps no KV cache."""
+
+    @property
+    def kind(self) -> str:
+        return "encoder_only"
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return 0
+
+    @property
+    def grows_with_sequence(self) -> bool:
+        return False
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    def max_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        return 0
