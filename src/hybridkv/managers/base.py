@@ -29,7 +29,7 @@ class KindManager:
     # Is the hit downward-closed (a hit at L means a hit at every shorter aligned length)?
     downward_closed = False
 
-    __slots__ = ("spec", "group", "pool", "block_size", "bound", "caching", "tables", "num_cached")
+    __slots__ = ("spec", "group", "pool", "block_size", "bound", "caching", "tables", "num_cached", "num_dropped")
 
     def __init__(
         self, spec: KVCacheSpec, group: int, pool: BlockPool, *, bound: int, enable_caching: bool
@@ -42,6 +42,7 @@ class KindManager:
         self.caching = enable_caching and spec.prefix_cacheable
         self.tables: dict[str, list[int]] = {}
         self.num_cached: dict[str, int] = {}  # leading table entries already registered
+        self.num_dropped: dict[str, int] = {}  # leading table entries already dropped (all null)
 
     # ------------------------------------------------------------------ hits
     def find_longest_cache_hit(self, hashes: list[bytes], max_tokens: int) -> tuple[int, list[int]]:
@@ -62,17 +63,20 @@ class KindManager:
 
         The caller releases the returned blocks (through the retention policy).
         """
-        skipped_blocks = self.skipped_tokens(num_computed) // self.block_size
         table = self.tables.get(seq_id)
-        if not table or skipped_blocks == 0:
+        if not table:
             return []
+        end = min(self.skipped_tokens(num_computed) // self.block_size, len(table))
+        start = self.num_dropped.get(seq_id, 0)
+        if end <= start:
+            return []
+        self.num_dropped[seq_id] = end
         freed: list[tuple[int, int]] = []
-        for i in range(min(skipped_blocks, len(table)) - 1, -1, -1):
+        for i in range(end - 1, start - 1, -1):
             b = table[i]
-            if b == NULL_BLOCK:
-                break  # everything before was dropped earlier
-            freed.append((i, b))
-            table[i] = NULL_BLOCK
+            if b != NULL_BLOCK:
+                freed.append((i, b))
+                table[i] = NULL_BLOCK
         return freed
 
     # ------------------------------------------------------------------ allocation
@@ -148,6 +152,7 @@ class KindManager:
     def pop_table(self, seq_id: str) -> list[int]:
         """Forget the sequence; return its table (the caller frees the blocks)."""
         self.num_cached.pop(seq_id, None)
+        self.num_dropped.pop(seq_id, None)
         return self.tables.pop(seq_id, [])
 
 

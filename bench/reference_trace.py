@@ -1,0 +1,185 @@
+"""The reference driver's shared-prefix trace and scheduler loop, replayed through hybridkv.
+
+``shared/reference/vllm/driver.py`` builds N requests from P shared prefixes plus unique
+suffixes (``random.Random(seed)``, the same calls in the same order, so the token ids are
+identical) and drives its manager with a simplified scheduler: running requests first
+(decodes and continuing prefill chunks, FCFS), then FCFS admission within a per-step token
+budget, preempting the newest running request when an allocation fails. This module does the
+same with ``hybridkv.KVCacheManager`` so hit rates and timings compare like with like.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybridkv import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheLayout,
+    KVCacheManager,
+    Sequence,
+    SlidingWindowSpec,
+)
+from hybridkv.retention import NoRetention
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """The reference driver's defaults."""
+
+    requests: int = 2000
+    prefixes: int = 50
+    prefix_len: int = 2048
+    suffix_len: int = 256
+    decode_steps: int = 64
+    max_running: int = 64
+    token_budget: int = 8192
+    num_blocks: int = 16384
+    block_size: int = 16
+    sliding_window: int = 128
+    max_model_len: int = 8192
+    seed: int = 1
+
+
+@dataclass
+class TraceResult:
+    kind: str
+    retention: str
+    num_blocks: int
+    steps: int = 0
+    preemptions: int = 0
+    tok_prefill: int = 0
+    tok_decode: int = 0
+    tok_hit: int = 0
+    manager_s: float = 0.0
+    calls: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.tok_hit / max(1, self.tok_hit + self.tok_prefill)
+
+    @property
+    def us_per_token(self) -> float:
+        return self.manager_s * 1e6 / max(1, self.tok_prefill + self.tok_decode)
+
+
+def build_workload(cfg: TraceConfig) -> list[list[int]]:
+    """Prompts identical to the reference driver's ``build_workload``."""
+    rng = random.Random(cfg.seed)
+    prefixes = [[rng.randrange(1, 32000) for _ in range(cfg.prefix_len)] for _ in range(cfg.prefixes)]
+    work = []
+    for _ in range(cfg.requests):
+        p = prefixes[rng.randrange(cfg.prefixes)]
+        work.append(p + [rng.randrange(1, 32000) for _ in range(cfg.suffix_len)])
+    return work
+
+
+def make_layout(kind: str, cfg: TraceConfig) -> KVCacheLayout:
+    """``full``: one full-attention group; ``hybrid``: full + sliding window (the reference's)."""
+    full = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=8, head_size=128, dtype_bytes=2)
+    groups = [KVCacheGroup(full, ("model.layers.0", "model.layers.2"))]
+    if kind == "hybrid":
+        swa = SlidingWindowSpec(block_size=cfg.block_size, num_kv_heads=8, head_size=128, dtype_bytes=2,
+                                sliding_window=cfg.sliding_window)
+        groups.append(KVCacheGroup(swa, ("model.layers.1", "model.layers.3")))
+    elif kind != "full":
+        raise ValueError(f"unknown kind {kind!r}")
+    return KVCacheLayout(num_blocks=cfg.num_blocks, groups=tuple(groups))
+
+
+def run_trace(kind: str, cfg: TraceConfig, retention: str | NoRetention = "none",
+              prompts: list[list[int]] | None = None) -> TraceResult:
+    """Replay the trace; returns token counts, hit rate and manager time."""
+    prompts = prompts if prompts is not None else build_workload(cfg)
+    mgr = KVCacheManager(make_layout(kind, cfg), cfg.max_model_len, cfg.token_budget,
+                         retention=retention)
+    name = retention if isinstance(retention, str) else retention.name
+    res = TraceResult(kind, name, cfg.num_blocks)
+    max_tokens = cfg.decode_steps + 1
+    waiting: deque[Sequence] = deque(Sequence(f"r{i}", p) for i, p in enumerate(prompts))
+    running: list[Sequence] = []
+    pc = time.perf_counter
+    t_mgr = 0.0
+    tok_counter = 0
+    while waiting or running:
+        res.steps += 1
+        budget = cfg.token_budget
+        scheduled: dict[str, int] = {}
+        preempted_now = False
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n_new <= 0:
+                i += 1
+                continue
+            while True:
+                t = pc()
+                new = mgr.allocate(seq, n_new)
+                t_mgr += pc() - t
+                if new is not None:
+                    break
+                victim = running.pop()
+                t = pc()
+                mgr.free(victim)
+                t_mgr += pc() - t
+                victim.num_computed_tokens = 0
+                waiting.appendleft(victim)
+                preempted_now = True
+                res.preemptions += 1
+                if victim is seq:
+                    break
+            if new is None:
+                break
+            scheduled[seq.seq_id] = n_new
+            budget -= n_new
+            if n_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                res.tok_decode += 1
+            else:
+                res.tok_prefill += n_new
+            i += 1
+        while waiting and not preempted_now and len(running) < cfg.max_running and budget > 0:
+            seq = waiting[0]
+            t = pc()
+            hit = mgr.lookup(seq)
+            n_new = min(seq.num_tokens - hit.num_tokens, budget)
+            new = mgr.allocate(seq, n_new, hit=hit)
+            t_mgr += pc() - t
+            if new is None:
+                break
+            waiting.popleft()
+            seq.num_computed_tokens = hit.num_tokens
+            running.append(seq)
+            scheduled[seq.seq_id] = n_new
+            budget -= n_new
+            res.tok_prefill += n_new
+            res.tok_hit += hit.num_tokens
+        if not scheduled:
+            raise RuntimeError("deadlock: nothing schedulable (pool too small?)")
+        still = []
+        for seq in running:
+            n = scheduled.get(seq.seq_id)
+            if n is None:
+                still.append(seq)
+                continue
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens < seq.num_tokens:
+                still.append(seq)
+                continue
+            tok_counter += 1
+            seq.append_token_ids([50000 + tok_counter % 1000])
+            if seq.num_output_tokens >= max_tokens:
+                t = pc()
+                mgr.free(seq)
+                t_mgr += pc() - t
+            else:
+                still.append(seq)
+        running = still
+    assert mgr.num_free_blocks == cfg.num_blocks - 1, "blocks leaked"
+    mgr.check_invariants()
+    res.manager_s = t_mgr
+    res.calls = dict(mgr.stats.retention)
+    return res

@@ -1,0 +1,62 @@
+"""Small builders shared by the scenario tests."""
+
+from __future__ import annotations
+
+from hybridkv import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheLayout,
+    KVCacheManager,
+    MambaSpec,
+    Sequence,
+    SlidingWindowSpec,
+)
+
+
+def full(bs: int = 16) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype_bytes=2)
+
+
+def swa(window: int, bs: int = 16) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype_bytes=2, sliding_window=window)
+
+
+def chunked(chunk: int, bs: int = 16) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype_bytes=2,
+                                     attention_chunk_size=chunk)
+
+
+def mamba(bs: int = 16, mode: str = "align") -> MambaSpec:
+    return MambaSpec(block_size=bs, state_bytes=65536, mode=mode)  # type: ignore[arg-type]
+
+
+def layout(num_blocks: int, *specs: object) -> KVCacheLayout:
+    return KVCacheLayout(num_blocks=num_blocks,
+                         groups=tuple(KVCacheGroup(s, (f"layers.{i}",)) for i, s in enumerate(specs)))  # type: ignore[arg-type]
+
+
+def manager(num_blocks: int, *specs: object, max_model_len: int = 4096, batch: int = 4096,
+            **kwargs: object) -> KVCacheManager:
+    return KVCacheManager(layout(num_blocks, *specs), max_model_len, batch, **kwargs)  # type: ignore[arg-type]
+
+
+def run_prefill(mgr: KVCacheManager, seq: Sequence, chunk: int, *, use_hit: bool = True,
+                whole: bool = False) -> int:
+    """Admit ``seq`` with its hit, then run its prompt in chunks; returns the hit tokens."""
+    hit = mgr.lookup(seq) if use_hit else None
+    start = hit.num_tokens if hit else 0
+    n = min(chunk, seq.num_tokens - start)
+    assert mgr.allocate(seq, n, hit=hit, whole_sequence_must_fit=whole) is not None
+    seq.num_computed_tokens = start + n
+    mgr.check_invariants()
+    while seq.num_computed_tokens < seq.num_tokens:
+        n = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+        assert mgr.allocate(seq, n) is not None, f"chunk at {seq.num_computed_tokens} did not fit"
+        seq.num_computed_tokens += n
+        mgr.check_invariants()
+    return start
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))

@@ -1,0 +1,182 @@
+"""Block pool eviction order, lazy eviction, duplicates, events; chained hashing."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from array import array
+
+import pytest
+
+from hybridkv import BlockHasher, BlockPool, BlockRemoved, BlockStored, InvalidInputError, Sequence
+from hybridkv.hashing import encode_extra_keys
+
+
+def test_null_block_is_never_allocated_or_counted() -> None:
+    pool = BlockPool(5)
+    assert pool.num_free_blocks == 4
+    assert sorted(pool.allocate(4, allow_reserved=False)) == [1, 2, 3, 4]
+    assert pool.num_free_blocks == 0
+    pool.check_invariants()
+
+
+def test_blocks_freed_without_hash_are_reused_before_never_used_and_cached_ones() -> None:
+    pool = BlockPool(10)
+    a, b, c = pool.allocate(3, allow_reserved=False)  # 1, 2, 3
+    pool.cache_blocks(0, [a], [b"h-a"])
+    pool.free([a, b])  # a is cached -> LRU tail; b has no hash -> reused first
+    assert pool.allocate(1, allow_reserved=False) == [b]
+    assert pool.allocate(1, allow_reserved=False) == [4]  # then never-used blocks, in order
+    rest = pool.allocate(5, allow_reserved=False)
+    assert rest == [5, 6, 7, 8, 9]
+    assert pool.allocate(1, allow_reserved=False) == [a]  # the cached block goes last
+    pool.check_invariants()
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first() -> None:
+    pool = BlockPool(4)
+    ids = pool.allocate(3, allow_reserved=False)
+    pool.cache_blocks(0, ids, [b"x", b"y", b"z"])
+    pool.free([ids[2], ids[0], ids[1]])
+    assert pool.allocate(3, allow_reserved=False) == [ids[2], ids[0], ids[1]]
+
+
+def test_lazy_eviction_keeps_the_hash_until_the_block_is_reused() -> None:
+    pool = BlockPool(3, enable_events=True)
+    (b,) = pool.allocate(1, allow_reserved=False)
+    pool.cache_blocks(0, [b], [b"prefix"])
+    pool.free([b])
+    assert pool.get_cached_block(0, b"prefix") == b  # still a hit while free
+    pool.allocate(1, allow_reserved=False)  # the never-used block 2 goes first
+    assert pool.get_cached_block(0, b"prefix") == b
+    assert pool.allocate(1, allow_reserved=False) == [b]  # now reused: evicted
+    assert pool.get_cached_block(0, b"prefix") is None
+    events = pool.take_events()
+    assert events == [BlockStored(0, (b"prefix",), (b,)), BlockRemoved(0, (b"prefix",))]
+    assert pool.take_events() == []
+
+
+def test_hash_index_keeps_duplicate_blocks_per_hash() -> None:
+    pool = BlockPool(4)
+    x, y = pool.allocate(2, allow_reserved=False)
+    pool.cache_blocks(0, [x], [b"same"])
+    pool.cache_blocks(0, [y], [b"same"])
+    pool.free([x, y])
+    pool.allocate(1, allow_reserved=False)  # fresh block 3
+    assert pool.allocate(1, allow_reserved=False) == [x]  # evict one duplicate
+    assert pool.get_cached_block(0, b"same") == y  # the other still serves the hash
+    pool.check_invariants()
+
+
+def test_groups_have_separate_hash_indexes() -> None:
+    pool = BlockPool(4, num_groups=2)
+    x, y = pool.allocate(2, allow_reserved=False)
+    pool.cache_blocks(0, [x], [b"h"])
+    pool.cache_blocks(1, [y], [b"h"])
+    assert pool.get_cached_block(0, b"h") == x
+    assert pool.get_cached_block(1, b"h") == y
+
+
+def test_retained_windows_are_released_with_their_anchor() -> None:
+    pool = BlockPool(6, num_groups=2)
+    anchor, w1, w2 = pool.allocate(3, allow_reserved=False)
+    pool.cache_blocks(0, [anchor], [b"fa"])
+    pool.cache_blocks(1, [w1, w2], [b"w1", b"w2"])
+    pool.free_retained([w1, w2], anchor)
+    # The anchor is held: its windows are reserved, a new sequence cannot take them.
+    assert pool.num_free_blocks == 4 and pool.num_admissible_blocks == 2
+    pool.check_invariants()
+    pool.free([anchor])
+    assert pool.num_admissible_blocks == 5
+    # Fresh blocks first, then the anchor (LRU); evicting it releases its windows to `low`.
+    assert pool.allocate(3, allow_reserved=False) == [4, 5, anchor]
+    assert pool.num_retained_blocks == 0
+    assert pool.allocate(2, allow_reserved=False) == [w1, w2]
+    pool.check_invariants()
+
+
+def test_running_growth_may_take_reserved_windows_as_a_last_resort() -> None:
+    pool = BlockPool(4, num_groups=2)
+    anchor, w = pool.allocate(2, allow_reserved=False)
+    pool.cache_blocks(0, [anchor], [b"fa"])
+    pool.cache_blocks(1, [w], [b"w"])
+    pool.free_retained([w], anchor)
+    assert pool.allocate(1, allow_reserved=False) == [3]
+    assert pool.num_admissible_blocks == 0 and pool.num_free_blocks == 1
+    assert pool.allocate(1, allow_reserved=True) == [w]
+    pool.check_invariants()
+
+
+def test_reset_prefix_cache_refused_while_blocks_are_held() -> None:
+    pool = BlockPool(4)
+    (b,) = pool.allocate(1, allow_reserved=False)
+    pool.cache_blocks(0, [b], [b"h"])
+    assert pool.reset_prefix_cache() is False
+    pool.free([b])
+    assert pool.reset_prefix_cache() is True
+    assert pool.get_cached_block(0, b"h") is None
+    pool.check_invariants()
+
+
+# ---------------------------------------------------------------------- hashing
+def test_block_hash_is_chained_sha256_over_parent_extra_and_tokens() -> None:
+    hasher = BlockHasher()
+    seq = Sequence("s", list(range(8)), cache_salt="tenant-a")
+    h = seq.block_hashes(hasher, 4)
+    extra = encode_extra_keys("tenant-a", None)
+    first = hashlib.sha256(hasher.none_hash + extra + array("Q", range(4)).tobytes()).digest()
+    second = hashlib.sha256(first + b"\0\0\0\0" + array("Q", range(4, 8)).tobytes()).digest()
+    assert h == [first, second]
+
+
+def test_cache_salt_and_adapter_change_every_block_hash() -> None:
+    hasher = BlockHasher()
+    base = Sequence("a", list(range(32))).block_hashes(hasher, 16)
+    salted = Sequence("b", list(range(32)), cache_salt="x").block_hashes(hasher, 16)
+    adapted = Sequence("c", list(range(32)), adapter_id="lora-1").block_hashes(hasher, 16)
+    assert len({base[0], salted[0], adapted[0]}) == 3
+    assert len({base[1], salted[1], adapted[1]}) == 3  # chained: the salt reaches later blocks
+
+
+def test_hashes_are_deterministic_across_processes() -> None:
+    code = ("from hybridkv import BlockHasher, Sequence;"
+            "print(Sequence('s', range(40), cache_salt='t').block_hashes(BlockHasher(), 16)[-1].hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    here = Sequence("s", range(40), cache_salt="t").block_hashes(BlockHasher(), 16)[-1].hex()
+    assert outs == {here + "\n"}
+
+
+def test_hashes_extend_incrementally_as_tokens_are_appended() -> None:
+    hasher = BlockHasher()
+    seq = Sequence("s", list(range(20)))
+    assert len(seq.block_hashes(hasher, 16)) == 1
+    seq.append_token_ids(range(20, 40))
+    assert seq.block_hashes(hasher, 16) == Sequence("t", list(range(40))).block_hashes(hasher, 16)
+
+
+def test_xxh3_is_opt_in_and_not_cryptographic() -> None:
+    pytest.importorskip("xxhash")
+    fast = BlockHasher("xxh3_128")
+    assert not fast.cryptographic and BlockHasher().cryptographic
+    h = Sequence("s", list(range(16))).block_hashes(fast, 16)
+    assert len(h[0]) == 16 and h[0] != Sequence("s", list(range(16))).block_hashes(BlockHasher(), 16)[0]
+
+
+def test_unknown_hash_algorithm_is_rejected() -> None:
+    with pytest.raises(InvalidInputError, match="unknown hash algorithm"):
+        BlockHasher("md5")  # type: ignore[arg-type]
+
+
+def test_bad_tokens_are_rejected_with_the_offending_value() -> None:
+    with pytest.raises(InvalidInputError, match="empty"):
+        Sequence("s", [])
+    with pytest.raises(InvalidInputError, match="1.5"):
+        Sequence("s", [1, 2, 1.5])  # type: ignore[list-item]
+    with pytest.raises(InvalidInputError, match="-3"):
+        Sequence("s", [1, -3])
+    seq = Sequence("s", [1, 2])
+    with pytest.raises(InvalidInputError, match="'x'"):
+        seq.append_token_ids(["x"])  # type: ignore[list-item]
+    assert seq.num_tokens == 2  # nothing was appended
