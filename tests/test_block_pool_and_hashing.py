@@ -23,7 +23,7 @@ def test_null_block_is_never_allocated_or_counted() -> None:
 
 def test_blocks_freed_without_hash_are_reused_before_never_used_and_cached_ones() -> None:
     pool = BlockPool(10)
-    a, b, c = pool.allocate(3, allow_reserved=False)  # 1, 2, 3
+    a, b, _ = pool.allocate(3, allow_reserved=False)  # 1, 2, 3
     pool.cache_blocks(0, [a], [b"h-a"])
     pool.free([a, b])  # a is cached -> LRU tail; b has no hash -> reused first
     assert pool.allocate(1, allow_reserved=False) == [b]
@@ -172,7 +172,7 @@ def test_unknown_hash_algorithm_is_rejected() -> None:
 def test_bad_tokens_are_rejected_with_the_offending_value() -> None:
     with pytest.raises(InvalidInputError, match="empty"):
         Sequence("s", [])
-    with pytest.raises(InvalidInputError, match="1.5"):
+    with pytest.raises(InvalidInputError, match=r"1\.5"):
         Sequence("s", [1, 2, 1.5])  # type: ignore[list-item]
     with pytest.raises(InvalidInputError, match="-3"):
         Sequence("s", [1, -3])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from helpers import chunked, full, mamba, manager, run_prefill, swa, tokens
 
 from hybridkv import (
     CacheHit,
@@ -14,6 +13,8 @@ from hybridkv import (
     SequenceTooLongError,
     UnknownSequenceError,
 )
+
+from helpers import chunked, full, mamba, manager, run_prefill, swa, tokens
 
 # ---------------------------------------------------------------------- seed 001: admission
 

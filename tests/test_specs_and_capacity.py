@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from helpers import chunked, full, layout, mamba, swa
 
 from hybridkv import (
     CrossAttentionSpec,
@@ -19,6 +18,8 @@ from hybridkv import (
     capacity_report,
     plan_layout,
 )
+
+from helpers import chunked, full, layout, mamba, swa
 
 
 def test_page_sizes_per_kind() -> None:
