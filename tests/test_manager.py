@@ -180,7 +180,7 @@ def _hits_at_the_eviction_head(num_swa_groups: int) -> tuple[KVCacheManager, Seq
     """A computed 28 tokens in 4-token steps and finished; its SWA blocks 0 and 1 were dropped
     first, so they lead the LRU. B shares A's first 8 tokens."""
     specs = [full(4)] + [swa(16, 4) for _ in range(num_swa_groups)]
-    mgr = manager(1 + 7 * len(specs), *specs, max_model_len=64, batch=4)
+    mgr = manager(1 + 7 * len(specs), *specs, max_model_len=64, batch=4, retention="none")
     a = Sequence("a", tokens(0, 28))
     run_prefill(mgr, a, 4)
     mgr.free(a)

@@ -56,7 +56,7 @@ class KVCacheManager:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         *,
-        retention: str | NoRetention = "none",
+        retention: str | NoRetention = "window",
         hash_algorithm: HashAlgorithm = "sha256",
         enable_events: bool = False,
     ) -> None:
