@@ -315,38 +315,46 @@ class BlockPool:
 
     def free_low(self, block_ids: Iterable[int]) -> None:
         """Like ``free``, but cached blocks reaching zero go to the ``low`` tier."""
-        for b in block_ids:
-            if b == NULL_BLOCK:
-                continue
-            if self.ref_cnt[b] == 1 and self.block_hash[b] is not None:
-                self.ref_cnt[b] = 0
-                self._tier[b] = _LOW
-                self._low[b] = None
-            else:
-                self.free((b,))
+        self._free_to(block_ids, _LOW, NULL_BLOCK)
 
     def free_retained(self, block_ids: Iterable[int], anchor: int) -> None:
         """Like ``free``, but cached blocks reaching zero are retained, tied to ``anchor``.
 
         ``anchor`` must be a cached block of another group; when it is evicted the windows go
-        to ``low``.
+        to ``low``. Without a cached anchor this is a plain ``free``.
         """
         if anchor == NULL_BLOCK or self.block_hash[anchor] is None:
             self.free(block_ids)
-            return
-        anchor_held = self.ref_cnt[anchor] > 0
+        else:
+            self._free_to(block_ids, _RETAINED, anchor)
+
+    def _free_to(self, block_ids: Iterable[int], tag: int, anchor: int) -> None:
+        """``free`` with cached blocks that reach zero sent to tier ``tag`` (``low`` or ``retained``)."""
+        ref = self.ref_cnt
         for b in block_ids:
             if b == NULL_BLOCK:
                 continue
-            if self.ref_cnt[b] == 1 and self.block_hash[b] is not None:
-                self.ref_cnt[b] = 0
+            r = ref[b] - 1
+            if r < 0:
+                raise AssertionError(f"block {b} freed more often than referenced")
+            ref[b] = r
+            if r:
+                continue
+            if self.block_hash[b] is None:
+                self._tier[b] = _UNCACHED
+                self._uncached.append(b)
+            elif tag == _LOW:
+                self._tier[b] = _LOW
+                self._low[b] = None
+            else:
                 self._tier[b] = _RETAINED
                 self._retained[b] = anchor
                 self._anchored.setdefault(anchor, {})[b] = None
-                if anchor_held:
+                if ref[anchor] > 0:
                     self._num_reserved += 1
-            else:
-                self.free((b,))
+            windows = self._anchored.get(b)
+            if windows:
+                self._num_reserved -= len(windows)
 
     def retain_free(self, block_ids: Iterable[int], anchor: int) -> int:
         """Move free cached blocks (``low`` or ``lru``) into the retained tier under ``anchor``.
