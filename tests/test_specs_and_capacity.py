@@ -34,8 +34,9 @@ def test_sliding_window_bound_is_seed_001_formula() -> None:
     spec = swa(window=64)
     # cdiv(min(63 + 128, 1024), 16) + 1 = 12 + 1
     assert spec.max_blocks_per_request(128, 1024) == 13
-    # capped by max_model_len: cdiv(min(4095 + 8192, 2048), 16) + 1
-    assert swa(window=4096).max_blocks_per_request(8192, 2048) == 129
+    # A window covering the whole context never drops a block: the bound is the whole sequence.
+    assert swa(window=4096).max_blocks_per_request(8192, 2048) == 128
+    assert swa(window=100).max_blocks_per_request(8192, 2048) == 128
 
 
 def test_chunked_local_bound_is_seed_001_formula() -> None:

@@ -64,6 +64,8 @@ class Coordinator:
     # ------------------------------------------------------------------ hashes
     def hashes(self, seq: Sequence, group: KindManager) -> list[bytes]:
         """The sequence's block hashes at ``group``'s block size."""
+        if not group.caching:
+            return []
         base = seq.block_hashes(self.hasher, self.hash_block_size)
         k = group.block_size // self.hash_block_size
         # Chained hashes: the hash at the last sub-block fingerprints the whole larger block.

@@ -162,7 +162,8 @@ class SlidingWindowSpec(AttentionSpec):
         # During a chunked prefill a request holds the last W - 1 computed tokens plus one batch
         # of new tokens; +1 because the window need not start on a block boundary (seed 001).
         num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
-        return cdiv(num_tokens, self.block_size) + 1
+        # When the window covers the whole context nothing is ever dropped: the +1 cannot occur.
+        return min(cdiv(num_tokens, self.block_size) + 1, cdiv(max_model_len, self.block_size))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -101,7 +101,13 @@ class KindManager:
         """
         table = self.tables.get(seq_id)
         length = len(table) if table is not None else len(hit_blocks)
-        return len(self._new_indices(length, num_computed + num_external, num_tokens))
+        computed = num_computed + num_external
+        count = 0
+        if num_external:  # allocated in a phase of its own (see ``extend``), so counted apart
+            ext = self._new_indices(length, computed, computed)
+            count = len(ext)
+            length = max(length, ext.stop)
+        return count + len(self._new_indices(length, computed, num_tokens))
 
     def _new_indices(self, length: int, num_computed: int, num_tokens: int) -> range:
         """Indices past ``length`` that need a real block to hold ``num_tokens`` slots."""

@@ -125,6 +125,22 @@ class MambaManager(KindManager):
     def whole_sequence_blocks(self, num_tokens: int) -> int:
         return self.bound if self.align else super().whole_sequence_blocks(num_tokens)
 
+    def cache_full_blocks(self, seq_id: str, hashes: list[bytes], num_tokens: int) -> None:
+        if not self.align:
+            super().cache_full_blocks(seq_id, hashes, num_tokens)
+            return
+        # Only a step that ends on a block boundary leaves a checkpoint: the state after exactly
+        # (i + 1) * block_size tokens, in the block the step wrote.
+        if not self.caching:
+            return
+        table = self.tables[seq_id]
+        end = num_tokens // self.block_size
+        if num_tokens % self.block_size == 0 and self.num_cached[seq_id] < end <= min(len(table), len(hashes)):
+            b = table[end - 1]
+            if b != NULL_BLOCK and self.pool.block_hash[b] is None:
+                self.pool.cache_blocks(self.group, [b], [hashes[end - 1]])
+        self.num_cached[seq_id] = max(self.num_cached[seq_id], end)
+
 
 class MambaNoCacheManager(KindManager):
     """Recurrent state without checkpoints (mode ``none``): one block per sequence, no hits."""
