@@ -1,0 +1,534 @@
+"""Presets of real models: the ``config.json`` facts that decide their KV-cache layout.
+
+Each preset's ``config`` is a subset of the model's published Hugging Face ``config.json`` with
+the same key names and nesting (multimodal wrappers keep the text model under ``text_config``),
+so it goes through the same parser as a downloaded file. Only keys that matter for the KV cache
+and the layer layout are kept. Where the published file leaves a field to the ``transformers``
+class default, the preset writes the default out and its ``notes`` say so.
+
+``num_params`` is the total parameter count (every expert of an MoE, the vision tower of a
+multimodal model), recomputed from the config's shapes and checked against the model card.
+``max_model_len`` is the config's ``max_position_embeddings`` (what a server uses by default);
+``notes`` say where the model card advertises something else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """One real model."""
+
+    id: str
+    """Short lower-case id, e.g. ``gemma-3-27b``."""
+    hf_name: str
+    """Hugging Face repository, e.g. ``google/gemma-3-27b-it``."""
+    num_params: int
+    """Total parameter count (all experts of an MoE, vision tower included)."""
+    max_model_len: int
+    """Default maximum context in tokens."""
+    config: Mapping[str, Any]
+    """A subset of the real ``config.json``: same key names, same nesting."""
+    notes: str = ""
+    """Where the numbers come from, and anything approximated."""
+
+
+def _gemma3_layer_types(num_layers: int) -> list[str]:
+    """Gemma 3: five sliding-window layers, then one global layer, repeated."""
+    return ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)]
+
+
+_GEMMA3_DEFAULTS_NOTE = (
+    "The published config.json nests a sparse text_config and leaves {fields} to the transformers "
+    "Gemma3TextConfig defaults; those defaults are written out here."
+)
+
+_PRESET_LIST: tuple[ModelPreset, ...] = (
+    # ---------------------------------------------------------------- Gemma 3
+    ModelPreset(
+        id="gemma-3-270m",
+        hf_name="google/gemma-3-270m",
+        num_params=268_098_176,
+        max_model_len=32_768,
+        config={
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "_sliding_window_pattern": 6,
+            "head_dim": 256,
+            "hidden_size": 640,
+            "layer_types": _gemma3_layer_types(18),
+            "max_position_embeddings": 32_768,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 18,
+            "num_key_value_heads": 1,
+            "sliding_window": 512,
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/google/gemma-3-270m/blob/main/config.json (transformers 4.55 export: "
+            "layer_types list plus the private '_sliding_window_pattern': 6). 18 layers = 15 sliding (512) + "
+            "3 global, MQA with 1 KV head of 256. Model card: 32K context, 268M parameters (170M of them "
+            "embeddings); 268,098,176 recomputed from the shapes."
+        ),
+    ),
+    ModelPreset(
+        id="gemma-3-1b",
+        hf_name="google/gemma-3-1b-it",
+        num_params=999_885_952,
+        max_model_len=32_768,
+        config={
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "head_dim": 256,
+            "hidden_size": 1152,
+            "max_position_embeddings": 32_768,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 26,
+            "num_key_value_heads": 1,
+            "sliding_window": 512,
+            "sliding_window_pattern": 6,
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/google/gemma-3-1b-it/blob/main/config.json (transformers 4.50 export: "
+            "sliding_window_pattern 6, no layer_types). 26 layers = 22 sliding (512) + 4 global (layers "
+            "5, 11, 17, 23). Text-only. Model card: 32K context, 1B parameters; 999,885,952 recomputed."
+        ),
+    ),
+    ModelPreset(
+        id="gemma-3-4b",
+        hf_name="google/gemma-3-4b-it",
+        num_params=4_300_079_472,
+        max_model_len=131_072,
+        config={
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "text_config": {
+                "model_type": "gemma3_text",
+                "head_dim": 256,
+                "hidden_size": 2560,
+                "max_position_embeddings": 131_072,
+                "num_attention_heads": 8,
+                "num_hidden_layers": 34,
+                "num_key_value_heads": 4,
+                "sliding_window": 1024,
+                "sliding_window_pattern": 6,
+            },
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/google/gemma-3-4b-it/blob/main/config.json: text_config sets hidden_size "
+            "2560, num_hidden_layers 34, sliding_window 1024. "
+            + _GEMMA3_DEFAULTS_NOTE.format(
+                fields="num_attention_heads (8), num_key_value_heads (4), head_dim (256), "
+                "max_position_embeddings (131072) and sliding_window_pattern (6)"
+            )
+            + " These match the Gemma 3 technical report (4B: 8 query heads, 4 KV heads, head dim 256). "
+            "34 layers = 29 sliding + 5 global. Model card: 128K context, 4.3B parameters including the "
+            "~417M SigLIP vision tower; 4,300,079,472 recomputed."
+        ),
+    ),
+    ModelPreset(
+        id="gemma-3-12b",
+        hf_name="google/gemma-3-12b-it",
+        num_params=12_187_325_040,
+        max_model_len=131_072,
+        config={
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "text_config": {
+                "model_type": "gemma3_text",
+                "head_dim": 256,
+                "hidden_size": 3840,
+                "max_position_embeddings": 131_072,
+                "num_attention_heads": 16,
+                "num_hidden_layers": 48,
+                "num_key_value_heads": 8,
+                "sliding_window": 1024,
+                "sliding_window_pattern": 6,
+            },
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/google/gemma-3-12b-it/blob/main/config.json: text_config sets hidden_size "
+            "3840, num_attention_heads 16, num_key_value_heads 8, num_hidden_layers 48, sliding_window 1024. "
+            + _GEMMA3_DEFAULTS_NOTE.format(
+                fields="head_dim (256), max_position_embeddings (131072) and sliding_window_pattern (6)"
+            )
+            + " 48 layers = 40 sliding + 8 global. Model card: 128K context, 12.2B parameters with the vision "
+            "tower; 12,187,325,040 recomputed."
+        ),
+    ),
+    ModelPreset(
+        id="gemma-3-27b",
+        hf_name="google/gemma-3-27b-it",
+        num_params=27_432_406_640,
+        max_model_len=131_072,
+        config={
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "text_config": {
+                "model_type": "gemma3_text",
+                "head_dim": 128,
+                "hidden_size": 5376,
+                "max_position_embeddings": 131_072,
+                "num_attention_heads": 32,
+                "num_hidden_layers": 62,
+                "num_key_value_heads": 16,
+                "sliding_window": 1024,
+                "sliding_window_pattern": 6,
+            },
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/google/gemma-3-27b-it/blob/main/config.json: text_config sets head_dim 128, "
+            "hidden_size 5376, num_attention_heads 32, num_key_value_heads 16, num_hidden_layers 62, "
+            "sliding_window 1024 (query_pre_attn_scalar 168). "
+            + _GEMMA3_DEFAULTS_NOTE.format(fields="max_position_embeddings (131072) and sliding_window_pattern (6)")
+            + " 62 layers = 52 sliding + 10 global (the last two layers are sliding). Model card: 128K "
+            "context, 27.4B parameters with the vision tower; 27,432,406,640 recomputed."
+        ),
+    ),
+    # ---------------------------------------------------------------- Gemma 2
+    ModelPreset(
+        id="gemma-2-9b",
+        hf_name="google/gemma-2-9b",
+        num_params=9_241_705_984,
+        max_model_len=8192,
+        config={
+            "architectures": ["Gemma2ForCausalLM"],
+            "model_type": "gemma2",
+            "head_dim": 256,
+            "hidden_size": 3584,
+            "max_position_embeddings": 8192,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 42,
+            "num_key_value_heads": 8,
+            "sliding_window": 4096,
+            "sliding_window_size": 4096,
+            "torch_dtype": "float32",
+        },
+        notes=(
+            "https://huggingface.co/google/gemma-2-9b/blob/main/config.json (transformers 4.42 export). The "
+            "file has no layer_types: Gemma 2 alternates by layer index, even layers sliding (4096), odd "
+            "layers global (transformers Gemma2: is_sliding = not layer_idx % 2), so 21 + 21. "
+            "'sliding_window_size' is a legacy duplicate of sliding_window kept in the file. Weights are "
+            "published in float32 (the -it variant's dtype may differ). 8K context; 9,241,705,984 "
+            "parameters recomputed (card: 9B)."
+        ),
+    ),
+    ModelPreset(
+        id="gemma-2-27b",
+        hf_name="google/gemma-2-27b",
+        num_params=27_227_128_320,
+        max_model_len=8192,
+        config={
+            "architectures": ["Gemma2ForCausalLM"],
+            "model_type": "gemma2",
+            "head_dim": 128,
+            "hidden_size": 4608,
+            "max_position_embeddings": 8192,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 46,
+            "num_key_value_heads": 16,
+            "sliding_window": 4096,
+            "sliding_window_size": 4096,
+            "torch_dtype": "float32",
+        },
+        notes=(
+            "https://huggingface.co/google/gemma-2-27b/blob/main/config.json (query_pre_attn_scalar 144). "
+            "No layer_types: even layers sliding (4096), odd layers global, so 23 + 23. Weights published in "
+            "float32 (the -it variant's dtype may differ). 8K context; 27,227,128,320 parameters recomputed "
+            "(card: 27B)."
+        ),
+    ),
+    # ---------------------------------------------------------------- GPT-OSS
+    ModelPreset(
+        id="gpt-oss-20b",
+        hf_name="openai/gpt-oss-20b",
+        num_params=20_914_757_184,
+        max_model_len=131_072,
+        config={
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "head_dim": 64,
+            "hidden_size": 2880,
+            "initial_context_length": 4096,
+            "layer_types": ["sliding_attention", "full_attention"] * 12,
+            "max_position_embeddings": 131_072,
+            "num_attention_heads": 64,
+            "num_hidden_layers": 24,
+            "num_key_value_heads": 8,
+            "num_local_experts": 32,
+            "sliding_window": 128,
+        },
+        notes=(
+            "https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json: layer_types alternate "
+            "sliding_attention (128-token window) / full_attention starting with sliding, so 12 + 12; "
+            "64 query heads, 8 KV heads of 64; YaRN from 4096 to 131072. The file has no torch_dtype "
+            "(MoE weights ship as MXFP4, the rest bf16). Model card: 21B total / 3.6B active; the paper's "
+            "20.91B matches 20,914,757,184 recomputed (attention sinks and biases included)."
+        ),
+    ),
+    ModelPreset(
+        id="gpt-oss-120b",
+        hf_name="openai/gpt-oss-120b",
+        num_params=116_829_156_672,
+        max_model_len=131_072,
+        config={
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "head_dim": 64,
+            "hidden_size": 2880,
+            "initial_context_length": 4096,
+            "layer_types": ["sliding_attention", "full_attention"] * 18,
+            "max_position_embeddings": 131_072,
+            "num_attention_heads": 64,
+            "num_hidden_layers": 36,
+            "num_key_value_heads": 8,
+            "num_local_experts": 128,
+            "sliding_window": 128,
+        },
+        notes=(
+            "https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json: 36 layers alternating "
+            "sliding (128) / full starting with sliding, so 18 + 18; 8 KV heads of 64. No torch_dtype in "
+            "the file (MXFP4 MoE weights). Model card: 117B total / 5.1B active; the paper's 116.83B "
+            "matches 116,829,156,672 recomputed."
+        ),
+    ),
+    # ---------------------------------------------------------------- Mistral
+    ModelPreset(
+        id="mistral-7b-v0.1",
+        hf_name="mistralai/Mistral-7B-v0.1",
+        num_params=7_241_732_096,
+        max_model_len=32_768,
+        config={
+            "architectures": ["MistralForCausalLM"],
+            "model_type": "mistral",
+            "hidden_size": 4096,
+            "max_position_embeddings": 32_768,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "sliding_window": 4096,
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json: every layer uses "
+            "sliding-window attention with window 4096 (no head_dim field: 4096 / 32 = 128). "
+            "max_position_embeddings is 32768; the paper (arXiv:2310.06825) lists context_len 8192 for "
+            "training. 7,241,732,096 parameters recomputed (paper: 7.3B, HF: 7.24B)."
+        ),
+    ),
+    # ---------------------------------------------------------------- Llama 3.1
+    ModelPreset(
+        id="llama-3.1-8b",
+        hf_name="meta-llama/Llama-3.1-8B-Instruct",
+        num_params=8_030_261_248,
+        max_model_len=131_072,
+        config={
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 4096,
+            "max_position_embeddings": 131_072,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/blob/main/config.json: full attention "
+            "in all 32 layers, 8 KV heads, head size 4096 / 32 = 128 (no head_dim field in the file), llama3 "
+            "RoPE scaling to 128K. 8,030,261,248 parameters recomputed (card: 8B, HF: 8.03B)."
+        ),
+    ),
+    ModelPreset(
+        id="llama-3.1-70b",
+        hf_name="meta-llama/Llama-3.1-70B-Instruct",
+        num_params=70_553_706_496,
+        max_model_len=131_072,
+        config={
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 8192,
+            "max_position_embeddings": 131_072,
+            "num_attention_heads": 64,
+            "num_hidden_layers": 80,
+            "num_key_value_heads": 8,
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/meta-llama/Llama-3.1-70B-Instruct/blob/main/config.json: full attention "
+            "in all 80 layers, 8 KV heads, head size 8192 / 64 = 128. 70,553,706,496 parameters recomputed "
+            "(card: 70B, HF: 70.6B)."
+        ),
+    ),
+    # ---------------------------------------------------------------- Llama 4
+    ModelPreset(
+        id="llama-4-scout",
+        hf_name="meta-llama/Llama-4-Scout-17B-16E-Instruct",
+        num_params=108_641_793_536,
+        max_model_len=10_485_760,
+        config={
+            "architectures": ["Llama4ForConditionalGeneration"],
+            "model_type": "llama4",
+            "text_config": {
+                "model_type": "llama4_text",
+                "attention_chunk_size": 8192,
+                "head_dim": 128,
+                "hidden_size": 5120,
+                "interleave_moe_layer_step": 1,
+                "max_position_embeddings": 10_485_760,
+                "no_rope_layers": [1, 1, 1, 0] * 12,
+                "num_attention_heads": 40,
+                "num_hidden_layers": 48,
+                "num_key_value_heads": 8,
+                "num_local_experts": 16,
+                "torch_dtype": "bfloat16",
+            },
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/meta-llama/Llama-4-Scout-17B-16E-Instruct/blob/main/config.json: "
+            "text_config with attention_chunk_size 8192 and no_rope_layers, where 1 means the layer uses RoPE "
+            "(transformers: use_rope = no_rope_layers[i]) and attends within 8192-token chunks, 0 means a NoPE "
+            "layer with global attention: every 4th layer (3, 7, ..., 47), so 36 chunked + 12 global. Some "
+            "copies of the config carry an empty no_rope_layers, which transformers fills with the same list "
+            "from no_rope_layer_interval 4. max_position_embeddings 10485760 (the advertised 10M context; the "
+            "base Llama-4-Scout-17B-16E config says 262144). Model card: 17B active / 109B total; "
+            "108,641,793,536 recomputed (text 107.77B + vision encoder and projector 0.87B)."
+        ),
+    ),
+    # ---------------------------------------------------------------- Qwen3-Next
+    ModelPreset(
+        id="qwen3-next-80b-a3b",
+        hf_name="Qwen/Qwen3-Next-80B-A3B-Instruct",
+        num_params=79_674_391_296,
+        max_model_len=262_144,
+        config={
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": "qwen3_next",
+            "full_attention_interval": 4,
+            "head_dim": 256,
+            "hidden_size": 2048,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_value_head_dim": 128,
+            "max_position_embeddings": 262_144,
+            "num_attention_heads": 16,
+            "num_experts": 512,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 2,
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json: no layer_types in "
+            "the file; full_attention_interval 4 makes every 4th layer gated full attention (layers 3, 7, "
+            "..., 47: 12 layers, 2 KV heads of 256) and the other 36 Gated DeltaNet linear attention (16 key "
+            "heads / 32 value heads of 128, conv kernel 4). Native context 262144 (card: up to 1M with YaRN). "
+            "Card: 80B total / 3B active; 79,674,391,296 recomputed without the MTP module the checkpoint "
+            "also ships (HF's safetensors count, ~81B, includes it)."
+        ),
+    ),
+    # ---------------------------------------------------------------- Jamba
+    ModelPreset(
+        id="jamba-mini",
+        hf_name="ai21labs/AI21-Jamba-1.5-Mini",
+        num_params=51_570_323_328,
+        max_model_len=262_144,
+        config={
+            "architectures": ["JambaForCausalLM"],
+            "model_type": "jamba",
+            "attn_layer_offset": 4,
+            "attn_layer_period": 8,
+            "expert_layer_offset": 1,
+            "expert_layer_period": 2,
+            "hidden_size": 4096,
+            "mamba_d_conv": 4,
+            "mamba_d_state": 16,
+            "mamba_dt_rank": 256,
+            "mamba_expand": 2,
+            "max_position_embeddings": 262_144,
+            "num_attention_heads": 32,
+            "num_experts": 16,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "sliding_window": None,
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/ai21labs/AI21-Jamba-1.5-Mini/blob/main/config.json (the repository is also "
+            "listed as AI21-Jamba-Mini-1.5): attention where layer % 8 == 4 (layers 4, 12, 20, 28: 4 layers, "
+            "8 KV heads, head size 4096 / 32 = 128, no head_dim field) and Mamba-1 in the other 28 (d_inner "
+            "= 2 x 4096, d_state 16, d_conv 4); MoE every other layer from layer 1. 256K context. Jamba 1.5 "
+            "paper: 12B active / 52B total; 51,570,323,328 recomputed (HF: 51.6B)."
+        ),
+    ),
+    # ---------------------------------------------------------------- DeepSeek-V3
+    ModelPreset(
+        id="deepseek-v3",
+        hf_name="deepseek-ai/DeepSeek-V3",
+        num_params=671_026_419_200,
+        max_model_len=163_840,
+        config={
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "hidden_size": 7168,
+            "kv_lora_rank": 512,
+            "max_position_embeddings": 163_840,
+            "num_attention_heads": 128,
+            "num_hidden_layers": 61,
+            "num_key_value_heads": 128,
+            "num_nextn_predict_layers": 1,
+            "q_lora_rank": 1536,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "torch_dtype": "bfloat16",
+            "v_head_dim": 128,
+        },
+        notes=(
+            "https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: 61 layers of MLA; the cache "
+            "holds one latent per token per layer, kv_lora_rank 512 + qk_rope_head_dim 64 = 576 wide "
+            "(num_key_value_heads 128 is the decompressed head count, not what is cached). "
+            "max_position_embeddings 163840 (YaRN factor 40 over 4096); the model card advertises 128K. "
+            "The checkpoint's weights are FP8 (block-wise quantization_config, not copied here). Paper: 671B "
+            "total / 37B active; 671,026,419,200 recomputed for the 61 main layers, without the 14B "
+            "multi-token-prediction module (num_nextn_predict_layers 1) that makes HF's 685B."
+        ),
+    ),
+    # ---------------------------------------------------------------- Phi-3
+    ModelPreset(
+        id="phi-3-mini",
+        hf_name="microsoft/Phi-3-mini-4k-instruct",
+        num_params=3_821_079_552,
+        max_model_len=4096,
+        config={
+            "architectures": ["Phi3ForCausalLM"],
+            "model_type": "phi3",
+            "hidden_size": 3072,
+            "max_position_embeddings": 4096,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 32,
+            "original_max_position_embeddings": 4096,
+            "sliding_window": 2047,
+            "torch_dtype": "bfloat16",
+        },
+        notes=(
+            "https://huggingface.co/microsoft/Phi-3-mini-4k-instruct/blob/main/config.json: sliding_window 2047 "
+            "with no per-layer pattern, so every layer is sliding-window as the config is written (transformers "
+            "applies the window only under flash attention; engines may treat the model as full attention "
+            "since the window is half the 4K context); 32 KV heads (no GQA), head size 3072 / 32 = 96. "
+            "Card: 3.8B parameters, 4K context; 3,821,079,552 recomputed."
+        ),
+    ),
+)
+
+PRESETS: dict[str, ModelPreset] = {p.id: p for p in _PRESET_LIST}
+"""Model presets by id."""

@@ -1,0 +1,232 @@
+"""Capacity planning: a model and a GPU in, the layout the manager would run on and its capacity out.
+
+Everything is computed by the same code the manager runs on: the specs' per-request bounds,
+``plan_layout`` and ``capacity_report``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridkv.errors import DoesNotFitError, InvalidInputError
+from hybridkv.hardware import GiB, Hardware, get_hardware
+from hybridkv.layout import KVCacheLayout, capacity_report, plan_layout
+from hybridkv.models import get_preset
+from hybridkv.models.hf_config import layer_specs, load_config, parse_config
+from hybridkv.specs import MambaMode
+
+DTYPE_BYTES: dict[str, float] = {"bf16": 2, "fp16": 2, "fp8": 1, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What the operator asks about."""
+
+    model: str
+    """A preset id or a path to a ``config.json`` (or a directory holding one)."""
+    gpu: str | None = "h100-80gb"
+    gpu_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 8192
+    request_lens: tuple[int, ...] = ()
+    tensor_parallel_size: int = 1
+    weights_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    gpu_memory_utilization: float = 0.9
+    reserve_bytes: int = 2 * GiB
+    """Activations, CUDA graphs and workspace, per GPU."""
+    block_size: int = 16
+    mamba_mode: MambaMode = "align"
+    num_params: int | None = None
+    """Parameter count; required for a config path, taken from the preset otherwise."""
+
+
+@dataclass
+class Plan:
+    """The layout and capacity of one (model, GPU, settings) combination, per GPU."""
+
+    input: PlanInput
+    model_name: str
+    hardware: Hardware | None
+    gpu_memory_bytes: int
+    weights_bytes: int
+    kv_memory_bytes: int
+    max_model_len: int
+    layout: KVCacheLayout | None
+    fits: bool
+    max_model_len_that_fits: int
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """A machine-readable document with stable keys (documented in the README)."""
+        return self.report
+
+
+def _dtype(name: str, what: str) -> float:
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        raise InvalidInputError(f"unknown {what} {name!r}; choose one of {', '.join(DTYPE_BYTES)}") from None
+
+
+def _load_model(model: str) -> tuple[str, Mapping[str, Any], int | None, int | None]:
+    """(name, config, parameter count, default max context) for a preset id or a config path."""
+    if Path(model).exists():
+        cfg = load_config(model)
+        return str(model), cfg, None, cfg.get("max_position_embeddings")
+    preset = get_preset(model)
+    return preset.id, preset.config, preset.num_params, preset.max_model_len
+
+
+def make_plan(inp: PlanInput) -> Plan:
+    """Plan the KV cache for ``inp``; never raises for a request that does not fit (``fits`` says)."""
+    name, config, preset_params, default_len = _load_model(inp.model)
+    num_params = inp.num_params or preset_params
+    if not num_params:
+        raise InvalidInputError(f"{name}: the parameter count is unknown; pass num_params (--num-params)")
+    max_model_len = inp.max_model_len or default_len
+    if not max_model_len:
+        raise InvalidInputError(f"{name}: no default context length; pass max_model_len (--max-model-len)")
+    hw = None
+    if inp.gpu_memory_bytes:
+        gpu_mem = inp.gpu_memory_bytes
+    else:
+        if not inp.gpu:
+            raise InvalidInputError("give a GPU preset (--gpu) or a memory size (--gpu-memory)")
+        hw = get_hardware(inp.gpu)
+        gpu_mem = hw.memory_bytes
+    if not 0 < inp.gpu_memory_utilization <= 1:
+        raise InvalidInputError(f"gpu_memory_utilization must be in (0, 1], got {inp.gpu_memory_utilization}")
+    tp = inp.tensor_parallel_size
+    weights = int(num_params * _dtype(inp.weights_dtype, "weights dtype") / tp)
+    kv_bytes = int(gpu_mem * inp.gpu_memory_utilization) - weights - inp.reserve_bytes
+    if kv_bytes <= 0:
+        need = num_params * _dtype(inp.weights_dtype, "weights dtype")
+        per_gpu = gpu_mem * inp.gpu_memory_utilization - inp.reserve_bytes
+        min_tp = next((t for t in (1, 2, 4, 8, 16, 32, 64) if need / t < per_gpu), None)
+        raise InvalidInputError(
+            f"{name}: weights take {weights / GiB:.1f} GiB per GPU, more than the "
+            f"{per_gpu / GiB:.1f} GiB available at utilisation {inp.gpu_memory_utilization} with a "
+            f"{inp.reserve_bytes / GiB:.1f} GiB reserve"
+            + (f"; the smallest tensor-parallel size that fits is {min_tp}" if min_tp else "")
+        )
+    model = parse_config(config, tensor_parallel_size=tp)
+    kv_dtype_bytes = _dtype(inp.kv_dtype, "KV dtype")
+    if kv_dtype_bytes < 1:
+        raise InvalidInputError("the KV cache dtype must be bf16, fp16 or fp8")
+    specs = layer_specs(model, block_size=inp.block_size, kv_dtype_bytes=int(kv_dtype_bytes),
+                        mamba_mode=inp.mamba_mode)
+    batch = min(inp.max_num_batched_tokens, max_model_len)
+    plan = Plan(inp, name, hw, gpu_mem, weights, kv_bytes, max_model_len, None, True, max_model_len)
+    try:
+        layout = plan_layout(specs, kv_bytes, max_model_len=max_model_len, max_num_batched_tokens=batch)
+    except DoesNotFitError as exc:
+        plan.fits = False
+        plan.max_model_len_that_fits = exc.max_model_len_that_fits
+        plan.report = _base_report(plan, model.num_layers) | {"fits": False,
+                                                              "max_model_len_that_fits": exc.max_model_len_that_fits,
+                                                              "error": str(exc)}
+        return plan
+    plan.layout = layout
+    plan.report = _full_report(plan, layout, batch, model.num_layers)
+    return plan
+
+
+def _base_report(plan: Plan, num_layers: int) -> dict[str, Any]:
+    inp = plan.input
+    return {
+        "model": plan.model_name,
+        "gpu": plan.hardware.id if plan.hardware else None,
+        "tensor_parallel_size": inp.tensor_parallel_size,
+        "num_layers": num_layers,
+        "max_model_len": plan.max_model_len,
+        "max_num_batched_tokens": min(inp.max_num_batched_tokens, plan.max_model_len),
+        "weights_dtype": inp.weights_dtype,
+        "kv_dtype": inp.kv_dtype,
+        "memory": {
+            "gpu_bytes": plan.gpu_memory_bytes,
+            "utilization": inp.gpu_memory_utilization,
+            "weights_bytes": plan.weights_bytes,
+            "reserve_bytes": inp.reserve_bytes,
+            "kv_budget_bytes": plan.kv_memory_bytes,
+        },
+    }
+
+
+def _full_report(plan: Plan, layout: KVCacheLayout, batch: int, num_layers: int) -> dict[str, Any]:
+    inp = plan.input
+    rep = capacity_report(layout, max_model_len=plan.max_model_len, max_num_batched_tokens=batch)
+    bytes_per_block = layout.page_size_bytes * layout.group_size
+    groups = []
+    for i, g in enumerate(layout.groups):
+        spec = g.spec
+        groups.append({
+            "kind": spec.kind,
+            "layers": list(g.layer_names),
+            "num_layers": len(g.layer_names),
+            "block_size": spec.block_size,
+            "page_size_bytes": spec.page_size_bytes,
+            "grows_with_sequence": spec.grows_with_sequence,
+            "blocks_per_request": rep.blocks_per_request[i],
+            "max_blocks_per_request": spec.max_blocks_per_request(batch, plan.max_model_len),
+            "slot_address_space": rep.slot_address_space[i],
+            **({"sliding_window": spec.sliding_window} if hasattr(spec, "sliding_window") else {}),
+            **({"attention_chunk_size": spec.attention_chunk_size}
+               if hasattr(spec, "attention_chunk_size") else {}),
+        })
+    per_request = sum(rep.blocks_per_request)
+    bounded = sum(n for g, n in zip(layout.groups, rep.blocks_per_request) if not g.spec.grows_with_sequence)
+    min_block = min(g.spec.block_size for g in layout.groups)
+    lens = sorted({*inp.request_lens})
+    return _base_report(plan, num_layers) | {
+        "fits": True,
+        "num_blocks": layout.num_blocks,
+        "block_size": min_block,
+        "bytes_per_block": bytes_per_block,
+        "kv_memory_bytes": layout.memory_bytes,
+        "groups": groups,
+        "kv_capacity_tokens": rep.token_capacity,
+        "naive_capacity_tokens": layout.num_blocks // len(layout.groups) * min_block,
+        "max_concurrency": rep.max_concurrency,
+        "concurrency_at_request_len": {str(n): rep.concurrency_for(n) for n in lens if n <= plan.max_model_len},
+        "blocks_per_request": per_request,
+        "bounded_groups_share": bounded / per_request if per_request else 0.0,
+        "padding_waste_bytes": layout.padding_bytes,
+        "uncached_layers": list(layout.uncached_layers),
+    }
+
+
+def render_text(plan: Plan) -> str:
+    """A plain-text report (the CLI uses rich tables when rich is installed)."""
+    r = plan.report
+    m = r["memory"]
+    lines = [
+        f"model {r['model']} on {r['gpu'] or 'custom GPU'} x{r['tensor_parallel_size']} (per GPU), "
+        f"weights {r['weights_dtype']}, KV {r['kv_dtype']}, max_model_len {r['max_model_len']}, "
+        f"max_num_batched_tokens {r['max_num_batched_tokens']}",
+        f"memory: GPU {m['gpu_bytes'] / GiB:.1f} GiB x {m['utilization']} - weights {m['weights_bytes'] / GiB:.1f} GiB"
+        f" - reserve {m['reserve_bytes'] / GiB:.1f} GiB = KV budget {m['kv_budget_bytes'] / GiB:.2f} GiB",
+    ]
+    if not r["fits"]:
+        lines.append(f"DOES NOT FIT: {r['error']}")
+        return "\n".join(lines)
+    lines.append(f"{'group':>5} {'kind':<15} {'layers':>6} {'block':>6} {'page B':>9} {'grows':>5} "
+                 f"{'blocks/req':>10} {'bound':>7} {'slots':>12}")
+    for i, g in enumerate(r["groups"]):
+        lines.append(f"{i:>5} {g['kind']:<15} {g['num_layers']:>6} {g['block_size']:>6} {g['page_size_bytes']:>9} "
+                     f"{'yes' if g['grows_with_sequence'] else 'no':>5} {g['blocks_per_request']:>10} "
+                     f"{g['max_blocks_per_request']:>7} {g['slot_address_space']:>12}")
+    lines += [
+        f"blocks: {r['num_blocks']} of {r['bytes_per_block']} bytes = KV memory {r['kv_memory_bytes'] / GiB:.2f} GiB "
+        f"(padding waste {r['padding_waste_bytes'] / GiB:.2f} GiB)",
+        f"token capacity: {r['kv_capacity_tokens']} (naive num_blocks // num_groups * block_size: "
+        f"{r['naive_capacity_tokens']})",
+        f"max concurrency at {r['max_model_len']} tokens: {r['max_concurrency']} "
+        f"({r['blocks_per_request']} blocks per request, {r['bounded_groups_share']:.1%} of them in bounded groups)",
+    ]
+    for n, c in r["concurrency_at_request_len"].items():
+        lines.append(f"max concurrency at {n} tokens: {c}")
+    return "\n".join(lines)
