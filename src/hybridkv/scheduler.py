@@ -1,0 +1,363 @@
+"""A continuous-batching scheduler on the manager that never deadlocks.
+
+Each step: running sequences first (decodes and continuing prefill chunks), in their order;
+when one cannot get blocks, the lowest-priority, newest running sequence is preempted (its blocks
+freed, its progress recomputed later -- prefix hits make that cheap). Then, if nothing was
+preempted, waiting sequences are admitted in order while the token budget and ``max_num_seqs``
+allow, each checked against the whole-sequence rule (seed-001 bounds).
+
+Never deadlock, never hang:
+
+* a prompt longer than ``max_model_len`` is refused at ``add`` with an error;
+* a request that could not fit even in an empty pool, at its full length, is rejected (finished
+  with a reason) at ``add`` instead of blocking the queue;
+* a sequence that keeps preempting itself is rejected with a reason;
+* every other sequence eventually finishes: the head of the queue always fits in an empty pool,
+  and running sequences only shrink the pool until they finish or are preempted.
+
+Admission policies: ``max_utilization`` admits when the sequence's whole prompt fits now (later
+growth may preempt, as the reference engine does); ``guaranteed_no_preemption`` admits only when
+the remaining growth of every admitted sequence, up to its ``max_new_tokens`` and within the
+per-request bounds, still fits -- no sequence is ever preempted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal
+
+from hybridkv.errors import InvalidInputError, SequenceTooLongError
+from hybridkv.manager import KVCacheManager
+from hybridkv.sequence import Sequence
+
+Policy = Literal["fcfs", "priority"]
+Admission = Literal["max_utilization", "guaranteed_no_preemption"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Knobs of the scheduler."""
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    long_prefill_token_threshold: int = 0
+    """Most prompt tokens one sequence gets per step (0: the whole budget)."""
+    policy: Policy = "fcfs"
+    """``fcfs``, or ``priority`` (lower value first; ties by arrival)."""
+    admission: Admission = "max_utilization"
+    max_self_preemptions: int = 3
+    """A sequence preempting itself this many times is rejected."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_self_preemptions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidInputError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise InvalidInputError("SchedulerConfig.long_prefill_token_threshold must be >= 0")
+        if self.policy not in ("fcfs", "priority"):
+            raise InvalidInputError(f"SchedulerConfig.policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.admission not in ("max_utilization", "guaranteed_no_preemption"):
+            raise InvalidInputError(
+                f"SchedulerConfig.admission must be 'max_utilization' or 'guaranteed_no_preemption', "
+                f"got {self.admission!r}"
+            )
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+
+
+@dataclass(eq=False)
+class Request:
+    """The scheduler's view of one sequence."""
+
+    seq: Sequence
+    max_new_tokens: int
+    priority: int
+    arrival: int
+    stop_token_ids: frozenset[int]
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+    num_self_preemptions: int = 0
+    finish_reason: str | None = None
+    num_hit_tokens: int = 0
+    """Prefix-hit tokens at the latest admission."""
+
+    @property
+    def seq_id(self) -> str:
+        return self.seq.seq_id
+
+    @property
+    def final_len(self) -> int:
+        """Tokens the sequence has when it stops at ``max_new_tokens``."""
+        return self.seq.num_prompt_tokens + self.max_new_tokens
+
+    def order_key(self, policy: Policy) -> tuple[int, int]:
+        return (self.priority, self.arrival) if policy == "priority" else (0, self.arrival)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs."""
+
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens each scheduled sequence computes this step, in schedule order."""
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    admissions: int = 0
+    preemptions: int = 0
+    rejections: int = 0
+    finished: int = 0
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, preemption and admission on a ``KVCacheManager``."""
+
+    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None) -> None:
+        self.manager = manager
+        self.config = config or SchedulerConfig(max_num_batched_tokens=manager.max_num_batched_tokens)
+        if self.config.max_num_batched_tokens > manager.max_num_batched_tokens:
+            raise InvalidInputError(
+                f"scheduler max_num_batched_tokens={self.config.max_num_batched_tokens} exceeds the manager's "
+                f"{manager.max_num_batched_tokens}: the manager's per-request bounds would not hold"
+            )
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._arrivals = 0
+        self._pending_rejections: list[tuple[str, str]] = []
+
+    # ------------------------------------------------------------------ add
+    def add(self, seq: Sequence, max_new_tokens: int, priority: int = 0,
+            stop_token_ids: Iterable[int] = ()) -> Request:
+        """Queue a sequence; refuse one longer than ``max_model_len``; reject one that can never fit."""
+        if not isinstance(seq, Sequence):
+            raise InvalidInputError(f"expected a hybridkv.Sequence, got {type(seq).__name__}")
+        if seq.seq_id in self.requests and self.requests[seq.seq_id].status in (Status.WAITING, Status.RUNNING):
+            raise InvalidInputError(f"sequence {seq.seq_id!r} is already scheduled")
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        limit = self.manager.max_model_len
+        if seq.num_tokens > limit:
+            raise SequenceTooLongError(
+                f"sequence {seq.seq_id!r} has {seq.num_tokens} tokens; max_model_len is {limit}"
+            )
+        if seq.num_computed_tokens:
+            raise InvalidInputError(f"sequence {seq.seq_id!r} already has computed tokens")
+        # Generation stops when the sequence reaches max_model_len tokens (a prompt of exactly
+        # max_model_len tokens still gets its one token: it is sampled, never computed).
+        max_new = min(max_new_tokens, max(1, limit - seq.num_tokens))
+        req = Request(seq, max_new, priority, self._arrivals, frozenset(stop_token_ids))
+        self._arrivals += 1
+        self.requests[seq.seq_id] = req
+        need = self.manager.blocks_needed_when_empty(min(req.final_len, limit))
+        usable = self.manager.layout.num_blocks - 1
+        if need > usable:
+            self._reject(req, f"needs {need} blocks at its full length of {req.final_len} tokens; "
+                              f"the pool has {usable}")
+            return req
+        self.waiting.append(req)
+        if self.config.policy == "priority":
+            self.waiting.sort(key=lambda r: r.order_key("priority"))
+        return req
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick the sequences and token counts of the next step."""
+        cfg = self.config
+        out = SchedulerOutput(rejected=self._pending_rejections)
+        self._pending_rejections = []
+        budget = cfg.max_num_batched_tokens
+        mgr = self.manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            seq = req.seq
+            n = self._chunk(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            new = mgr.allocate(seq, n)
+            while new is None:
+                victim = self._victim()
+                idx = self.running.index(victim)
+                budget += self._preempt(victim, out, itself=victim is req)
+                if victim is req:
+                    break
+                if idx < i:  # a sequence already scheduled this step: the list shifted left
+                    i -= 1
+                new = mgr.allocate(seq, n)
+            if new is None:  # req preempted itself: the next sequence now sits at index i
+                continue
+            out.num_scheduled_tokens[seq.seq_id] = n
+            out.new_block_ids[seq.seq_id] = new
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        self.stats.steps += 1
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        seq = req.seq
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and seq.num_computed_tokens < seq.num_prompt_tokens:
+            n = min(n, threshold)
+        return n
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        cfg = self.config
+        mgr = self.manager
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            seq = req.seq
+            hit = mgr.lookup(seq)
+            n = min(seq.num_tokens - hit.num_tokens, budget)
+            threshold = cfg.long_prefill_token_threshold
+            if threshold and hit.num_tokens < seq.num_prompt_tokens:
+                n = min(n, threshold)
+            if cfg.admission == "guaranteed_no_preemption" and not self._growth_fits(req, hit.num_blocks):
+                break
+            new = mgr.allocate(seq, n, hit=hit, whole_sequence_must_fit=True)
+            if new is None:
+                break
+            self.waiting.pop(0)
+            seq.num_computed_tokens = hit.num_tokens
+            req.status = Status.RUNNING
+            req.num_hit_tokens = hit.num_tokens
+            self.running.append(req)
+            out.admitted.append(seq.seq_id)
+            out.num_scheduled_tokens[seq.seq_id] = n
+            out.new_block_ids[seq.seq_id] = new
+            self.stats.admissions += 1
+            budget -= n
+
+    def _growth_fits(self, req: Request, hit_blocks: int) -> bool:
+        """Whether every admitted sequence can grow to its final length once ``req`` joins."""
+        mgr = self.manager
+        need = mgr.blocks_needed_when_empty(req.final_len) - hit_blocks
+        for r in self.running:
+            held = sum(1 for ids in mgr.block_table(r.seq_id) for b in ids if b)
+            need += max(0, mgr.blocks_needed_when_empty(r.final_len) - held)
+        return need <= mgr.num_admissible_blocks
+
+    def _victim(self) -> Request:
+        """The running sequence to preempt: lowest priority, then newest."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: r.order_key("priority"))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, out: SchedulerOutput, *, itself: bool) -> int:
+        """Free ``victim`` and queue it again; returns the tokens it had been given this step."""
+        self.running.remove(victim)
+        self.manager.free(victim.seq)
+        victim.seq.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.stats.preemptions += 1
+        returned = out.num_scheduled_tokens.pop(victim.seq_id, 0)
+        out.new_block_ids.pop(victim.seq_id, None)
+        out.preempted.append(victim.seq_id)
+        if itself:
+            victim.num_self_preemptions += 1
+        if victim.num_self_preemptions >= self.config.max_self_preemptions:
+            usable = self.manager.layout.num_blocks - 1
+            self._reject(victim, f"preempted itself {victim.num_self_preemptions} times: at "
+                                 f"{victim.seq.num_tokens} tokens it does not fit next to the other sequences "
+                                 f"in {usable} blocks")
+            out.rejected.extend(self._pending_rejections)
+            self._pending_rejections = []
+            return returned
+        victim.status = Status.WAITING
+        self.waiting.insert(0, victim)
+        if self.config.policy == "priority":
+            self.waiting.sort(key=lambda r: r.order_key("priority"))
+        return returned
+
+    def _reject(self, req: Request, reason: str) -> None:
+        req.status = Status.REJECTED
+        req.finish_reason = f"rejected: {reason}"
+        self.manager.free(req.seq)
+        self.stats.rejections += 1
+        self._pending_rejections.append((req.seq_id, req.finish_reason))
+
+    # ------------------------------------------------------------------ update
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, Iterable[int]] | None = None) -> list[Request]:
+        """Advance the sequences a step ran; append sampled tokens; finish and free the done ones.
+
+        ``sampled[seq_id]`` holds the tokens sampled for a sequence whose step reached the end of
+        its known tokens (a decode or a final prefill chunk); other sequences are ignored.
+        """
+        finished: list[Request] = []
+        sampled = sampled or {}
+        still: list[Request] = []
+        for req in self.running:
+            seq = req.seq
+            n = out.num_scheduled_tokens.get(seq.seq_id)
+            if n is not None:
+                seq.num_computed_tokens += n
+                if seq.num_computed_tokens == seq.num_tokens:
+                    tokens = list(sampled.get(seq.seq_id, ()))
+                    if not tokens:
+                        raise InvalidInputError(
+                            f"sequence {seq.seq_id!r} computed all its tokens this step: pass its sampled token"
+                        )
+                    seq.append_token_ids(tokens)
+                    reason = self._finish_reason(req, tokens)
+                    if reason:
+                        req.status = Status.FINISHED
+                        req.finish_reason = reason
+                        self.manager.free(seq)
+                        self.stats.finished += 1
+                        finished.append(req)
+                        continue
+            still.append(req)
+        self.running = still
+        return finished
+
+    def _finish_reason(self, req: Request, tokens: list[int]) -> str | None:
+        seq = req.seq
+        if any(t in req.stop_token_ids for t in tokens):
+            return "stop"
+        if seq.num_output_tokens >= req.max_new_tokens:
+            return "length"
+        if seq.num_tokens >= self.manager.max_model_len and seq.num_output_tokens:
+            return "max_model_len"
+        return None
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether any sequence waits or runs."""
+        return bool(self.waiting or self.running or self._pending_rejections)
+
+    def abort(self, seq_id: str) -> None:
+        """Drop a sequence wherever it is, freeing its blocks."""
+        req = self.requests.get(seq_id)
+        if req is None or req.status in (Status.FINISHED, Status.REJECTED):
+            return
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.manager.free(req.seq)
+        req.status = Status.FINISHED
+        req.finish_reason = "abort"
