@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,cli]'
+	$(BIN)/pip install -q -e '.[dev,cli,sim]'
 	touch $(STAMP)
 
 demo: $(STAMP)

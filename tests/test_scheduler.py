@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import chunked, full, layout, mamba, manager, swa, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv import KVCacheManager, Sequence, SequenceTooLongError
 from hybridkv.scheduler import Scheduler, SchedulerConfig, Status
+
+from helpers import chunked, full, layout, mamba, manager, swa, tokens
 
 
 def drive(sched: Scheduler, *, max_steps: int = 100_000, stop_token: int | None = None,

@@ -218,6 +218,10 @@ def main(argv: SequenceABC[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the report as JSON to PATH ('-' for stdout)")
     p.set_defaults(func=plan)
 
+    from hybridkv.sim.cli import add_parser as add_simulate
+
+    add_simulate(sub)
+
     args = parser.parse_args(argv)
     try:
         result: int = args.func(args)

@@ -1,0 +1,1 @@
+"""The workload simulator: workloads and traces, a GPU cost model, and the simulation loop."""

@@ -1,0 +1,470 @@
+"""GPU cost of one engine step: a roofline over FLOPs and bytes, plus fixed overheads.
+
+A step runs a batch of sequences, each computing ``num_new_tokens`` tokens (a prefill chunk, or
+1 for decode) after ``context_len`` tokens already in the KV cache. Its time on one
+tensor-parallel rank is::
+
+    max(flops / (bf16_flops * compute), bytes / (bandwidth * memory))
+      + step_overhead_s + (tp > 1: num_layers * tp_overhead_s_per_layer)
+      + loaded KV bytes / tier_bandwidth          (an external KV tier, not overlapped)
+
+**FLOPs** (per rank): ``2 * active_params / tp`` per new token for the matrix multiplies, plus
+attention. A query attending to one key costs ``4 * heads_per_rank * head_size`` FLOPs per layer
+(``QK^T`` and ``PV``; MLA: ``2 * heads_per_rank * (qk_nope + qk_rope + v_head_dim)``). Token
+``p`` (0-based position) of a sequence attends to ``p + 1`` keys in a full or MLA layer,
+``min(p + 1, window)`` in a sliding-window layer and ``p % chunk + 1`` in a chunked-local layer;
+a chunk's pairs are summed exactly (for full attention that is ``n * (context_len + (n + 1) / 2)``).
+A recurrent layer (Mamba, Gated DeltaNet) costs ``2 * state_elements`` FLOPs per token: each token
+updates and reads the whole state once, at one multiply-add per element.
+
+**Bytes** (per rank): the weights, read once per step (``min(total_params, active_params *
+max(1, tokens)) * weight_dtype_bytes / tp``: a dense model reads all of them, an MoE at most the
+experts its tokens can reach, assuming every token picks different experts); per sequence and
+attention layer the KV of every token the chunk attends to (its cached visible tokens plus the new
+ones) at ``2 * kv_heads_per_rank * head_size * kv_dtype_bytes`` per token (MLA: ``latent *
+kv_dtype_bytes``); the new tokens' KV written once; per sequence and recurrent layer the state
+read and written once (in bf16, ``STATE_DTYPE_BYTES``, even with an fp8 KV cache).
+
+**External tier**: ``num_loaded_tokens`` tokens of KV are loaded for a sequence before its new
+tokens run, at ``kv_bytes_per_token`` (all attention layers, one rank) per token plus one recurrent
+state per sequence that loads anything; ``tier_bandwidth`` is per GPU in bytes/s. The new tokens
+follow the loaded ones: they sit at positions ``context_len + num_loaded_tokens`` onwards.
+
+A step without new tokens runs no forward pass: it costs the step overhead (and any loads).
+
+**Calibration file** (``load_calibration``), JSON::
+
+    {"samples": [{"work": [[num_new_tokens, context_len], ...], "seconds": 0.0123}, ...]}
+
+Each ``work`` entry is one sequence of the measured step, ``[num_new_tokens, context_len]`` or
+``[num_new_tokens, context_len, num_loaded_tokens]`` (non-negative integers, not all steps
+empty); ``seconds`` is the measured step time (> 0). ``fit_efficiency`` fits ``compute``,
+``memory`` and ``step_overhead_s`` to such samples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hybridkv.errors import InvalidInputError
+from hybridkv.hardware import Hardware, get_hardware
+from hybridkv.models import get_preset
+from hybridkv.models.hf_config import ModelKVConfig, parse_config, text_config
+from hybridkv.planner import DTYPE_BYTES
+
+ACTIVE_PARAMS: dict[str, float] = {
+    # OpenAI gpt-oss model card / launch post: 21B total, 3.6B active; 117B total, 5.1B active.
+    "gpt-oss-20b": 3.6e9,
+    "gpt-oss-120b": 5.1e9,
+    # Llama-4-Scout-17B-16E model card: 17B active, 109B total.
+    "llama-4-scout": 17e9,
+    # Qwen3-Next-80B-A3B model card: 80B in total, 3B activated.
+    "qwen3-next-80b-a3b": 3e9,
+    # Jamba-1.5 paper (arXiv:2408.12570): Jamba-1.5-Mini has 12B active of 52B parameters.
+    "jamba-mini": 12e9,
+    # DeepSeek-V3 technical report (arXiv:2412.19437): 671B total, 37B activated per token.
+    "deepseek-v3": 37e9,
+}
+"""Parameters one token runs through, for the MoE presets; dense presets use ``num_params``."""
+
+STATE_DTYPE_BYTES = 2
+"""Recurrent states stay in the model dtype (bf16), as in ``layer_specs``."""
+
+
+@dataclass(frozen=True, slots=True)
+class SeqWork:
+    """One sequence's work in one step; all counts are >= 0."""
+
+    num_new_tokens: int
+    """Tokens computed this step (a prefill chunk, or 1 for decode)."""
+    context_len: int
+    """Tokens already in the KV cache before this step (computed tokens)."""
+    num_loaded_tokens: int = 0
+    """Tokens an external KV tier loads for this sequence this step; they precede the new tokens."""
+
+    def __post_init__(self) -> None:
+        if self.num_new_tokens < 0 or self.context_len < 0 or self.num_loaded_tokens < 0:
+            raise InvalidInputError(
+                f"SeqWork counts must be >= 0, got num_new_tokens={self.num_new_tokens}, "
+                f"context_len={self.context_len}, num_loaded_tokens={self.num_loaded_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """How close a real engine gets to the hardware peaks, and its fixed costs."""
+
+    compute: float = 0.6
+    """Fraction of peak FLOP/s reached, in (0, 1]."""
+    memory: float = 0.8
+    """Fraction of peak memory bandwidth reached, in (0, 1]."""
+    step_overhead_s: float = 0.004
+    """Fixed cost of every step (scheduling, kernel launches, sampling), >= 0."""
+    tp_overhead_s_per_layer: float = 0.00002
+    """All-reduce cost per layer per step when tensor_parallel_size > 1, >= 0."""
+
+    def __post_init__(self) -> None:
+        for name in ("compute", "memory"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise InvalidInputError(f"Efficiency.{name} must be in (0, 1], got {value}")
+        for name in ("step_overhead_s", "tp_overhead_s_per_layer"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise InvalidInputError(f"Efficiency.{name} must be >= 0, got {value}")
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """One rank's per-token costs of all layers, summed over the layers of each reach.
+
+    ``global`` layers (full attention, MLA) attend to the whole context, ``sliding`` layers to the
+    last ``sliding_window`` tokens, ``chunked`` layers to the tokens since the start of their
+    ``attention_chunk_size`` chunk; recurrent layers keep one state per sequence.
+    """
+
+    global_flops_per_pair: float = 0.0
+    """Attention FLOPs of one (query, key) pair, summed over the global layers."""
+    global_kv_bytes_per_token: float = 0.0
+    sliding_flops_per_pair: float = 0.0
+    sliding_kv_bytes_per_token: float = 0.0
+    sliding_window: int = 0
+    chunked_flops_per_pair: float = 0.0
+    chunked_kv_bytes_per_token: float = 0.0
+    attention_chunk_size: int = 0
+    recurrent_flops_per_token: float = 0.0
+    recurrent_state_bytes: float = 0.0
+    """One sequence's states of all recurrent layers."""
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV bytes of one token in all attention layers (what a new token writes, what a tier loads)."""
+        return self.global_kv_bytes_per_token + self.sliding_kv_bytes_per_token + self.chunked_kv_bytes_per_token
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], model: ModelKVConfig, *, tensor_parallel_size: int,
+                    kv_dtype_bytes: float) -> LayerCosts:
+        """Sum the per-layer costs of ``model`` (parsed from ``config`` at ``tensor_parallel_size``)."""
+        cfg = text_config(config)
+        tp = tensor_parallel_size
+        heads = cfg.get("num_attention_heads")
+        if not isinstance(heads, int) or heads <= 0:
+            raise InvalidInputError(f"config field 'num_attention_heads' must be a positive integer, got {heads!r}")
+        if heads >= tp and heads % tp:
+            raise InvalidInputError(f"num_attention_heads={heads} is not divisible by tensor parallel size {tp}")
+        heads_per_rank = heads // tp if heads >= tp else 1
+        gqa_flops = 4.0 * heads_per_rank * model.head_size
+        gqa_bytes = 2.0 * model.num_kv_heads * model.head_size * kv_dtype_bytes
+        qk_dim = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg.get("qk_rope_head_dim") or 0) or model.head_size
+        v_dim = int(cfg.get("v_head_dim") or 0) or model.head_size
+        mla_flops = 2.0 * heads_per_rank * (qk_dim + v_dim)
+        mla_bytes = float(model.mla_latent * kv_dtype_bytes)
+        counts = {kind: model.layer_kinds.count(kind) for kind in ("full", "mla", "sliding", "chunked", "mamba")}
+        return cls(
+            global_flops_per_pair=counts["full"] * gqa_flops + counts["mla"] * mla_flops,
+            global_kv_bytes_per_token=counts["full"] * gqa_bytes + counts["mla"] * mla_bytes,
+            sliding_flops_per_pair=counts["sliding"] * gqa_flops,
+            sliding_kv_bytes_per_token=counts["sliding"] * gqa_bytes,
+            sliding_window=(model.sliding_window or 0) if counts["sliding"] else 0,
+            chunked_flops_per_pair=counts["chunked"] * gqa_flops,
+            chunked_kv_bytes_per_token=counts["chunked"] * gqa_bytes,
+            attention_chunk_size=(model.attention_chunk_size or 0) if counts["chunked"] else 0,
+            recurrent_flops_per_token=counts["mamba"] * 2.0 * model.mamba_state_elements,
+            recurrent_state_bytes=float(counts["mamba"] * model.mamba_state_elements * STATE_DTYPE_BYTES),
+        )
+
+
+def _dtype_bytes(name: str, what: str) -> float:
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        raise InvalidInputError(f"unknown {what} {name!r}; choose one of {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step times of one model on one GPU type; build with ``from_preset`` or ``from_config``."""
+
+    name: str
+    hardware: Hardware
+    tensor_parallel_size: int
+    num_layers: int
+    total_params: float
+    active_params: float
+    weight_bytes_per_param: float
+    layers: LayerCosts
+    efficiency: Efficiency = DEFAULT_EFFICIENCY
+    tier_bandwidth: float | None = None
+    """Bytes/s per GPU of the external KV tier; ``None`` without one."""
+
+    # Per-call constants, derived in __post_init__.
+    _flops_per_token: float = field(init=False, repr=False, compare=False)
+    _seconds_per_flop: float = field(init=False, repr=False, compare=False)
+    _seconds_per_byte: float = field(init=False, repr=False, compare=False)
+    _seconds_per_tier_byte: float = field(init=False, repr=False, compare=False)
+    _forward_overhead_s: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp <= 0:
+            raise InvalidInputError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if not 0 < self.active_params <= self.total_params:
+            raise InvalidInputError(
+                f"active_params={self.active_params:g} must be > 0 and at most the total {self.total_params:g}"
+            )
+        if self.tier_bandwidth is not None and not self.tier_bandwidth > 0:
+            raise InvalidInputError(f"tier_bandwidth must be > 0 bytes/s, got {self.tier_bandwidth}")
+        eff, hw = self.efficiency, self.hardware
+        setattr_ = object.__setattr__
+        setattr_(self, "_flops_per_token", 2.0 * self.active_params / tp + self.layers.recurrent_flops_per_token)
+        setattr_(self, "_seconds_per_flop", 1.0 / (hw.bf16_flops * eff.compute))
+        setattr_(self, "_seconds_per_byte", 1.0 / (hw.bandwidth * eff.memory))
+        setattr_(self, "_seconds_per_tier_byte", 1.0 / self.tier_bandwidth if self.tier_bandwidth else 0.0)
+        setattr_(self, "_forward_overhead_s", self.num_layers * eff.tp_overhead_s_per_layer if tp > 1 else 0.0)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        num_params: float,
+        hardware: Hardware,
+        *,
+        tensor_parallel_size: int = 1,
+        weights_dtype: str = "bf16",
+        kv_dtype: str = "bf16",
+        active_params: float | None = None,
+        efficiency: Efficiency = DEFAULT_EFFICIENCY,
+        tier_bandwidth: float | None = None,
+        name: str = "custom",
+    ) -> CostModel:
+        """The cost model of a Hugging Face ``config`` with ``num_params`` parameters (all experts).
+
+        ``active_params`` (per token) defaults to ``num_params``, i.e. a dense model.
+        """
+        if not num_params > 0:
+            raise InvalidInputError(f"num_params must be > 0, got {num_params}")
+        weight_bytes = _dtype_bytes(weights_dtype, "weights dtype")
+        kv_bytes = _dtype_bytes(kv_dtype, "KV dtype")
+        if kv_bytes < 1:
+            raise InvalidInputError(f"the KV cache dtype must be bf16, fp16 or fp8, got {kv_dtype!r}")
+        model = parse_config(config, tensor_parallel_size=tensor_parallel_size)
+        layers = LayerCosts.from_config(config, model, tensor_parallel_size=tensor_parallel_size,
+                                        kv_dtype_bytes=kv_bytes)
+        return cls(name, hardware, tensor_parallel_size, model.num_layers, float(num_params),
+                   float(num_params if active_params is None else active_params), weight_bytes, layers,
+                   efficiency, tier_bandwidth)
+
+    @classmethod
+    def from_preset(
+        cls,
+        model_id: str,
+        gpu_id: str,
+        *,
+        tensor_parallel_size: int = 1,
+        weights_dtype: str = "bf16",
+        kv_dtype: str = "bf16",
+        active_params: float | None = None,
+        efficiency: Efficiency = DEFAULT_EFFICIENCY,
+        tier_bandwidth: float | None = None,
+    ) -> CostModel:
+        """The cost model of a model preset on a GPU preset; MoE presets take ``ACTIVE_PARAMS``."""
+        preset = get_preset(model_id)
+        hardware = get_hardware(gpu_id)
+        if active_params is None:
+            active_params = ACTIVE_PARAMS.get(preset.id, preset.num_params)
+        return cls.from_config(preset.config, preset.num_params, hardware, tensor_parallel_size=tensor_parallel_size,
+                               weights_dtype=weights_dtype, kv_dtype=kv_dtype, active_params=active_params,
+                               efficiency=efficiency, tier_bandwidth=tier_bandwidth, name=preset.id)
+
+    def with_efficiency(self, efficiency: Efficiency) -> CostModel:
+        """A copy with other efficiencies."""
+        return replace(self, efficiency=efficiency)
+
+    # ------------------------------------------------------------------ step cost
+
+    def step_time(self, work: Sequence[SeqWork]) -> float:
+        """Seconds one engine step takes to run ``work`` (one entry per scheduled sequence)."""
+        flops, nbytes, load_bytes, tokens = self._totals(work)
+        t = self.efficiency.step_overhead_s + load_bytes * self._seconds_per_tier_byte
+        if tokens:
+            compute = flops * self._seconds_per_flop
+            memory = nbytes * self._seconds_per_byte
+            t += (compute if compute > memory else memory) + self._forward_overhead_s
+        return t
+
+    def breakdown(self, work: Sequence[SeqWork]) -> dict[str, float]:
+        """``step_time``'s parts: ``compute_s``, ``memory_s`` (the larger counts), ``overhead_s``,
+        ``load_s``, ``total_s``, and the step's ``flops``, ``bytes`` (HBM) and ``load_bytes`` (tier)."""
+        flops, nbytes, load_bytes, tokens = self._totals(work)
+        compute_s = flops * self._seconds_per_flop
+        memory_s = nbytes * self._seconds_per_byte
+        overhead_s = self.efficiency.step_overhead_s + (self._forward_overhead_s if tokens else 0.0)
+        load_s = load_bytes * self._seconds_per_tier_byte
+        return {
+            "compute_s": compute_s,
+            "memory_s": memory_s,
+            "overhead_s": overhead_s,
+            "load_s": load_s,
+            "total_s": max(compute_s, memory_s) + overhead_s + load_s,
+            "flops": flops,
+            "bytes": nbytes,
+            "load_bytes": load_bytes,
+        }
+
+    def _totals(self, work: Sequence[SeqWork]) -> tuple[float, float, float, int]:
+        """(FLOPs, HBM bytes, tier bytes, new tokens) of one step on one rank."""
+        lc = self.layers
+        window = lc.sliding_window
+        chunk = lc.attention_chunk_size
+        tokens = seqs = loaded = loaded_seqs = 0
+        global_pairs2 = global_read = 0  # global_pairs2 is twice the (query, key) pairs
+        sliding_pairs = sliding_read = chunked_pairs = chunked_read = 0
+        for w in work:
+            n = w.num_new_tokens
+            c = w.context_len
+            ext = w.num_loaded_tokens
+            if ext:
+                loaded += ext
+                loaded_seqs += 1
+                c += ext
+            if not n:
+                continue
+            tokens += n
+            seqs += 1
+            end = c + n
+            global_pairs2 += n * (c + end + 1)
+            global_read += c
+            if window:
+                # sum of min(p + 1, window) over p in [c, end)
+                if end <= window:
+                    sliding_pairs += n * (c + end + 1) // 2
+                    sliding_read += c
+                elif c >= window:
+                    sliding_pairs += n * window
+                    sliding_read += window - 1
+                else:
+                    sliding_pairs += (window * (window + 1) - c * (c + 1)) // 2 + (end - window) * window
+                    sliding_read += c
+            if chunk:
+                # sum of (p % chunk + 1) over p in [c, end)
+                r = c % chunk
+                chunked_read += r
+                if r + n <= chunk:
+                    chunked_pairs += n * (2 * r + n + 1) // 2
+                else:
+                    q1, r1 = divmod(end, chunk)
+                    chunked_pairs += ((q1 - c // chunk) * chunk * (chunk + 1) + r1 * (r1 + 1) - r * (r + 1)) // 2
+        load_bytes = loaded * lc.kv_bytes_per_token + loaded_seqs * lc.recurrent_state_bytes
+        if not tokens:
+            return 0.0, 0.0, load_bytes, 0
+        flops = (tokens * self._flops_per_token + global_pairs2 * 0.5 * lc.global_flops_per_pair
+                 + sliding_pairs * lc.sliding_flops_per_pair + chunked_pairs * lc.chunked_flops_per_pair)
+        weights = min(self.total_params, self.active_params * tokens) * self.weight_bytes_per_param \
+            / self.tensor_parallel_size
+        nbytes = (weights + 2 * tokens * lc.kv_bytes_per_token + seqs * 2 * lc.recurrent_state_bytes
+                  + global_read * lc.global_kv_bytes_per_token + sliding_read * lc.sliding_kv_bytes_per_token
+                  + chunked_read * lc.chunked_kv_bytes_per_token)
+        return flops, nbytes, load_bytes, tokens
+
+
+# ---------------------------------------------------------------------- calibration
+
+_MIN_EFFICIENCY = 0.01
+
+
+def fit_efficiency(model: CostModel, samples: Sequence[tuple[Sequence[SeqWork], float]]) -> Efficiency:
+    """The ``compute``, ``memory`` and ``step_overhead_s`` that best predict measured step times.
+
+    Minimises the sum of squared relative errors by a coarse-to-fine grid over compute and memory
+    efficiency in [0.01, 1] (log-spaced), with the best overhead (>= 0) solved exactly at each
+    point. ``tp_overhead_s_per_layer`` is kept from ``model``. An efficiency the samples cannot
+    tell (e.g. compute when every sample is memory-bound) stays near ``model``'s value.
+    """
+    if not samples:
+        raise InvalidInputError("fit_efficiency needs at least one sample, got none")
+    hw = model.hardware
+    # Per sample: FLOPs / peak, bytes / peak, the fixed time (TP and loads), the measurement.
+    rows: list[tuple[float, float, float, float]] = []
+    for i, (work, seconds) in enumerate(samples):
+        if not seconds > 0:
+            raise InvalidInputError(f"calibration sample {i}: 'seconds' must be > 0, got {seconds!r}")
+        b = model.breakdown(work)
+        fixed = b["load_s"] + b["overhead_s"] - model.efficiency.step_overhead_s
+        rows.append((b["flops"] / hw.bf16_flops, b["bytes"] / hw.bandwidth, fixed, float(seconds)))
+    weights = [1.0 / (y * y) for *_, y in rows]
+    sum_w = sum(weights)
+    prior_c, prior_m = model.efficiency.compute, model.efficiency.memory
+
+    def cost(c: float, m: float) -> tuple[float, float]:
+        roof = [max(f / c, b / m) + fixed for f, b, fixed, _ in rows]
+        overhead = max(0.0, sum(w * (y - r) for w, r, (*_, y) in zip(weights, roof, rows)) / sum_w)
+        err = sum(w * (r + overhead - y) ** 2 for w, r, (*_, y) in zip(weights, roof, rows))
+        # A tiny pull towards the prior decides between efficiencies the samples cannot tell apart.
+        return err + 1e-9 * (math.log(c / prior_c) ** 2 + math.log(m / prior_m) ** 2), overhead
+
+    lo = math.log(_MIN_EFFICIENCY)
+    grid = [math.exp(lo * (1 - k / 40)) for k in range(41)]  # 0.01 .. 1, ratio ~1.12
+    best = min((cost(c, m)[0], c, m) for c in grid for m in grid)
+    _, c_best, m_best = best
+    ratio = grid[1] / grid[0]
+    for _ in range(8):
+        cs = _around(c_best, ratio)
+        ms = _around(m_best, ratio)
+        best = min((cost(c, m)[0], c, m) for c in cs for m in ms)
+        _, c_best, m_best = best
+        ratio = ratio ** 0.25
+    overhead = cost(c_best, m_best)[1]
+    return Efficiency(compute=c_best, memory=m_best, step_overhead_s=overhead,
+                      tp_overhead_s_per_layer=model.efficiency.tp_overhead_s_per_layer)
+
+
+def _around(x: float, ratio: float, steps: int = 4) -> list[float]:
+    """Log-spaced points from ``x / ratio`` to ``x * ratio``, clipped to [0.01, 1]."""
+    points = {min(1.0, max(_MIN_EFFICIENCY, x * ratio ** (k / steps))) for k in range(-steps, steps + 1)}
+    return sorted(points)
+
+
+def load_calibration(path: str | Path) -> list[tuple[list[SeqWork], float]]:
+    """Measured ``(work, seconds)`` steps from a calibration JSON file (format in the module docstring)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise InvalidInputError(f"no calibration file at {p}") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError(f"calibration file {p} is not valid JSON: {exc}") from None
+    samples = data.get("samples") if isinstance(data, dict) else None
+    if not isinstance(samples, list) or not samples:
+        raise InvalidInputError(f"calibration file {p}: expected an object with a non-empty 'samples' list")
+    out: list[tuple[list[SeqWork], float]] = []
+    for i, sample in enumerate(samples):
+        if not isinstance(sample, dict):
+            raise InvalidInputError(f"calibration sample {i}: expected an object with 'work' and 'seconds'")
+        seconds = sample.get("seconds")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
+            raise InvalidInputError(f"calibration sample {i}: 'seconds' must be a number > 0, got {seconds!r}")
+        work = sample.get("work")
+        if not isinstance(work, list) or not work:
+            raise InvalidInputError(f"calibration sample {i}: 'work' must be a non-empty list of "
+                                    f"[num_new_tokens, context_len] pairs, got {work!r}")
+        seqs = []
+        for j, entry in enumerate(work):
+            if (not isinstance(entry, list) or len(entry) not in (2, 3)
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)):
+                raise InvalidInputError(
+                    f"calibration sample {i}: 'work'[{j}] must be [num_new_tokens, context_len] or "
+                    f"[num_new_tokens, context_len, num_loaded_tokens] of integers >= 0, got {entry!r}"
+                )
+            seqs.append(SeqWork(*entry))
+        out.append((seqs, float(seconds)))
+    return out

@@ -1,0 +1,227 @@
+"""The simulation loop: a workload through the real scheduler and manager, timed by a cost model.
+
+Only block ids move: prompts are ``SyntheticSequence`` runs (or real token ids when a trace
+carries them), so 10,000 requests with 100k-token contexts simulate in seconds to a minute.
+Each step the scheduler picks the batch, the cost model turns it into seconds, and every
+sequence that reached the end of its tokens "samples" one token of its ``out:<id>`` run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from hybridkv.errors import InvalidInputError
+from hybridkv.manager import KVCacheManager
+from hybridkv.planner import PlanInput, make_plan
+from hybridkv.retention import NoRetention
+from hybridkv.scheduler import Admission, Policy, Scheduler, SchedulerConfig
+from hybridkv.sequence import Sequence
+from hybridkv.sim.cost_model import CostModel, SeqWork
+from hybridkv.sim.synthetic import SyntheticSequence
+from hybridkv.sim.workloads import SimRequest, Workload, release_time
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The system being simulated."""
+
+    model: str = "gemma-3-27b"
+    gpu: str = "h100-80gb"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    long_prefill_token_threshold: int = 0
+    retention: str = "window"
+    admission: Admission = "max_utilization"
+    policy: Policy = "fcfs"
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    gpu_memory_bytes: int | None = None
+    kv_cache_tokens: int | None = None
+    """Size the pool to hold this many tokens of the growing groups, instead of the GPU memory."""
+    weights_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    block_size: int = 16
+    samples: int = 400
+    """Points of the KV-usage / hit-rate time series."""
+
+
+@dataclass
+class SimResult:
+    """Figures of one simulation (``summary`` holds the documented JSON keys)."""
+
+    config: SimConfig
+    workload: str
+    summary: dict[str, Any]
+    timeline: list[tuple[float, float, float]] = field(default_factory=list)
+    """(time s, KV usage, cumulative prefix-hit rate)."""
+    ttfts: list[float] = field(default_factory=list)
+
+
+def _percentile(sorted_values: list[float] | array[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return float(sorted_values[k])
+
+
+def build_manager(cfg: SimConfig) -> tuple[KVCacheManager, dict[str, Any]]:
+    """The manager the simulated engine runs on, and the plan report it came from."""
+    inp = PlanInput(model=cfg.model, gpu=cfg.gpu, gpu_memory_bytes=cfg.gpu_memory_bytes,
+                    max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    tensor_parallel_size=cfg.tensor_parallel_size, weights_dtype=cfg.weights_dtype,
+                    kv_dtype=cfg.kv_dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                    block_size=cfg.block_size)
+    plan = make_plan(inp)
+    if not plan.fits or plan.layout is None:
+        raise InvalidInputError(f"{cfg.model}: {plan.report.get('error')}")
+    layout = plan.layout
+    if cfg.kv_cache_tokens:
+        growing = [g for g in layout.groups if g.spec.grows_with_sequence] or list(layout.groups)
+        blocks = sum(-(-cfg.kv_cache_tokens // g.spec.block_size) for g in growing) + 1
+        layout = replace(layout, num_blocks=blocks)
+    retention: str | NoRetention = cfg.retention
+    mgr = KVCacheManager(layout, plan.max_model_len, min(cfg.max_num_batched_tokens, plan.max_model_len),
+                         cfg.enable_prefix_caching, retention=retention)
+    return mgr, plan.report
+
+
+def _make_sequence(req: SimRequest) -> Sequence:
+    if req.token_ids is not None:
+        return Sequence(req.request_id, req.token_ids, req.cache_salt)
+    return SyntheticSequence(req.request_id, req.segments, req.cache_salt)
+
+
+def simulate(workload: Workload, cfg: SimConfig, *,
+             progress: Callable[[int, int], None] | None = None) -> SimResult:
+    """Run ``workload`` on the system ``cfg``; ``progress(done, total)`` is called as requests finish."""
+    mgr, plan = build_manager(cfg)
+    batch = mgr.max_num_batched_tokens
+    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=batch, max_num_seqs=cfg.max_num_seqs,
+                                           long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+                                           policy=cfg.policy, admission=cfg.admission))
+    cost = CostModel.from_preset(cfg.model, cfg.gpu, tensor_parallel_size=cfg.tensor_parallel_size,
+                                 weights_dtype=cfg.weights_dtype, kv_dtype=cfg.kv_dtype)
+    requests = workload.requests
+    total = len(requests)
+    by_id = {r.request_id: r for r in requests}
+    # Requests become eligible at their arrival time, after the previous turn of their conversation
+    # finished, and (closed loop) when fewer than `concurrency` are in flight.
+    prev_turn: dict[str, str] = {}
+    last_of_conv: dict[str, str] = {}
+    for r in sorted(requests, key=lambda r: (r.conversation_id or "", r.turn)):
+        if r.conversation_id is not None:
+            if r.conversation_id in last_of_conv:
+                prev_turn[r.request_id] = last_of_conv[r.conversation_id]
+            last_of_conv[r.conversation_id] = r.request_id
+    blocked_by = {v: k for k, v in prev_turn.items()}
+    ready: list[tuple[float, int, str]] = []
+    order = {r.request_id: i for i, r in enumerate(requests)}
+    for r in requests:
+        if r.request_id not in prev_turn:
+            heapq.heappush(ready, (r.arrival_time, order[r.request_id], r.request_id))
+    concurrency = workload.concurrency
+    in_flight = 0
+    now = 0.0
+    arrival: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    last_token: dict[str, float] = {}
+    itl = array("d")
+    output_tokens = 0
+    done = 0
+    rejected = 0
+    timeline: list[tuple[float, float, float]] = []
+    peak_running = 0
+    steps = 0
+    sample_every = max(1, sum(r.prompt_len + r.max_new_tokens for r in requests) // max(1, batch * cfg.samples))
+    while done < total:
+        while ready and ready[0][0] <= now and (concurrency is None or in_flight < concurrency):
+            _, _, rid = heapq.heappop(ready)
+            req = by_id[rid]
+            arrival[rid] = max(now, req.arrival_time) if concurrency else req.arrival_time
+            sched.add(_make_sequence(req), req.max_new_tokens)  # a rejection is reported by schedule()
+            in_flight += 1
+        if not sched.has_unfinished:
+            if not ready:
+                raise RuntimeError("simulation stalled: requests remain but none can arrive")
+            now = max(now, ready[0][0])
+            continue
+        out = sched.schedule()
+        work = [SeqWork(n, sched.requests[sid].seq.num_computed_tokens) for sid, n in out.num_scheduled_tokens.items()]
+        now += cost.step_time(work) if work else 0.0
+        steps += 1
+        peak_running = max(peak_running, len(sched.running))
+        sampled = {}
+        for sid, n in out.num_scheduled_tokens.items():
+            seq = sched.requests[sid].seq
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sampled[sid] = (1,)
+                if sid in first_token:
+                    itl.append(now - last_token[sid])
+                else:
+                    first_token[sid] = now
+                last_token[sid] = now
+                output_tokens += 1
+        finished = sched.update(out, sampled)
+        ended = [r.seq_id for r in finished] + [sid for sid, _ in out.rejected]
+        rejected += len(out.rejected)
+        for sid in ended:
+            done += 1
+            in_flight -= 1
+            nxt = blocked_by.get(sid)
+            if nxt is not None:
+                when = release_time(by_id[nxt], now, workload.think_time_s)
+                heapq.heappush(ready, (when, order[nxt], nxt))
+        if progress and ended:
+            progress(done, total)
+        if steps % sample_every == 0:
+            timeline.append((now, mgr.usage, mgr.stats.hit_rate))
+    timeline.append((now, mgr.usage, mgr.stats.hit_rate))
+    ttfts = sorted(first_token[sid] - arrival[sid] for sid in first_token)
+    itl_sorted = sorted(itl)
+    st = mgr.stats
+    summary: dict[str, Any] = {
+        "workload": workload.name,
+        "model": cfg.model,
+        "gpu": cfg.gpu,
+        "retention": mgr.retention.name,
+        "admission": cfg.admission,
+        "requests": total,
+        "finished": sched.stats.finished,
+        "rejected": rejected,
+        "preemptions": sched.stats.preemptions,
+        "steps": steps,
+        "duration_s": now,
+        "output_tokens": output_tokens,
+        "throughput_tokens_per_s": output_tokens / now if now else 0.0,
+        "throughput_requests_per_s": sched.stats.finished / now if now else 0.0,
+        "prefix_hit_rate": st.hit_rate,
+        "hit_tokens": st.hit_tokens,
+        "queried_tokens": st.queried_tokens,
+        "ttft_p50_s": _percentile(ttfts, 0.5),
+        "ttft_p90_s": _percentile(ttfts, 0.9),
+        "ttft_p99_s": _percentile(ttfts, 0.99),
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
+        "itl_p50_s": _percentile(itl_sorted, 0.5),
+        "itl_p90_s": _percentile(itl_sorted, 0.9),
+        "itl_p99_s": _percentile(itl_sorted, 0.99),
+        "kv_capacity_tokens": plan["kv_capacity_tokens"] if cfg.kv_cache_tokens is None else None,
+        "num_blocks": mgr.layout.num_blocks,
+        "max_concurrency": plan["max_concurrency"],
+        "peak_running": peak_running,
+        "kv_usage_mean": sum(u for _, u, _ in timeline) / len(timeline),
+        "kv_usage_max": max(u for _, u, _ in timeline),
+    }
+    if cfg.kv_cache_tokens is not None:
+        from hybridkv.layout import capacity_report
+
+        rep = capacity_report(mgr.layout, max_model_len=mgr.max_model_len, max_num_batched_tokens=batch)
+        summary["kv_capacity_tokens"] = rep.token_capacity
+        summary["max_concurrency"] = rep.max_concurrency
+    return SimResult(cfg, workload.name, summary, timeline, ttfts)
