@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import compress
+from operator import not_
 
 from hybridkv.errors import InvalidInputError
 
@@ -68,6 +70,11 @@ class AllBlocksCleared:
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def _unreferenced(ref: list[int], blocks: list[int]) -> list[int]:
+    """The entries of ``blocks`` whose reference count is 0, in order (C-speed filter)."""
+    return list(compress(blocks, map(not_, map(ref.__getitem__, blocks))))
+
+
 class BlockPool:
     """Block ids ``1 .. num_blocks - 1``, their reference counts, hashes and free tiers."""
 
@@ -89,6 +96,8 @@ class BlockPool:
         "_anchored",
         "_num_reserved",
         "_events",
+        "evictions",
+        "_dups",
     )
 
     def __init__(
@@ -114,8 +123,10 @@ class BlockPool:
         self._block_group = bytearray(num_blocks)
         self._tier = bytearray([_FRESH]) * num_blocks
         self._tier[NULL_BLOCK] = _HELD
-        # Per group: hash -> block id, or an ordered dict of ids when several blocks hold it.
-        self.index: list[dict[bytes, int | dict[int, None]]] = [{} for _ in range(num_groups)]
+        # Per group: hash -> the block that serves it; further blocks with the same hash (two
+        # sequences computed one prefix at once) wait in `_dups` and take over on eviction.
+        self.index: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
+        self._dups: list[dict[bytes, list[int]]] = [{} for _ in range(num_groups)]
         self._uncached: list[int] = []
         self._next_fresh = 1
         self._low: OrderedDict[int, None] = OrderedDict()
@@ -124,6 +135,7 @@ class BlockPool:
         self._anchored: dict[int, dict[int, None]] = {}  # anchor block -> its retained windows
         self._num_reserved = 0  # retained blocks whose anchor has ref_cnt > 0
         self._events: list[KVCacheEvent] = []
+        self.evictions = 0  # hashes dropped so far: a hit looked up at the same count is still valid
 
     # ------------------------------------------------------------------ counts
     @property
@@ -160,10 +172,7 @@ class BlockPool:
     # ------------------------------------------------------------------ lookup
     def get_cached_block(self, group: int, block_hash: bytes) -> int | None:
         """A block of ``group`` holding ``block_hash``, or None."""
-        hit = self.index[group].get(block_hash)
-        if hit is None or isinstance(hit, int):
-            return hit
-        return next(iter(hit))
+        return self.index[group].get(block_hash)
 
     # ------------------------------------------------------------------ allocate
     def admission_cost(self, hit_blocks: Iterable[int]) -> int:
@@ -173,9 +182,13 @@ class BlockPool:
         windows (those not among the hits) into reserved blocks.
         """
         ref = self.ref_cnt
-        if not self._retained:
-            return sum(1 for b in hit_blocks if b and ref[b] == 0)
-        hits = {b for b in hit_blocks if b and ref[b] == 0}
+        blocks = list(hit_blocks)
+        # C-speed count of unreferenced blocks; the null block (always 0) is not one of them.
+        num_free = list(map(ref.__getitem__, blocks)).count(0) - blocks.count(NULL_BLOCK)
+        if not self._retained or not num_free:
+            return num_free
+        hits = set(_unreferenced(ref, blocks))
+        hits.discard(NULL_BLOCK)
         cost = 0
         for b in hits:
             anchor = self._retained.get(b)
@@ -189,26 +202,27 @@ class BlockPool:
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each (cached) block, removing free ones from their tier."""
         ref = self.ref_cnt
+        blocks = block_ids if isinstance(block_ids, list) else list(block_ids)
         tier = self._tier
-        for b in block_ids:
+        for b in _unreferenced(ref, blocks):  # free blocks (and null entries) first
             if b == NULL_BLOCK:
                 continue
-            r = ref[b]
-            if r == 0:
-                t = tier[b]
-                if t == _LRU:
-                    del self._lru[b]
-                elif t == _LOW:
-                    del self._low[b]
-                elif t == _RETAINED:
-                    self._unretain(b)
-                else:
-                    raise AssertionError(f"touch of block {b} in tier {_TIER_NAMES[t]}: not cached")
-                tier[b] = _HELD
-                windows = self._anchored.get(b)
-                if windows:
-                    self._num_reserved += len(windows)
-            ref[b] = r + 1
+            t = tier[b]
+            if t == _LRU:
+                del self._lru[b]
+            elif t == _LOW:
+                del self._low[b]
+            elif t == _RETAINED:
+                self._unretain(b)
+            else:
+                raise AssertionError(f"touch of block {b} in tier {_TIER_NAMES[t]}: not cached")
+            tier[b] = _HELD
+            windows = self._anchored.get(b)
+            if windows:
+                self._num_reserved += len(windows)
+        for b in blocks:
+            ref[b] += 1
+        ref[NULL_BLOCK] = 0  # null entries were counted above; the null block has no count
 
     def allocate(self, num_blocks: int, *, allow_reserved: bool) -> list[int]:
         """Take ``num_blocks`` free blocks (reference count 1 each), evicting cached ones lazily.
@@ -256,15 +270,22 @@ class BlockPool:
             return
         group = self._block_group[b]
         idx = self.index[group]
-        cur = idx[h]
-        if type(cur) is int:
-            del idx[h]
+        dups = self._dups[group]
+        if idx[h] == b:
+            others = dups.get(h)
+            if others:
+                idx[h] = others.pop()
+                if not others:
+                    del dups[h]
+            else:
+                del idx[h]
         else:
-            assert isinstance(cur, dict)
-            del cur[b]
-            if len(cur) == 1:
-                idx[h] = next(iter(cur))
+            others = dups[h]
+            others.remove(b)
+            if not others:
+                del dups[h]
         self.block_hash[b] = None
+        self.evictions += 1
         if self.enable_events:
             self._events.append(BlockRemoved(group, (h,)))
         windows = self._anchored.pop(b, None)
@@ -291,27 +312,33 @@ class BlockPool:
         Blocks reaching zero go to ``uncached`` without a hash, to the ``lru`` tail with one.
         """
         ref = self.ref_cnt
+        blocks = block_ids if isinstance(block_ids, list) else list(block_ids)
+        for b in blocks:
+            ref[b] -= 1
+        ref[NULL_BLOCK] = 0  # null entries are not counted
+        if blocks and min(map(ref.__getitem__, blocks)) < 0:
+            bad = next(b for b in blocks if ref[b] < 0)
+            for b in blocks:  # undo, so the failure changes nothing
+                ref[b] += 1
+            ref[NULL_BLOCK] = 0
+            raise AssertionError(f"block {bad} freed more often than referenced")
         tier = self._tier
         hashes = self.block_hash
         lru = self._lru
-        for b in block_ids:
+        anchored = self._anchored
+        for b in _unreferenced(ref, blocks):
             if b == NULL_BLOCK:
                 continue
-            r = ref[b] - 1
-            ref[b] = r
-            if r == 0:
-                if hashes[b] is None:
-                    tier[b] = _UNCACHED
-                    self._uncached.append(b)
-                else:
-                    tier[b] = _LRU
-                    lru[b] = None
-                windows = self._anchored.get(b)
+            if hashes[b] is None:
+                tier[b] = _UNCACHED
+                self._uncached.append(b)
+            else:
+                tier[b] = _LRU
+                lru[b] = None
+            if anchored:
+                windows = anchored.get(b)
                 if windows:
                     self._num_reserved -= len(windows)
-            elif r < 0:
-                ref[b] = 0
-                raise AssertionError(f"block {b} freed more often than referenced")
 
     def free_low(self, block_ids: Iterable[int]) -> None:
         """Like ``free``, but cached blocks reaching zero go to the ``low`` tier."""
@@ -391,13 +418,10 @@ class BlockPool:
         for b, h in zip(block_ids, block_hashes):
             hashes[b] = h
             gid[b] = group
-            cur = idx.get(h)
-            if cur is None:
-                idx[h] = b
-            elif type(cur) is int:
-                idx[h] = {cur: None, b: None}
+            if h in idx:
+                self._dups[group].setdefault(h, []).append(b)
             else:
-                cur[b] = None  # type: ignore[index]
+                idx[h] = b
         if self.enable_events and block_ids:
             self._events.append(BlockStored(group, tuple(block_hashes), tuple(block_ids)))
 
@@ -412,8 +436,11 @@ class BlockPool:
             tier.clear()
         self._anchored.clear()
         self._num_reserved = 0
+        self.evictions += 1
         for idx in self.index:
             idx.clear()
+        for dups in self._dups:
+            dups.clear()
         self.block_hash = [None] * self.num_blocks
         if self.enable_events:
             self._events.append(AllBlocksCleared())
@@ -463,12 +490,12 @@ class BlockPool:
                 reserved += len(windows)
         assert sum(len(w) for w in self._anchored.values()) == len(self._retained), "retained tier"
         assert reserved == self._num_reserved, f"reserved count {self._num_reserved} != {reserved}"
-        for group, idx in enumerate(self.index):
-            for h, cur in idx.items():
-                ids = [cur] if isinstance(cur, int) else list(cur)
-                assert ids, f"empty index entry in group {group}"
-                for b in ids:
+        for group, (idx, dups) in enumerate(zip(self.index, self._dups)):
+            for h, others in dups.items():
+                assert others and h in idx, f"group {group}: duplicates of a hash no block serves"
+            for h, first in idx.items():
+                for b in (first, *dups.get(h, ())):
                     assert self.block_hash[b] == h, f"index of group {group} maps a hash to block {b}"
                     assert self._block_group[b] == group, f"block {b} indexed in the wrong group"
-        indexed = sum(1 if isinstance(c, int) else len(c) for idx in self.index for c in idx.values())
+        indexed = sum(len(idx) for idx in self.index) + sum(len(o) for d in self._dups for o in d.values())
         assert indexed == self.num_cached_blocks, "hashed blocks missing from the index"

@@ -34,6 +34,8 @@ class CacheHit:
     block_ids: tuple[tuple[int, ...], ...]
     full_hit_tokens: int = 0
     max_hit_tokens: int = 0
+    epoch: int = -1
+    """The pool's eviction count at lookup: while unchanged, every hit block is still cached."""
 
     @property
     def num_blocks(self) -> int:
@@ -96,7 +98,7 @@ class Coordinator:
             tuple(found.get(g.group, ())[: bound // g.block_size]) if g.constrains_hits and bound else ()
             for g in self.groups
         )
-        return CacheHit(seq.seq_id, bound, block_ids, full_hit, max_hit)
+        return CacheHit(seq.seq_id, bound, block_ids, full_hit, max_hit, self.pool.evictions)
 
     # ------------------------------------------------------------------ allocation
     def adopt(self, seq: Sequence, hit_blocks: list[list[int]]) -> None:
@@ -106,5 +108,5 @@ class Coordinator:
         hit block not yet referenced is a free block it could pop.
         """
         for g, blocks in zip(self.groups, hit_blocks):
-            self.pool.touch(blocks)
+            self.pool.touch(list(filter(None, blocks)))  # window hits are mostly null: skip those
             g.adopt(seq.seq_id, blocks)

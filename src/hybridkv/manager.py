@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from itertools import compress
 from dataclasses import dataclass, field
 
 from hybridkv.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
@@ -219,13 +220,13 @@ class KVCacheManager:
         for g, blocks in zip(groups, hit_blocks):
             step = g.num_new_blocks(sid, blocks, computed, num_external_tokens, total)
             if whole_sequence_must_fit:
-                held = g.held_blocks(sid) if running else sum(1 for b in blocks if b != NULL_BLOCK)
+                held = g.held_blocks(sid) if running else len(blocks) - blocks.count(NULL_BLOCK)
                 step = max(step, g.whole_sequence_blocks(seq.num_tokens + num_lookahead_tokens) - held)
             need += step
         if running:
             available = pool.num_free_blocks
         else:
-            need += pool.admission_cost(b for blocks in hit_blocks for b in blocks)
+            need += pool.admission_cost([b for blocks in hit_blocks for b in filter(None, blocks)])
             available = pool.num_admissible_blocks
         if need > available:
             self._stats.allocation_failures += 1
@@ -311,16 +312,19 @@ class KVCacheManager:
             raise InvalidInputError(
                 f"hit of {hit.num_tokens} tokens does not fit sequence {seq.seq_id!r} of {seq.num_tokens} tokens"
             )
+        if hit.epoch == self.pool.evictions:
+            return  # nothing was evicted since the lookup: the hit blocks still hold their prefix
         for g, ids in zip(self.groups, hit.block_ids):
             if not ids:
                 continue
             hashes = self.coordinator.hashes(seq, g)
-            for i, b in enumerate(ids):
-                if b != NULL_BLOCK and (i >= len(hashes) or self.pool.block_hash[b] != hashes[i]):
-                    raise InvalidInputError(
-                        f"hit block {b} of group {g.group} no longer holds this prefix (evicted since "
-                        f"the lookup): look the sequence up again"
-                    )
+            # C-speed comparison of the non-null hit blocks' hashes with the sequence's.
+            held = list(map(self.pool.block_hash.__getitem__, filter(None, ids)))
+            if len(ids) > len(hashes) or held != list(compress(hashes, ids)):
+                raise InvalidInputError(
+                    f"hit blocks of group {g.group} no longer hold this prefix (evicted since the lookup): "
+                    f"look the sequence up again"
+                )
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:

@@ -55,15 +55,16 @@ class NoRetention:
         assert self.coord is not None
         self.coord.pool.free([b for _, b in freed])
 
-    def release_sequence(self, seq: Sequence, tables: list[list[int]]) -> None:
+    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]]) -> None:
         """Release all of a sequence's blocks (finished or preempted), group by group.
 
-        Within a group the last block goes first, so a sequence's tail is evicted before the
-        prefix it shares with others.
+        ``tables[g]`` is ``(offset, entries)``: group ``g``'s table from index ``offset`` on
+        (earlier entries were dropped). Within a group the last block goes first, so a
+        sequence's tail is evicted before the prefix it shares with others.
         """
         assert self.coord is not None
-        for table in tables:
-            self.coord.pool.free(reversed(table))
+        for _, entries in tables:
+            self.coord.pool.free(entries[::-1])
 
     def reset(self) -> None:
         """The prefix cache was cleared."""
@@ -171,7 +172,7 @@ class WindowRetention(NoRetention):
             return
         self._classify(group, seq, freed, dropped=True)
 
-    def release_sequence(self, seq: Sequence, tables: list[list[int]]) -> None:
+    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]]) -> None:
         coord = self.coord
         assert coord is not None
         if coord.anchor is None:
@@ -181,13 +182,13 @@ class WindowRetention(NoRetention):
         order = sorted(range(len(tables)), key=lambda k: coord.groups[k].downward_closed)
         for k in order:
             g = coord.groups[k]
-            table = tables[k]
+            offset, entries = tables[k]
             if g.caching and not g.downward_closed:
-                freed = [(i, table[i]) for i in range(len(table) - 1, -1, -1) if table[i] != NULL_BLOCK]
+                freed = [(offset + i, entries[i]) for i in range(len(entries) - 1, -1, -1) if entries[i]]
                 # The sequence's own anchor table is gone already: look blocks up by hash.
                 self._classify(g, seq, freed, dropped=False)
             else:
-                coord.pool.free(reversed(table))
+                coord.pool.free(entries[::-1])
 
     def reset(self) -> None:
         self._junctions.clear()

@@ -155,20 +155,21 @@ class KindManager:
         self.pool.cache_blocks(self.group, ids, hs)
         self.num_cached[seq_id] = end
 
-    def pop_table(self, seq_id: str) -> list[int]:
-        """Forget the sequence; return its table (the caller frees the blocks)."""
+    def pop_table(self, seq_id: str) -> tuple[int, list[int]]:
+        """Forget the sequence; return ``(offset, entries)``: its table from the first entry not
+        yet dropped (everything before ``offset`` is null). The caller frees the blocks."""
         self.num_cached.pop(seq_id, None)
-        self.num_dropped.pop(seq_id, None)
-        return self.tables.pop(seq_id, [])
+        offset = self.num_dropped.pop(seq_id, 0)
+        table = self.tables.pop(seq_id, [])
+        return offset, table[offset:]
 
 
 def scan_left_to_right(pool: BlockPool, group: int, hashes: list[bytes], start: int, end: int) -> list[int]:
     """Cached blocks for ``hashes[start:end]`` up to the first miss."""
-    index = pool.index[group]
-    out: list[int] = []
-    for i in range(start, end):
-        hit = index.get(hashes[i])
-        if hit is None:
-            break
-        out.append(hit if type(hit) is int else next(iter(hit)))  # type: ignore[arg-type]
-    return out
+    # map() runs the dict lookups at C speed: a long chain costs ~50 ns per block.
+    found: list[int | None] = list(map(pool.index[group].get, hashes[start:end]))
+    try:
+        del found[found.index(None):]
+    except ValueError:
+        pass
+    return found  # type: ignore[return-value]

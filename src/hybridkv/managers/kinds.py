@@ -43,7 +43,7 @@ class SlidingWindowManager(KindManager):
                 run.clear()
                 i -= 1
                 continue
-            run.append(hit if type(hit) is int else next(iter(hit)))  # type: ignore[arg-type]
+            run.append(hit)
             if len(run) >= need:
                 end = i + len(run)
                 return end * self.block_size, [NULL_BLOCK] * i + run[::-1]
@@ -105,8 +105,7 @@ class MambaManager(KindManager):
         for i in range(min(max_tokens // self.block_size, len(hashes)) - 1, -1, -1):
             hit = index.get(hashes[i])
             if hit is not None:
-                b = hit if type(hit) is int else next(iter(hit))  # type: ignore[arg-type]
-                return (i + 1) * self.block_size, [NULL_BLOCK] * i + [b]
+                return (i + 1) * self.block_size, [NULL_BLOCK] * i + [hit]
         return 0, []
 
     def hit_window(self, boundary: int) -> tuple[int, int]:
@@ -203,7 +202,7 @@ class CrossAttentionManager(KindManager):
         self.num_cached.setdefault(seq_id, 0)
         return new
 
-    def pop_table(self, seq_id: str) -> list[int]:
+    def pop_table(self, seq_id: str) -> tuple[int, list[int]]:
         self.encoder_tokens.pop(seq_id, None)
         return super().pop_table(seq_id)
 

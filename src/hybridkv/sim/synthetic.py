@@ -43,15 +43,17 @@ class _ChainMemo:
 _MEMO = _ChainMemo()
 
 
-def _extend(hashes: list[int], runs: list[tuple[str, int]], start_tokens: int, block_size: int, total: int) -> None:
-    """Append hashes of the full blocks in ``[start_tokens, total)`` given all content runs."""
+def _extend(hashes: list[int], runs: list[tuple[str, int]], root: int, block_size: int, total: int) -> None:
+    """Append the hashes of the full blocks of the first ``total`` tokens that ``hashes`` lacks.
+
+    ``root`` is the parent of the first block (it carries the cache salt)."""
     # Walk runs to find the run containing each block's span; a block's content is the list
     # of (key, offset, length) pieces it covers.
     num_blocks = total // block_size
     i = len(hashes)
     if i >= num_blocks:
         return
-    parent = hashes[-1] if hashes else 0
+    parent = hashes[-1] if hashes else root
     pos = i * block_size
     run_idx, run_start = 0, 0
     while run_idx < len(runs) and run_start + runs[run_idx][1] <= pos:
@@ -85,7 +87,7 @@ def _extend(hashes: list[int], runs: list[tuple[str, int]], start_tokens: int, b
 class SyntheticSequence(Sequence):
     """A sequence known by its content runs and length; see the module docstring."""
 
-    __slots__ = ("segments", "_num_tokens", "_hashes", "_hash_bs", "_runs_key")
+    __slots__ = ("segments", "_num_tokens", "_hashes", "_hash_bs", "_runs_key", "_root")
 
     def __init__(self, seq_id: str, segments: Segments, cache_salt: str | None = None) -> None:
         if not segments or any(n <= 0 for _, n in segments):
@@ -97,6 +99,7 @@ class SyntheticSequence(Sequence):
         self._hashes: list[int] = []
         self._hash_bs = 0
         self._runs_key: tuple[object, ...] = (cache_salt, *self.segments)
+        self._root = hash(("hybridkv-salt", cache_salt)) if cache_salt is not None else 0
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +123,7 @@ class SyntheticSequence(Sequence):
         total = self._num_tokens
         if len(self._hashes) < total // block_size:
             runs = [*self.segments, (f"out:{self.seq_id}", total - self.num_prompt_tokens)]
-            _extend(self._hashes, runs, 0, block_size, total)
+            _extend(self._hashes, runs, self._root, block_size, total)
         return self._hashes  # type: ignore[return-value]
 
     def _prompt_hashes(self, block_size: int) -> list[int]:
@@ -140,7 +143,7 @@ class SyntheticSequence(Sequence):
         for m in range(1, len(segs)):
             covered += segs[m - 1][1]
             if m >= start:
-                _extend(hashes, runs, 0, block_size, covered)
+                _extend(hashes, runs, self._root, block_size, covered)
                 _MEMO.put((block_size, salt, *segs[:m]), list(hashes))
-        _extend(hashes, runs, 0, block_size, self.num_prompt_tokens)
+        _extend(hashes, runs, self._root, block_size, self.num_prompt_tokens)
         return hashes
