@@ -11,7 +11,7 @@ from hybridkv.cli import main
 from hybridkv.sim.simulator import SimConfig, build_manager, simulate
 from hybridkv.sim.synthetic import SyntheticSequence
 from hybridkv.sim.trace import write_trace
-from hybridkv.sim.workloads import ClosedLoop, Poisson, multi_turn_chat, shared_prefix
+from hybridkv.sim.workloads import ClosedLoop, Poisson, SimRequest, Workload, multi_turn_chat, shared_prefix
 
 SMALL = SimConfig(model="gemma-3-1b", gpu="l4-24gb", max_model_len=8192, max_num_batched_tokens=2048,
                   kv_cache_tokens=60_000)
@@ -66,7 +66,7 @@ def test_seed003_planned_concurrency_is_what_the_simulation_reaches() -> None:
     # its final length: the number running at once is exactly the planned max concurrency.
     cfg = SimConfig(**{**SMALL.__dict__, "max_model_len": 1024, "kv_cache_tokens": 30_000, "retention": "none",
                        "admission": "guaranteed_no_preemption"})
-    w = shared_prefix(16, 16, 256, 0, max_new_tokens=768, arrivals=ClosedLoop(16), seed=4)
+    w = Workload([SimRequest(f"r{i}", 0.0, ((f"unique-{i}", 256),), 768) for i in range(16)], 16, "unique")
     s = simulate(w, cfg).summary
     assert s["peak_running"] == s["max_concurrency"] > 1
     assert s["preemptions"] == 0 and s["finished"] == 16

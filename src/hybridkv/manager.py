@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
-from itertools import compress
 from dataclasses import dataclass, field
+from itertools import chain, compress
 
 from hybridkv.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
 from hybridkv.coordinator import CacheHit, Coordinator
@@ -35,6 +35,9 @@ class KVCacheStats:
     def hit_rate(self) -> float:
         """``hit_tokens / queried_tokens`` (0 before any admission)."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+_NO_BLOCKS: list[int] = []
 
 
 def _check_count(name: str, value: object) -> int:
@@ -95,6 +98,8 @@ class KVCacheManager:
         self.retention.bind(self.coordinator)
         self._seqs: dict[str, Sequence] = {}
         self._stats = KVCacheStats()
+        # Groups whose kind drops tokens behind a window (the others never free mid-sequence).
+        self._droppers = [g for g in self.groups if type(g).skipped_tokens is not KindManager.skipped_tokens]
 
     # ------------------------------------------------------------------ queries
     @property
@@ -163,6 +168,9 @@ class KVCacheManager:
         against the free blocks, adopt the hit in every group (two-phase), allocate for the
         external and the new tokens, register the full blocks this step computes.
         """
+        if (hit is None and not num_external_tokens and not whole_sequence_must_fit
+                and self._seqs.get(getattr(seq, "seq_id", None)) is seq):  # type: ignore[arg-type]
+            return self._grow(seq, num_new_tokens, num_lookahead_tokens)
         self._check_sequence(seq)
         _check_count("num_new_tokens", num_new_tokens)
         _check_count("num_external_tokens", num_external_tokens)
@@ -226,7 +234,7 @@ class KVCacheManager:
         if running:
             available = pool.num_free_blocks
         else:
-            need += pool.admission_cost([b for blocks in hit_blocks for b in filter(None, blocks)])
+            need += pool.admission_cost(list(filter(None, chain.from_iterable(hit_blocks))))
             available = pool.num_admissible_blocks
         if need > available:
             self._stats.allocation_failures += 1
@@ -253,7 +261,8 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             coord = self.coordinator
             for g in groups:
-                if g.caching:
+                # Hashes are only fetched when the step completes a block (a decode rarely does).
+                if g.caching and known // g.block_size > g.num_cached[sid]:
                     g.cache_full_blocks(sid, coord.hashes(seq, g), known)
         if not running:
             st = self._stats
@@ -263,6 +272,38 @@ class KVCacheManager:
             st.external_tokens += num_external_tokens
             assert hit is not None
             self.retention.on_admit(seq, hit)
+        return new_blocks
+
+    def _grow(self, seq: Sequence, num_new_tokens: int, num_lookahead_tokens: int) -> tuple[list[int], ...] | None:
+        """``allocate`` for a running sequence: the per-step path (decodes, prefill chunks), kept lean."""
+        if type(num_new_tokens) is not int or num_new_tokens < 0:
+            _check_count("num_new_tokens", num_new_tokens)
+        if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
+            _check_count("num_lookahead_tokens", num_lookahead_tokens)
+        sid = seq.seq_id
+        computed = seq.num_computed_tokens
+        known = computed + num_new_tokens
+        if known > seq.num_tokens or not computed >= 0 or seq.num_tokens > self.max_model_len:
+            self._check_sequence(seq)
+            raise InvalidInputError(
+                f"sequence {sid!r}: {computed} computed + {num_new_tokens} new tokens exceed its {seq.num_tokens} tokens"
+            )
+        total = known + num_lookahead_tokens
+        for g in self._droppers:
+            freed = g.remove_skipped(sid, computed)
+            if freed:
+                self.retention.release_dropped(g, seq, freed)
+        need = 0
+        for g in self.groups:
+            need += g.num_new_blocks(sid, _NO_BLOCKS, computed, 0, total)
+        if need > self.pool.num_free_blocks:
+            self._stats.allocation_failures += 1
+            return None
+        new_blocks = tuple(g.extend(sid, computed, total, allow_reserved=True) for g in self.groups)
+        if self.enable_prefix_caching:
+            for g in self.groups:
+                if g.caching and known // g.block_size > g.num_cached[sid]:
+                    g.cache_full_blocks(sid, self.coordinator.hashes(seq, g), known)
         return new_blocks
 
     # ------------------------------------------------------------------ free

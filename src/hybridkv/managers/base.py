@@ -63,10 +63,13 @@ class KindManager:
 
         The caller releases the returned blocks (through the retention policy).
         """
+        skipped = self.skipped_tokens(num_computed)
+        if not skipped:
+            return []
         table = self.tables.get(seq_id)
         if not table:
             return []
-        end = min(self.skipped_tokens(num_computed) // self.block_size, len(table))
+        end = min(skipped // self.block_size, len(table))
         start = self.num_dropped.get(seq_id, 0)
         if end <= start:
             return []
@@ -100,6 +103,8 @@ class KindManager:
         for a running one ``hit_blocks`` is empty.
         """
         table = self.tables.get(seq_id)
+        if table is not None and -(-num_tokens // self.block_size) <= len(table):
+            return 0  # a running sequence whose table already covers the step (most decodes)
         length = len(table) if table is not None else len(hit_blocks)
         computed = num_computed + num_external
         count = 0
@@ -122,11 +127,16 @@ class KindManager:
         """Start a table from adopted hit blocks (the caller has touched them)."""
         self.tables[seq_id] = list(blocks)
         self.num_cached[seq_id] = len(blocks)
+        self.num_dropped[seq_id] = _leading_nulls(blocks)
 
     def extend(self, seq_id: str, num_computed: int, num_tokens: int, *, allow_reserved: bool) -> list[int]:
         """Grow the table to hold ``num_tokens`` slots; return the fresh block ids."""
-        table = self.tables.setdefault(seq_id, [])
-        self.num_cached.setdefault(seq_id, 0)
+        table = self.tables.get(seq_id)
+        if table is None:
+            table = self.tables[seq_id] = []
+            self.num_cached[seq_id] = 0
+        elif -(-num_tokens // self.block_size) <= len(table):
+            return []
         new_idx = self._new_indices(len(table), num_computed, num_tokens)
         end = new_idx.stop
         if end <= len(table):
@@ -162,6 +172,14 @@ class KindManager:
         offset = self.num_dropped.pop(seq_id, 0)
         table = self.tables.pop(seq_id, [])
         return offset, table[offset:]
+
+
+def _leading_nulls(blocks: list[int]) -> int:
+    """How many entries at the start of ``blocks`` are the null block (C speed when all nulls lead)."""
+    k = blocks.count(NULL_BLOCK)
+    if NULL_BLOCK not in blocks[k:]:  # all k nulls sit in front
+        return k
+    return next(i for i, b in enumerate(blocks) if b != NULL_BLOCK)
 
 
 def scan_left_to_right(pool: BlockPool, group: int, hashes: list[bytes], start: int, end: int) -> list[int]:
