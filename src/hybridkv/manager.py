@@ -286,7 +286,8 @@ class KVCacheManager:
         if known > seq.num_tokens or not computed >= 0 or seq.num_tokens > self.max_model_len:
             self._check_sequence(seq)
             raise InvalidInputError(
-                f"sequence {sid!r}: {computed} computed + {num_new_tokens} new tokens exceed its {seq.num_tokens} tokens"
+                f"sequence {sid!r}: {computed} computed + {num_new_tokens} new tokens exceed its "
+                f"{seq.num_tokens} tokens"
             )
         total = known + num_lookahead_tokens
         for g in self._droppers:

@@ -186,8 +186,6 @@ def scan_left_to_right(pool: BlockPool, group: int, hashes: list[bytes], start: 
     """Cached blocks for ``hashes[start:end]`` up to the first miss."""
     # map() runs the dict lookups at C speed: a long chain costs ~50 ns per block.
     found: list[int | None] = list(map(pool.index[group].get, hashes[start:end]))
-    try:
+    if None in found:
         del found[found.index(None):]
-    except ValueError:
-        pass
     return found  # type: ignore[return-value]
