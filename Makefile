@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench-retention clean
+.PHONY: demo test lint typecheck bench-retention bench-founding walkthrough clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,8 +12,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,cli,sim]'
 	touch $(STAMP)
 
+# The embedded default: Gemma 3 27B on an H100, 300 requests over 12 shared 16k-token prefixes,
+# simulated with retention none and window side by side (about 25 s).
 demo: $(STAMP)
-	$(BIN)/hybridkv demo
+	$(BIN)/hybridkv simulate --model gemma-3-27b --gpu h100-80gb --max-model-len 32768 \
+		--workload shared-prefix --prefixes 12 --prefix-len 16000 --suffix-len 200 --output-len 64 \
+		--requests 300 --concurrency 16 --compare retention=none,window
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
@@ -28,6 +32,12 @@ typecheck: $(STAMP)
 
 bench-retention: $(STAMP)
 	$(BIN)/python bench/retention.py
+
+bench-founding: $(STAMP)
+	$(BIN)/python bench/founding_scenarios.py --plot docs/seed004_sweep.png
+
+walkthrough: $(STAMP)
+	$(BIN)/hybridkv demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -214,4 +214,4 @@ def print_summary(workload: Workload, results: list[tuple[str, SimResult]]) -> N
         table.add_column(lbl, justify="right")
     for name, vals in rows:
         table.add_row(name, *vals)
-    Console().print(table)
+    Console(width=max(110, Console().width)).print(table)
