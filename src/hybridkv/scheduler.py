@@ -256,7 +256,7 @@ class Scheduler:
         mgr = self.manager
         need = mgr.blocks_needed_when_empty(req.final_len) - hit_blocks
         for r in self.running:
-            held = sum(1 for ids in mgr.block_table(r.seq_id) for b in ids if b)
+            held = sum(g.held_blocks(r.seq_id) for g in mgr.groups)
             need += max(0, mgr.blocks_needed_when_empty(r.final_len) - held)
         return need <= mgr.num_admissible_blocks
 

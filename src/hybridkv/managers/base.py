@@ -88,7 +88,8 @@ class KindManager:
 
     def held_blocks(self, seq_id: str) -> int:
         """Non-null blocks the sequence holds in this group."""
-        return sum(1 for b in self.tables.get(seq_id, ()) if b != NULL_BLOCK)
+        table = self.tables.get(seq_id, [])
+        return len(table) - table.count(NULL_BLOCK)
 
     def adoptable(self, hit_blocks: list[int], num_computed: int) -> list[int]:
         """The hit blocks a new sequence keeps once ``num_computed`` tokens (hit + external) are in."""
