@@ -175,20 +175,23 @@ class BlockPool:
         return self.index[group].get(block_hash)
 
     # ------------------------------------------------------------------ allocate
-    def admission_cost(self, hit_blocks: Iterable[int]) -> int:
+    def unreferenced(self, block_ids: list[int]) -> list[int]:
+        """The blocks of ``block_ids`` (null entries skipped) that no sequence references."""
+        return list(filter(None, _unreferenced(self.ref_cnt, block_ids)))
+
+    def admission_cost(self, hit_blocks: Iterable[int], free: list[int] | None = None) -> int:
         """Admissible free blocks that adopting ``hit_blocks`` (a touch) would consume.
 
         A free hit block leaves its tier; a free anchor that becomes held turns its retained
-        windows (those not among the hits) into reserved blocks.
+        windows (those not among the hits) into reserved blocks. ``free`` may pass
+        ``unreferenced(hit_blocks)`` when the caller has it already.
         """
         ref = self.ref_cnt
-        blocks = list(hit_blocks)
-        # C-speed count of unreferenced blocks; the null block (always 0) is not one of them.
-        num_free = list(map(ref.__getitem__, blocks)).count(0) - blocks.count(NULL_BLOCK)
-        if not self._retained or not num_free:
-            return num_free
-        hits = set(_unreferenced(ref, blocks))
-        hits.discard(NULL_BLOCK)
+        if free is None:
+            free = self.unreferenced(list(hit_blocks))
+        if not self._retained or not free:
+            return len(free)
+        hits = set(free)
         cost = 0
         for b in hits:
             anchor = self._retained.get(b)
@@ -199,13 +202,19 @@ class BlockPool:
                 cost += sum(1 for w in windows if w not in hits)
         return cost
 
-    def touch(self, block_ids: Iterable[int]) -> None:
-        """Take one more reference on each (cached) block, removing free ones from their tier."""
+    def touch(self, block_ids: Iterable[int], free: list[int] | None = None) -> None:
+        """Take one more reference on each (cached) block, removing free ones from their tier.
+
+        ``free`` may pass ``unreferenced(block_ids)`` when the caller has it already.
+        """
         ref = self.ref_cnt
         blocks = block_ids if isinstance(block_ids, list) else list(block_ids)
         tier = self._tier
-        for b in _unreferenced(ref, blocks):  # free blocks (and null entries) first
-            if b == NULL_BLOCK:
+        taken: list[int] = []
+        # Free blocks leave their tier one by one, each counted at once so that an anchor and
+        # its window touched together keep the reservation count right; the rest is one loop.
+        for b in _unreferenced(ref, blocks) if free is None else free:
+            if b == NULL_BLOCK or tier[b] == _HELD:  # null entries; a block listed twice
                 continue
             t = tier[b]
             if t == _LRU:
@@ -217,11 +226,15 @@ class BlockPool:
             else:
                 raise AssertionError(f"touch of block {b} in tier {_TIER_NAMES[t]}: not cached")
             tier[b] = _HELD
+            ref[b] += 1
+            taken.append(b)
             windows = self._anchored.get(b)
             if windows:
                 self._num_reserved += len(windows)
         for b in blocks:
             ref[b] += 1
+        for b in taken:  # counted twice above
+            ref[b] -= 1
         ref[NULL_BLOCK] = 0  # null entries were counted above; the null block has no count
 
     def allocate(self, num_blocks: int, *, allow_reserved: bool) -> list[int]:
@@ -316,18 +329,14 @@ class BlockPool:
         for b in blocks:
             ref[b] -= 1
         ref[NULL_BLOCK] = 0  # null entries are not counted
-        if blocks and min(map(ref.__getitem__, blocks)) < 0:
-            bad = next(b for b in blocks if ref[b] < 0)
-            for b in blocks:  # undo, so the failure changes nothing
-                ref[b] += 1
-            ref[NULL_BLOCK] = 0
-            raise AssertionError(f"block {bad} freed more often than referenced")
+        # A block freed more often than referenced would go negative; check_invariants() reports
+        # it (every free block must have ref_cnt 0). The manager never frees a table twice.
         tier = self._tier
         hashes = self.block_hash
         lru = self._lru
         anchored = self._anchored
         for b in _unreferenced(ref, blocks):
-            if b == NULL_BLOCK:
+            if b == NULL_BLOCK or tier[b] != _HELD:  # null entries; a block listed twice
                 continue
             if hashes[b] is None:
                 tier[b] = _UNCACHED

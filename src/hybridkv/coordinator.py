@@ -101,12 +101,14 @@ class Coordinator:
         return CacheHit(seq.seq_id, bound, block_ids, full_hit, max_hit, self.pool.evictions)
 
     # ------------------------------------------------------------------ allocation
-    def adopt(self, seq: Sequence, hit_blocks: list[list[int]]) -> None:
+    def adopt(self, seq: Sequence, hit_blocks: list[list[int]], live: list[list[int]],
+              free: list[list[int]]) -> None:
         """Phase 1 of seed 002: reference the local hit blocks of *every* group first.
 
         Only after this may any group allocate (phase 2): an allocation pops free blocks, and a
-        hit block not yet referenced is a free block it could pop.
+        hit block not yet referenced is a free block it could pop. ``live[g]`` is group ``g``'s
+        hit without null entries and ``free[g]`` its unreferenced blocks.
         """
-        for g, blocks in zip(self.groups, hit_blocks):
-            self.pool.touch(list(filter(None, blocks)))  # window hits are mostly null: skip those
+        for g, blocks, held, unheld in zip(self.groups, hit_blocks, live, free):
+            self.pool.touch(held, unheld)
             g.adopt(seq.seq_id, blocks)

@@ -234,7 +234,9 @@ class KVCacheManager:
         if running:
             available = pool.num_free_blocks
         else:
-            need += pool.admission_cost(list(filter(None, chain.from_iterable(hit_blocks))))
+            live = [list(filter(None, blocks)) for blocks in hit_blocks]  # window hits are mostly null
+            free = [pool.unreferenced(blocks) for blocks in live]
+            need += pool.admission_cost(list(chain.from_iterable(live)), list(chain.from_iterable(free)))
             available = pool.num_admissible_blocks
         if need > available:
             self._stats.allocation_failures += 1
@@ -242,7 +244,7 @@ class KVCacheManager:
 
         # 4. Adopt the hit in every group before any group allocates (seed 002).
         if not running:
-            self.coordinator.adopt(seq, hit_blocks)
+            self.coordinator.adopt(seq, hit_blocks, live, free)
             self._seqs[sid] = seq
         # 5. Allocate: external tokens first (phase 2), then new tokens.
         allow_reserved = running

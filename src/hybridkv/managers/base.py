@@ -15,6 +15,8 @@ Token layout of one allocation, left to right::
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from hybridkv._util import cdiv
 from hybridkv.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.sequence import Sequence
@@ -176,11 +178,12 @@ class KindManager:
 
 
 def _leading_nulls(blocks: list[int]) -> int:
-    """How many entries at the start of ``blocks`` are the null block (C speed when all nulls lead)."""
-    k = blocks.count(NULL_BLOCK)
-    if NULL_BLOCK not in blocks[k:]:  # all k nulls sit in front
-        return k
-    return next(i for i, b in enumerate(blocks) if b != NULL_BLOCK)
+    """How many entries at the start of a hit table are the null block.
+
+    In a hit the null entries always lead (positions behind a window, before a chunk, superseded
+    states), so a binary search finds the first real block.
+    """
+    return bisect_left(blocks, True, key=bool)
 
 
 def scan_left_to_right(pool: BlockPool, group: int, hashes: list[bytes], start: int, end: int) -> list[int]:
