@@ -287,7 +287,7 @@ class BlockPool:
         if idx[h] == b:
             others = dups.get(h)
             if others:
-                idx[h] = others.pop()
+                idx[h] = others.pop(0)  # the oldest duplicate serves next (the reference's order)
                 if not others:
                     del dups[h]
             else:
