@@ -146,9 +146,14 @@ def _progress(label: str, enabled: bool) -> Callable[[int, int], None] | None:
     if not enabled:
         return None
     state = {"t": 0.0}
+    tty = sys.stderr.isatty()
 
     def report(done: int, total: int) -> None:
         now = time.perf_counter()
+        if not tty:  # a log file gets one line per variant, not a redrawn bar
+            if done == total:
+                sys.stderr.write(f"{label}: {done}/{total} requests simulated\n")
+            return
         if done == total or now - state["t"] > 0.2:
             state["t"] = now
             width = 30
