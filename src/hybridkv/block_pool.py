@@ -357,7 +357,8 @@ class BlockPool:
         """Like ``free``, but cached blocks reaching zero are retained, tied to ``anchor``.
 
         ``anchor`` must be a cached block of another group; when it is evicted the windows go
-        to ``low``. Without a cached anchor this is a plain ``free``.
+        to ``low``. Without a cached anchor this is a plain ``free``; a block that anchors windows
+        itself, or an anchor that is retained, is never retained (one level deep).
         """
         if anchor == NULL_BLOCK or self.block_hash[anchor] is None:
             self.free(block_ids)
@@ -382,6 +383,11 @@ class BlockPool:
             elif tag == _LOW:
                 self._tier[b] = _LOW
                 self._low[b] = None
+            elif b in self._anchored or self._tier[anchor] == _RETAINED:
+                # Retention is one level deep: an anchor is never retained itself (its windows would
+                # count as admissible yet sit behind it), so such a block joins the LRU instead.
+                self._tier[b] = _LRU
+                self._lru[b] = None
             else:
                 self._tier[b] = _RETAINED
                 self._retained[b] = anchor
@@ -398,13 +404,13 @@ class BlockPool:
         Used when a junction is discovered after its window was already freed. Returns how
         many blocks moved.
         """
-        if anchor == NULL_BLOCK or self.block_hash[anchor] is None:
+        if anchor == NULL_BLOCK or self.block_hash[anchor] is None or self._tier[anchor] == _RETAINED:
             return 0
         moved = 0
         anchor_held = self.ref_cnt[anchor] > 0
         for b in block_ids:
             t = self._tier[b]
-            if b == NULL_BLOCK or t not in (_LOW, _LRU):
+            if b == NULL_BLOCK or t not in (_LOW, _LRU) or b in self._anchored:
                 continue
             if t == _LOW:
                 del self._low[b]
