@@ -56,6 +56,8 @@ class TraceResult:
     tok_hit: int = 0
     manager_s: float = 0.0
     calls: dict[str, int] = field(default_factory=dict)
+    call_s: dict[str, float] = field(default_factory=dict)
+    call_n: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -91,8 +93,14 @@ def make_layout(kind: str, cfg: TraceConfig) -> KVCacheLayout:
 
 
 def run_trace(kind: str, cfg: TraceConfig, retention: str | NoRetention = "none",
-              prompts: list[list[int]] | None = None) -> TraceResult:
-    """Replay the trace; returns token counts, hit rate and manager time."""
+              prompts: list[list[int]] | None = None, *, hash_outside: bool = False,
+              events: list[tuple[str, str, int, bool]] | None = None) -> TraceResult:
+    """Replay the trace; returns token counts, hit rate and manager time per call kind.
+
+    ``hash_outside``: compute block hashes before timing each call, as the reference does
+    (its ``Request`` hashes the prompt and every appended token outside the manager calls).
+    ``events`` collects ``(op, request id, hit tokens or tokens, ok)`` for behaviour checks.
+    """
     prompts = prompts if prompts is not None else build_workload(cfg)
     mgr = KVCacheManager(make_layout(kind, cfg), cfg.max_model_len, cfg.token_budget,
                          retention=retention)
@@ -100,9 +108,20 @@ def run_trace(kind: str, cfg: TraceConfig, retention: str | NoRetention = "none"
     res = TraceResult(kind, name, cfg.num_blocks)
     max_tokens = cfg.decode_steps + 1
     waiting: deque[Sequence] = deque(Sequence(f"r{i}", p) for i, p in enumerate(prompts))
+    hasher, hash_bs = mgr.coordinator.hasher, mgr.coordinator.hash_block_size
+    if hash_outside:
+        for seq in waiting:
+            seq.block_hashes(hasher, hash_bs)
+    log = events.append if events is not None else None
     running: list[Sequence] = []
     pc = time.perf_counter
-    t_mgr = 0.0
+    calls: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def timed(kind_: str, t0: float) -> None:
+        calls[kind_] = calls.get(kind_, 0.0) + pc() - t0
+        counts[kind_] = counts.get(kind_, 0) + 1
+
     tok_counter = 0
     while waiting or running:
         res.steps += 1
@@ -116,16 +135,22 @@ def run_trace(kind: str, cfg: TraceConfig, retention: str | NoRetention = "none"
             if n_new <= 0:
                 i += 1
                 continue
+            call = "allocate(decode)" if n_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens \
+                else "allocate(prefill chunk)"
             while True:
                 t = pc()
                 new = mgr.allocate(seq, n_new)
-                t_mgr += pc() - t
+                timed(call, t)
+                if log:
+                    log(("allocate", seq.seq_id, n_new, new is not None))
                 if new is not None:
                     break
                 victim = running.pop()
                 t = pc()
                 mgr.free(victim)
-                t_mgr += pc() - t
+                timed("free", t)
+                if log:
+                    log(("preempt", victim.seq_id, 0, True))
                 victim.num_computed_tokens = 0
                 waiting.appendleft(victim)
                 preempted_now = True
@@ -145,9 +170,13 @@ def run_trace(kind: str, cfg: TraceConfig, retention: str | NoRetention = "none"
             seq = waiting[0]
             t = pc()
             hit = mgr.lookup(seq)
+            timed("lookup", t)
             n_new = min(seq.num_tokens - hit.num_tokens, budget)
+            t = pc()
             new = mgr.allocate(seq, n_new, hit=hit)
-            t_mgr += pc() - t
+            timed("allocate(admit)", t)
+            if log:
+                log(("admit", seq.seq_id, hit.num_tokens, new is not None))
             if new is None:
                 break
             waiting.popleft()
@@ -171,15 +200,21 @@ def run_trace(kind: str, cfg: TraceConfig, retention: str | NoRetention = "none"
                 continue
             tok_counter += 1
             seq.append_token_ids([50000 + tok_counter % 1000])
+            if hash_outside:
+                seq.block_hashes(hasher, hash_bs)
             if seq.num_output_tokens >= max_tokens:
                 t = pc()
                 mgr.free(seq)
-                t_mgr += pc() - t
+                timed("free", t)
+                if log:
+                    log(("free", seq.seq_id, 0, True))
             else:
                 still.append(seq)
         running = still
     assert mgr.num_free_blocks == cfg.num_blocks - 1, "blocks leaked"
     mgr.check_invariants()
-    res.manager_s = t_mgr
+    res.manager_s = sum(calls.values())
+    res.call_s = calls
+    res.call_n = counts
     res.calls = dict(mgr.stats.retention)
     return res
