@@ -105,11 +105,23 @@ class BlockHasher:
         end = len(token_ids) // block_size
         if start >= end:
             return
-        digest = self._digest
-        parent = existing[-1] if existing else self.none_hash
         raw = array("Q", token_ids[start * block_size : end * block_size]).tobytes()
         step = block_size * 8
-        for i in range(end - start):
-            extra = first_extra if start + i == 0 else _EMPTY_EXTRA
-            parent = digest(parent + extra + raw[i * step : (i + 1) * step])
+        pos = 0
+        parent = existing[-1] if existing else self.none_hash
+        if start == 0:  # the first block carries the salt and adapter id
+            parent = self._digest(parent + first_extra + raw[:step])
+            existing.append(parent)
+            pos = step
+        if self.algorithm == "sha256":
+            # The hot loop inlined: one sha256 per block over parent || no extra keys || tokens.
+            sha256 = hashlib.sha256
+            append = existing.append
+            for off in range(pos, len(raw), step):
+                parent = sha256(parent + _EMPTY_EXTRA + raw[off : off + step]).digest()
+                append(parent)
+            return
+        digest = self._digest
+        for off in range(pos, len(raw), step):
+            parent = digest(parent + _EMPTY_EXTRA + raw[off : off + step])
             existing.append(parent)
