@@ -213,10 +213,7 @@ class KVCacheManager:
 
         # 1. Free what the windows no longer need (before counting: it is what makes room).
         if running:
-            for g in groups:
-                freed = g.remove_skipped(sid, computed)
-                if freed:
-                    self.retention.release_dropped(g, seq, freed)
+            self._drop_windows(seq, computed)
         else:
             hit_blocks = [g.adoptable(blocks, computed + num_external_tokens) if blocks else blocks
                           for g, blocks in zip(groups, hit_blocks)]
@@ -260,12 +257,7 @@ class KVCacheManager:
         else:
             new_blocks = tuple(g.extend(sid, computed, total, allow_reserved=allow_reserved) for g in groups)
         # 6. Register the full blocks this step computes.
-        if self.enable_prefix_caching:
-            coord = self.coordinator
-            for g in groups:
-                # Hashes are only fetched when the step completes a block (a decode rarely does).
-                if g.caching and known // g.block_size > g.num_cached[sid]:
-                    g.cache_full_blocks(sid, coord.hashes(seq, g), known)
+        self._register(seq, known)
         if not running:
             st = self._stats
             st.admissions += 1
@@ -292,10 +284,7 @@ class KVCacheManager:
                 f"{seq.num_tokens} tokens"
             )
         total = known + num_lookahead_tokens
-        for g in self._droppers:
-            freed = g.remove_skipped(sid, computed)
-            if freed:
-                self.retention.release_dropped(g, seq, freed)
+        self._drop_windows(seq, computed)
         need = 0
         for g in self.groups:
             need += g.num_new_blocks(sid, _NO_BLOCKS, computed, 0, total)
@@ -303,11 +292,25 @@ class KVCacheManager:
             self._stats.allocation_failures += 1
             return None
         new_blocks = tuple(g.extend(sid, computed, total, allow_reserved=True) for g in self.groups)
-        if self.enable_prefix_caching:
-            for g in self.groups:
-                if g.caching and known // g.block_size > g.num_cached[sid]:
-                    g.cache_full_blocks(sid, self.coordinator.hashes(seq, g), known)
+        self._register(seq, known)
         return new_blocks
+
+    def _drop_windows(self, seq: Sequence, computed: int) -> None:
+        """Release the blocks every window has left behind once ``computed`` tokens are in."""
+        for g in self._droppers:
+            freed = g.remove_skipped(seq.seq_id, computed)
+            if freed:
+                self.retention.release_dropped(g, seq, freed)
+
+    def _register(self, seq: Sequence, known: int) -> None:
+        """Enter into the prefix cache the full blocks of the first ``known`` tokens."""
+        if not self.enable_prefix_caching:
+            return
+        sid = seq.seq_id
+        for g in self.groups:
+            # Hashes are only fetched when the step completes a block (a decode rarely does).
+            if g.caching and known // g.block_size > g.num_cached[sid]:
+                g.cache_full_blocks(sid, self.coordinator.hashes(seq, g), known)
 
     # ------------------------------------------------------------------ free
     def free(self, seq: Sequence | str) -> None:
