@@ -23,6 +23,7 @@ per-request bounds, still fits -- no sequence is ever preempted.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -174,10 +175,18 @@ class Scheduler:
             self._reject(req, f"needs {need} blocks at its full length of {req.final_len} tokens; "
                               f"the pool has {usable}")
             return req
-        self.waiting.append(req)
-        if self.config.policy == "priority":
-            self.waiting.sort(key=lambda r: r.order_key("priority"))
+        self._enqueue(req, front=False)
         return req
+
+    def _enqueue(self, req: Request, *, front: bool) -> None:
+        """Queue ``req``: by (priority, arrival) under ``priority``, else at the back or the front."""
+        req.status = Status.WAITING
+        if self.config.policy == "priority":
+            insort(self.waiting, req, key=lambda r: r.order_key("priority"))
+        elif front:
+            self.waiting.insert(0, req)
+        else:
+            self.waiting.append(req)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -191,7 +200,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             seq = req.seq
-            n = self._chunk(req, budget)
+            n = self._chunk(seq, seq.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -216,11 +225,11 @@ class Scheduler:
         self.stats.steps += 1
         return out
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        seq = req.seq
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens ``seq`` computes this step from token ``start`` on (prompt chunks capped)."""
+        n = min(seq.num_tokens - start, budget)
         threshold = self.config.long_prefill_token_threshold
-        if threshold and seq.num_computed_tokens < seq.num_prompt_tokens:
+        if threshold and start < seq.num_prompt_tokens:
             n = min(n, threshold)
         return n
 
@@ -231,10 +240,7 @@ class Scheduler:
             req = self.waiting[0]
             seq = req.seq
             hit = mgr.lookup(seq)
-            n = min(seq.num_tokens - hit.num_tokens, budget)
-            threshold = cfg.long_prefill_token_threshold
-            if threshold and hit.num_tokens < seq.num_prompt_tokens:
-                n = min(n, threshold)
+            n = self._chunk(seq, hit.num_tokens, budget)
             if cfg.admission == "guaranteed_no_preemption" and not self._growth_fits(req, hit.num_blocks):
                 break
             new = mgr.allocate(seq, n, hit=hit, whole_sequence_must_fit=True)
@@ -286,10 +292,7 @@ class Scheduler:
             out.rejected.extend(self._pending_rejections)
             self._pending_rejections = []
             return returned
-        victim.status = Status.WAITING
-        self.waiting.insert(0, victim)
-        if self.config.policy == "priority":
-            self.waiting.sort(key=lambda r: r.order_key("priority"))
+        self._enqueue(victim, front=True)
         return returned
 
     def _reject(self, req: Request, reason: str) -> None:
