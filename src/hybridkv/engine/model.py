@@ -1,0 +1,154 @@
+"""Gemma 3 text forward pass over a paged KV cache whose block tables come from hybridkv.
+
+One step runs a packed batch: the new tokens of every scheduled sequence in one ``[T, hidden]``
+tensor. Projections, norms and the MLP run on the packed batch; attention runs per *part*: one
+part per prefill chunk (its queries, the keys it may see, a causal/window mask) and one part for
+all single-token decodes together (keys padded to the longest context, padding masked).
+
+KV memory is shared by the groups the way hybridkv plans it: a group of ``n`` layers uses ``n``
+per-slot tensors ``[num_blocks * block_size, kv_heads, head_dim]``; layer ``j`` of every group
+writes tensor ``j`` at the block ids of its own group, so one block id holds one page per layer
+of the group that owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, LayerWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm in float32; ``weight`` already holds ``1 + w`` (as the GGUF stores it)."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return out.to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[T, 1, head_dim]`` for rotate-half RoPE."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+                               / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class AttentionPart:
+    """One attention call: some queries of the packed batch against keys gathered by slot."""
+
+    query_rows: torch.Tensor
+    """``[B, Q]`` indices into the packed batch."""
+    mask: torch.Tensor
+    """``[B, 1, Q, L]`` True where a query may see a key."""
+    key_slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per hybridkv group of this part's kind: ``[B, L]`` key slots (block id * block size + offset)."""
+
+
+@dataclass
+class StepInputs:
+    """Everything one forward pass needs, built by the engine from the scheduler's output."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: list[torch.Tensor]
+    """Per group: the slot each new token's K/V is written to."""
+    parts: dict[int | None, list[AttentionPart]]
+    """Attention parts by the window of the groups they serve (``None``: full attention)."""
+    logits_rows: torch.Tensor
+    """Rows of the packed batch whose next-token logits are needed."""
+
+
+class PagedKVCache:
+    """The KV tensors: ``slots_per_group`` key and value tensors shared by all groups."""
+
+    def __init__(self, num_blocks: int, block_size: int, slots_per_group: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots_per_group)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots_per_group)]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class Gemma3Model:
+    """The forward pass.
+
+    ``layer_slots[i] = (group, slot)`` places layer ``i`` in the KV cache; ``group_windows[g]`` is
+    the sliding window group ``g`` attends over (``None``: all previous tokens). The window comes
+    from the layout, not the layer, so a layout that plans every layer as full attention runs the
+    model without its windows (the tests' negative control).
+    """
+
+    def __init__(self, weights: Gemma3Weights, kv: PagedKVCache, layer_slots: list[tuple[int, int]],
+                 group_windows: list[int | None]) -> None:
+        self.w = weights
+        self.cfg: Gemma3Config = weights.config
+        self.kv = kv
+        self.layer_slots = layer_slots
+        self.group_windows = group_windows
+        self.dtype = weights.embed.dtype
+        self.embed_scale = torch.tensor(self.cfg.hidden_size ** 0.5, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Float32 logits ``[len(logits_rows), vocab]``; writes the new tokens' K/V into the cache."""
+        cfg = self.cfg
+        x = F.embedding(step.input_ids, self.w.embed) * self.embed_scale
+        ropes = {
+            True: rope_tables(step.positions, cfg.head_dim, cfg.rope_theta_local, self.dtype),
+            False: rope_tables(step.positions, cfg.head_dim, cfg.rope_theta_global, self.dtype),
+        }
+        for i, layer in enumerate(self.w.layers):
+            local = not cfg.is_global(i)
+            group, slot = self.layer_slots[i]
+            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            h = self._attention(layer, h, ropes[local], step, local, group, slot)
+            x = x + rms_norm(h, layer.post_attn_norm, cfg.rms_norm_eps)
+            h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            h = F.linear(F.gelu(gate, approximate="tanh") * up, layer.down)
+            x = x + rms_norm(h, layer.post_ffn_norm, cfg.rms_norm_eps)
+        x = rms_norm(x[step.logits_rows], self.w.final_norm, cfg.rms_norm_eps)
+        return F.linear(x, self.w.embed).float()
+
+    def _attention(self, layer: LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   step: StepInputs, local: bool, group: int, slot: int) -> torch.Tensor:
+        cfg = self.cfg
+        t = h.shape[0]
+        q = F.linear(h, layer.q).view(t, cfg.num_heads, cfg.head_dim)
+        k = F.linear(h, layer.k).view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = F.linear(h, layer.v).view(t, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(rms_norm(q, layer.q_norm, cfg.rms_norm_eps), *rope)
+        k = apply_rope(rms_norm(k, layer.k_norm, cfg.rms_norm_eps), *rope)
+        k_cache, v_cache = self.kv.keys[slot], self.kv.values[slot]
+        slots = step.slot_mapping[group]
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+        out = torch.empty_like(q)
+        for part in step.parts[self.group_windows[group]]:
+            key_slots = part.key_slots[group]
+            flat = key_slots.reshape(-1)
+            gathered = (*key_slots.shape, cfg.num_kv_heads, cfg.head_dim)
+            qp = q[part.query_rows].transpose(1, 2)  # [B, H, Q, D]
+            kp = k_cache.index_select(0, flat).view(gathered).transpose(1, 2)  # [B, KVH, L, D]
+            vp = v_cache.index_select(0, flat).view(gathered).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=part.mask, scale=cfg.attn_scale,
+                                               enable_gqa=True)
+            out[part.query_rows] = o.transpose(1, 2)
+        return F.linear(out.reshape(t, -1), layer.o)
