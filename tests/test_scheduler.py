@@ -187,3 +187,22 @@ def test_every_sequence_finishes_or_is_rejected_with_a_reason(
         assert sched.stats.preemptions == 0
     assert mgr.num_free_blocks == mgr.layout.num_blocks - 1 and mgr.num_sequences == 0
     mgr.check_invariants()
+
+
+def test_forced_preempt_between_steps_requeues_at_the_front_and_recomputes() -> None:
+    mgr = manager(100, full(16), swa(32, 16), max_model_len=512, batch=512)
+    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=512))
+    a = sched.add(Sequence("a", tokens(0, 100)), 10)
+    b = sched.add(Sequence("b", tokens(1000, 100)), 10)
+    out = sched.schedule()
+    sched.update(out, {"a": [7], "b": [7]})
+    held = mgr.num_free_blocks
+    assert sched.preempt("a") and not sched.preempt("a") and not sched.preempt("nope")
+    assert mgr.num_free_blocks > held and a.seq.num_computed_tokens == 0
+    assert sched.waiting[0] is a and a.status is Status.WAITING and a.num_preemptions == 1
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["a"] == 101 - a.num_hit_tokens  # prompt + its first output token
+    assert a.num_hit_tokens == 96  # the cached full blocks of its prompt (never the last token)
+    sched.update(out, {"a": [7], "b": [7]})
+    drive(sched)
+    assert a.status is b.status is Status.FINISHED and len(a.seq.token_ids) == 110

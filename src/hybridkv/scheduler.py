@@ -352,6 +352,23 @@ class Scheduler:
         """Whether any sequence waits or runs."""
         return bool(self.waiting or self.running or self._pending_rejections)
 
+    def preempt(self, seq_id: str) -> bool:
+        """Preempt a running sequence between steps (freed, queued at the front, recomputed later).
+
+        For engines that must make room outside ``schedule`` (and for tests); returns False when
+        ``seq_id`` is not running. Counts towards nothing but ``stats.preemptions``.
+        """
+        req = self.requests.get(seq_id)
+        if req is None or req not in self.running:
+            return False
+        self.running.remove(req)
+        self.manager.free(req.seq)
+        req.seq.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self._enqueue(req, front=True)
+        return True
+
     def abort(self, seq_id: str) -> None:
         """Drop a sequence wherever it is, freeing its blocks."""
         req = self.requests.get(seq_id)
