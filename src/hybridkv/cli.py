@@ -218,9 +218,15 @@ def main(argv: SequenceABC[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the report as JSON to PATH ('-' for stdout)")
     p.set_defaults(func=plan)
 
+    from hybridkv.engine.cli import add_parser as add_generate
+    from hybridkv.engine.demo import add_parser as add_engine_demo
+    from hybridkv.server.cli import add_parser as add_serve
     from hybridkv.sim.cli import add_parser as add_simulate
 
     add_simulate(sub)
+    add_generate(sub)
+    add_engine_demo(sub)
+    add_serve(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -369,6 +369,12 @@ class Scheduler:
         self._enqueue(req, front=True)
         return True
 
+    def forget(self, seq_id: str) -> None:
+        """Drop the record of a finished or rejected request (long-running engines call this)."""
+        req = self.requests.get(seq_id)
+        if req is not None and req.status in (Status.FINISHED, Status.REJECTED):
+            del self.requests[seq_id]
+
     def abort(self, seq_id: str) -> None:
         """Drop a sequence wherever it is, freeing its blocks."""
         req = self.requests.get(seq_id)

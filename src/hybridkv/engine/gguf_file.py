@@ -42,7 +42,7 @@ def _dequantize_q8_0(raw: np.ndarray) -> torch.Tensor:
     """
     blocks = raw.reshape(-1, 34)
     scale = torch.from_numpy(blocks[:, :2].copy().view(np.float16)).float()
-    values = torch.from_numpy(np.ascontiguousarray(blocks[:, 2:]).view(np.int8))
+    values = torch.from_numpy(np.array(blocks[:, 2:]).view(np.int8))  # a writable copy of the int8 part
     out = torch.empty(values.shape, dtype=torch.float32)
     return torch.mul(values, scale, out=out)
 

@@ -124,6 +124,8 @@ class Gemma3Model:
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             h = F.linear(F.gelu(gate, approximate="tanh") * up, layer.down)
             x = x + rms_norm(h, layer.post_ffn_norm, cfg.rms_norm_eps)
+        if not len(step.logits_rows):  # only prefill chunks that end mid-prompt: no LM head
+            return torch.empty(0, cfg.vocab_size)
         x = rms_norm(x[step.logits_rows], self.w.final_norm, cfg.rms_norm_eps)
         return F.linear(x, self.w.embed).float()
 

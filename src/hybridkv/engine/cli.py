@@ -1,0 +1,129 @@
+"""``hybridkv generate``: run the embedded Gemma 3 270M on hybridkv's paged cache from the shell."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridkv.errors import InvalidInputError
+
+_SIZE = re.compile(r"(\d+)\s*(?:([KMGT])(i?)B?)?", re.IGNORECASE)
+_POWERS = {"K": 1, "M": 2, "G": 3, "T": 4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"268435456"``, ``"512MiB"``, ``"1GiB"``, ``"512M"`` (binary) or ``"500MB"`` (decimal)."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size like 268435456, 512MiB or 1GiB, got {text!r}")
+    number, unit, binary = match.groups()
+    if unit is None:
+        return int(number)
+    decimal = not binary and text.strip()[-1] in "bB"
+    factor: int = (1000 if decimal else 1024) ** _POWERS[unit.upper()]
+    return int(number) * factor
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by ``generate``, ``engine-demo`` and ``serve`` (unset: ``EngineConfig``'s defaults)."""
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights, activations and KV-cache dtype (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
+                   help="KV-cache budget the block pool is planned for: bytes, or e.g. 512MiB, 1GiB (default 256MiB)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="longest prompt plus completion, in tokens (default 8192)")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="most sequences per step (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="TOKENS",
+                   help="most tokens per step (default 1024)")
+    p.add_argument("--retention", choices=("none", "window"), default=None,
+                   help="prefix-cache retention under memory pressure (default window)")
+    p.add_argument("--policy", choices=("fcfs", "priority"), default=None, help="scheduling policy (default fcfs)")
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    """The ``EngineConfig`` of parsed ``add_engine_arguments`` options."""
+    from hybridkv.engine.engine import EngineConfig
+
+    names = ("kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "retention", "policy")
+    options: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    return EngineConfig(dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
+                        **options)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text with the embedded Gemma 3 270M on the paged cache",
+                       description="Continue prompts with Gemma 3 270M (base model: outputs are continuations). "
+                                   "Prompts run one after another, so later ones hit the prefix cache of earlier "
+                                   "ones; --batch runs them together.")
+    p.add_argument("prompts", nargs="*", help="prompt text(s)")
+    p.add_argument("--prompt-file", action="append", default=[], type=Path, help="read a prompt from a file")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--batch", action="store_true", help="run all prompts in one batch")
+    add_engine_arguments(p)
+    p.set_defaults(func=generate)
+
+
+def generate(args: argparse.Namespace) -> int:
+    from hybridkv.engine.engine import LLMEngine
+    from hybridkv.engine.sampling import SamplingParams
+
+    prompts: list[str] = list(args.prompts)
+    for path in args.prompt_file:
+        try:
+            prompts.append(path.read_text())
+        except OSError as exc:
+            raise InvalidInputError(f"cannot read --prompt-file {path}: {exc}") from None
+    if not prompts:
+        raise InvalidInputError("give a prompt (text argument or --prompt-file)")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    config = engine_config(args)
+    start = time.perf_counter()
+    engine = LLMEngine.from_package(config)
+    print(f"[loaded Gemma 3 270M in {time.perf_counter() - start:.1f} s: {config.dtype} on {config.device}, "
+          f"{engine.layout.num_blocks - 1} KV blocks of {engine.block_size} tokens, "
+          f"{len(engine.layout.groups)} groups]", file=sys.stderr)
+    groups = [prompts] if args.batch else [[p] for p in prompts]
+    for batch in groups:
+        t0 = time.perf_counter()
+        ids = [f"p{len(engine.metrics.finished) + i}" for i in range(len(batch))]
+        for rid, prompt in zip(ids, batch):
+            engine.add_request(rid, prompt, params)
+        finals = {}
+        stream = len(batch) == 1
+        while engine.has_unfinished:
+            for out in engine.step():
+                if stream and out.new_text:
+                    print(out.new_text, end="", flush=True)
+                if out.finished:
+                    finals[out.request_id] = out
+        elapsed = time.perf_counter() - t0
+        for rid in ids:
+            out = finals[rid]
+            if not stream:
+                print(f"--- {rid}\n{out.text}")
+            else:
+                print()
+            n = len(out.token_ids)
+            decode_time = (out.latency or elapsed) - (out.ttft or 0.0)
+            rate = (n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0
+            print(f"[{rid}: {len(out.prompt_token_ids)} prompt tokens ({out.num_cached_tokens} from the prefix "
+                  f"cache), {n} generated, finish={out.finish_reason}, TTFT {1000 * (out.ttft or 0):.0f} ms, "
+                  f"{rate:.1f} tokens/s decode]", file=sys.stderr)
+        if len(batch) > 1:
+            total = sum(len(finals[r].token_ids) for r in ids)
+            print(f"[batch of {len(batch)}: {total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s]",
+                  file=sys.stderr)
+    return 0

@@ -1,0 +1,87 @@
+"""``hybridkv engine-demo``: a shared-prefix batch on the real model, without and with prefix caching."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+DOCUMENT = (
+    "Harbour Street Bakery opens at six every morning. The ovens are lit at four, the sourdough is shaped "
+    "the evening before, and the first customers are the ferry crew, who buy rolls for the crossing. On "
+    "Saturdays the queue reaches the fish market. The bakery was founded in 1952 by Ana Costa, whose "
+    "granddaughter runs it today with two apprentices. "
+)
+QUESTIONS = [
+    "Question: At what time are the ovens lit?\nAnswer:",
+    "Question: Who founded the bakery?\nAnswer:",
+    "Question: Who are the first customers each morning?\nAnswer:",
+    "Question: How far does the Saturday queue reach?\nAnswer:",
+    "Question: Who runs the bakery today?\nAnswer:",
+    "Question: When is the sourdough shaped?\nAnswer:",
+]
+
+
+def add_parser(sub: Any) -> None:
+    from hybridkv.engine.cli import add_engine_arguments
+
+    p = sub.add_parser("engine-demo", help="the embedded model on a shared-prefix batch, without and with caching")
+    p.add_argument("--requests", type=int, default=6, help=f"at most {len(QUESTIONS)}")
+    p.add_argument("--repeat-document", type=int, default=8, help="copies of the shared document (~70 tokens)")
+    p.add_argument("--max-tokens", type=int, default=12)
+    add_engine_arguments(p)
+    p.set_defaults(func=engine_demo)
+
+
+def engine_demo(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from hybridkv.engine.cli import engine_config
+    from hybridkv.engine.engine import LLMEngine, RequestOutput
+    from hybridkv.engine.sampling import SamplingParams
+    from hybridkv.errors import InvalidInputError
+
+    if not 1 <= args.requests <= len(QUESTIONS):
+        raise InvalidInputError(f"--requests must be in 1..{len(QUESTIONS)}")
+    t0 = time.perf_counter()
+    cached_engine = LLMEngine.from_package(engine_config(args))
+    print(f"Loaded Gemma 3 270M ({args.dtype}) in {time.perf_counter() - t0:.1f} s; KV pool "
+          f"{cached_engine.layout.num_blocks - 1} blocks x {cached_engine.block_size} tokens in "
+          f"{len(cached_engine.layout.groups)} groups (5 sliding-window + 1 global)")
+    plain_engine = LLMEngine(cached_engine.model.w, cached_engine.tokenizer,
+                             dataclasses.replace(cached_engine.config, enable_prefix_caching=False))
+    document = DOCUMENT * args.repeat_document
+    prompts = [document + "\n" + q for q in QUESTIONS[:args.requests]]
+    params = SamplingParams(max_tokens=args.max_tokens, stop=("\n",))
+
+    def run(engine: LLMEngine) -> tuple[list[RequestOutput], float]:
+        start = time.perf_counter()
+        # The first request computes the document; the rest arrive as it finishes (they hit its prefix).
+        outs = engine.generate(prompts[:1], params)
+        outs += engine.generate(prompts[1:], params) if len(prompts) > 1 else []
+        return outs, time.perf_counter() - start
+
+    n_tokens = len(cached_engine.tokenizer.encode(prompts[0]))
+    print(f"\n{len(prompts)} requests sharing a {n_tokens}-token document (window 512: the sliding-window "
+          f"layers drop blocks behind it); greedy, up to {args.max_tokens} tokens each.\n")
+    results = {}
+    for label, engine in (("without prefix caching", plain_engine), ("with prefix caching", cached_engine)):
+        outs, secs = run(engine)
+        results[label] = (outs, secs)
+        print(f"{label}: {secs:.2f} s")
+        for q, o in zip(QUESTIONS, outs):
+            question = q.split("\n")[0].removeprefix("Question: ")
+            print(f"  {question:<45} ->{o.text!r:<32} TTFT {1000 * (o.ttft or 0):6.0f} ms, "
+                  f"{o.num_cached_tokens:4d} prompt tokens from cache")
+    (plain, t_plain), (cached, t_cached) = results.values()
+    same = [a.token_ids for a in plain] == [b.token_ids for b in cached]
+    ttft_plain = sum(o.ttft or 0 for o in plain[1:]) / max(1, len(plain) - 1)
+    ttft_cached = sum(o.ttft or 0 for o in cached[1:]) / max(1, len(cached) - 1)
+    print(f"\nPrefix caching: {t_plain / t_cached:.1f}x faster end to end, mean TTFT of the requests after the "
+          f"first {1000 * ttft_plain:.0f} -> {1000 * ttft_cached:.0f} ms ({ttft_plain / ttft_cached:.1f}x); "
+          f"hit tokens {cached_engine.metrics.prefix_hits}; outputs identical: {same}")
+    if not same:
+        print("outputs differ between the cached and uncached runs", file=sys.stderr)
+        return 1
+    return 0
