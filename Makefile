@@ -4,12 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench-retention bench-founding walkthrough clean
+.PHONY: demo test redis-server lint typecheck bench-retention bench-founding walkthrough clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,cli,sim]'
+	# torch first: the CPU build pinned here satisfies the engine extra's range (no CUDA download)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,cli,sim,engine,server]'
 	touch $(STAMP)
 
 # The embedded default: Gemma 3 27B on an H100, 300 requests over 12 shared 16k-token prefixes,
@@ -19,7 +21,13 @@ demo: $(STAMP)
 		--workload shared-prefix --prefixes 12 --prefix-len 16000 --suffix-len 200 --output-len 64 \
 		--requests 300 --concurrency 16 --compare retention=none,window
 
-test: $(STAMP)
+# The Redis tier's tests start their own redis-server on loopback; they skip (saying why) without one.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
+		(apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1) || \
+		echo "redis-server is not installed and could not be: the Redis tier tests will skip"
+
+test: $(STAMP) redis-server
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest

@@ -1,0 +1,60 @@
+"""The tier interface: a byte store keyed by tier keys, with faults raised as ``TierError``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class TierError(Exception):
+    """A tier could not answer (connection lost, I/O error). The connector counts it as a miss."""
+
+
+class TierTimeout(TierError):
+    """A tier did not answer in time."""
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier since it was built."""
+
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    """Entries the tier's own check rejected (and dropped)."""
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+class KVTier(ABC):
+    """One external store of framed KV blocks.
+
+    Methods raise ``TierError`` (or ``TierTimeout``) on faults and never return partial answers:
+    a result lists one entry per key, ``None`` for a key the tier does not hold.
+    """
+
+    name: str = "tier"
+    shared: bool = False
+    """True when other instances read the tier: then only a cryptographic block hash is safe."""
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+
+    @abstractmethod
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the tier holds each key (cheap: no payload is read)."""
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The stored value of each key, or None."""
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Store ``(key, value)`` pairs, evicting older entries to stay within the budget."""
+
+    @abstractmethod
+    def delete(self, key: bytes) -> None:
+        """Forget ``key`` (no error if absent)."""

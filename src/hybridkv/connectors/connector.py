@@ -1,0 +1,375 @@
+"""The connector: which tokens the external tiers can supply, loading them, storing blocks.
+
+The engine-facing flow for a new sequence (seed 002: local hits, then external tokens)::
+
+    hit = mgr.lookup(seq)
+    k = conn.num_external_tokens(seq, hit.num_tokens, max_tokens)     # existence checks only
+    got = conn.fetch(seq, hit.num_tokens, k)                           # verified payloads, a prefix
+    mgr.allocate(seq, n, hit=hit, num_external_tokens=got.num_tokens)
+    conn.write(got, mgr.block_table(seq.seq_id), write_block)          # cannot fail
+    seq.num_computed_tokens = hit.num_tokens + got.num_tokens
+
+Fetching before ``allocate`` means a tier fault only shortens what is allocated as external:
+``allocate`` registers the external blocks in the prefix cache at once, so a block allocated but
+never filled would serve garbage. ``load`` (fetch + write after ``allocate``) is for callers
+that must allocate first; they must recompute every token past the prefix it returns.
+
+Which blocks a group needs for a hit at token ``P`` is the manager's own rule: the blocks from
+``skipped_tokens(P)`` on, i.e. all for full attention, the window for a sliding window, the
+current chunk for chunked-local attention, the last state for Mamba. Those are exactly the
+blocks ``allocate`` gives external tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from bisect import bisect_left
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+from hybridkv.block_pool import NULL_BLOCK
+from hybridkv.connectors.base import KVTier, TierTimeout
+from hybridkv.connectors.frame import (
+    FAULT_KINDS,
+    FaultKind,
+    FrameError,
+    decode_frame,
+    encode_frame,
+    namespace_id,
+    tier_key,
+)
+from hybridkv.errors import InvalidInputError
+from hybridkv.manager import KVCacheManager
+from hybridkv.managers import KindManager
+from hybridkv.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+BlockTables = SequenceABC[SequenceABC[int]]
+WriteBlock = Callable[[int, int, bytes], None]
+ReadBlock = Callable[[int, int], bytes]
+_T = TypeVar("_T")
+_A = TypeVar("_A")
+
+
+class _Failed(enum.Enum):
+    FAILED = 0
+
+
+_FAILED = _Failed.FAILED
+
+
+@dataclass
+class ConnectorStats:
+    """Counters since the connector was built."""
+
+    lookups: int = 0
+    external_hit_tokens: int = 0
+    """Tokens ``num_external_tokens`` offered beyond the local hits."""
+    fetched_tokens: int = 0
+    loaded_tokens: int = 0
+    loaded_blocks: int = 0
+    stored_blocks: int = 0
+    promoted_blocks: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULT_KINDS, 0))
+
+
+@dataclass(frozen=True)
+class FetchedKV:
+    """Verified payloads for tokens ``[start_token, start_token + num_tokens)`` of one sequence.
+
+    ``payloads[(group, index)]`` is the block at table index ``index`` of group ``group``.
+    """
+
+    seq_id: str
+    start_token: int
+    num_tokens: int
+    payloads: dict[tuple[int, int], bytes]
+
+
+class KVConnector:
+    """Stacked external tiers behind one interface, keyed by the manager's block hashes.
+
+    Tiers are queried in order (e.g. host, then disk or Redis); a hit in a lower tier is copied
+    into the tiers above it when ``promote``. ``store`` writes to every tier when
+    ``write_through``, else to the first only. ``auth_key`` turns frame digests into HMACs.
+    Tier faults never raise: they are counted in ``stats.faults`` and read as misses.
+    """
+
+    def __init__(self, tiers: SequenceABC[KVTier], manager: KVCacheManager, *, namespace: str,
+                 promote: bool = True, write_through: bool = True, auth_key: bytes | None = None,
+                 batch_blocks: int = 64) -> None:
+        if not tiers:
+            raise InvalidInputError("a KVConnector needs at least one tier")
+        if not namespace:
+            raise InvalidInputError("namespace must name the model (e.g. 'gemma-3-270m/bf16')")
+        if batch_blocks <= 0:
+            raise InvalidInputError(f"batch_blocks must be positive, got {batch_blocks!r}")
+        hasher = manager.coordinator.hasher
+        shared = [t.name for t in tiers if t.shared]
+        if shared and not hasher.cryptographic:
+            raise InvalidInputError(
+                f"tiers {', '.join(shared)} are shared between instances but the manager hashes blocks with "
+                f"{hasher.algorithm!r}, which is not cryptographic (a client could forge collisions and read "
+                f"another request's KV); build the KVCacheManager with hash_algorithm='sha256'"
+            )
+        self.tiers = list(tiers)
+        self.manager = manager
+        self.namespace_id = namespace_id(namespace, manager.layout, hasher.algorithm)
+        self.promote = promote
+        self.write_through = write_through
+        self.auth_key = auth_key
+        self.batch_blocks = batch_blocks
+        self.stats = ConnectorStats()
+        self._align = manager.coordinator.alignment
+        self._groups = [g for g in manager.groups if g.caching]
+        # A group that constrains hits but keeps no cache (Mamba without checkpoints, caching off)
+        # can never resume from an external prefix.
+        self._possible = bool(self._groups) and all(g.caching for g in manager.groups if g.constrains_hits)
+
+    # ------------------------------------------------------------------ keys and windows
+    def keys(self, seq: Sequence, group: KindManager) -> list[bytes]:
+        """Tier keys of every full block of ``seq`` in ``group``."""
+        hashes = self.manager.coordinator.hashes(seq, group)
+        return [tier_key(self.namespace_id, group.group, h) for h in hashes]
+
+    @staticmethod
+    def _needed(g: KindManager, start: int, end: int) -> range:
+        """Table indices group ``g`` must get from a tier to resume at ``end`` after a hit of ``start``."""
+        return range(max(start, g.skipped_tokens(end)) // g.block_size, end // g.block_size)
+
+    def _longest(self, start: int, end: int, missing: dict[int, list[int]]) -> int:
+        """Largest aligned ``P`` in ``[start, end]`` with no missing index in any group's needs."""
+        for p in range(end, start, -self._align):
+            ok = True
+            for g in self._groups:
+                miss = missing.get(g.group, [])
+                need = self._needed(g, start, p)
+                i = bisect_left(miss, need.start)
+                if i < len(miss) and miss[i] < need.stop:
+                    ok = False
+                    break
+            if ok:
+                return p
+        return start
+
+    def _check_range(self, seq: Sequence, start: int, num_tokens: int) -> int:
+        if not isinstance(seq, Sequence):
+            raise InvalidInputError(f"expected a hybridkv.Sequence, got {type(seq).__name__}")
+        for name, value in (("start_token", start), ("num_tokens", num_tokens)):
+            if not isinstance(value, int) or value < 0 or value % self._align:
+                raise InvalidInputError(f"{name}={value!r} must be a non-negative multiple of {self._align}")
+        end = start + num_tokens
+        if num_tokens and end >= seq.num_tokens:
+            raise InvalidInputError(
+                f"sequence {seq.seq_id!r}: tokens up to {end} of {seq.num_tokens} would cover the last token"
+            )
+        return end
+
+    # ------------------------------------------------------------------ lookup
+    def num_external_tokens(self, seq: Sequence, local_hit_tokens: int, max_tokens: int | None = None) -> int:
+        """Tokens past ``local_hit_tokens`` the tiers can supply for every group (aligned, capped).
+
+        Never covers the last token nor more than ``max_tokens``; checks existence only.
+        """
+        self._check_range(seq, local_hit_tokens, 0)
+        self.stats.lookups += 1
+        start = local_hit_tokens
+        cap = (seq.num_tokens - 1) // self._align * self._align
+        if max_tokens is not None:
+            cap = min(cap, start + max_tokens // self._align * self._align)
+        if not self._possible or cap <= start:
+            return 0
+        # Downward-closed groups (full attention) first: their first miss bounds everything.
+        closed = {g.group: range(start // g.block_size, cap // g.block_size) for g in self._groups if g.downward_closed}
+        missing = self._missing(seq, closed)
+        end = self._longest(start, cap, missing)
+        rest = [g for g in self._groups if not g.downward_closed]
+        if end > start and rest:
+            # Windows at the bound usually suffice; on a miss, look at every block below it.
+            at_end = self._missing(seq, {g.group: self._needed(g, start, end) for g in rest})
+            if any(at_end.values()):
+                wide = {g.group: range(self._needed(g, start, start + self._align).start, end // g.block_size)
+                        for g in rest}
+                missing.update(self._missing(seq, wide))
+                end = self._longest(start, end, missing)
+        self.stats.external_hit_tokens += end - start
+        return end - start
+
+    def _missing(self, seq: Sequence, wanted: dict[int, range]) -> dict[int, list[int]]:
+        """Per group, the sorted table indices in ``wanted`` that no tier holds."""
+        items = [(g, i) for g in self._groups if g.group in wanted for i in wanted[g.group]]
+        keys = self._keys_for(seq, items)
+        found = [False] * len(keys)
+        pending = list(range(len(keys)))
+        for tier in self.tiers:
+            if not pending:
+                break
+            answer = self._safe(tier.exists_many, [keys[j] for j in pending])
+            if answer is _FAILED:
+                continue
+            for j, ok in zip(pending, answer):
+                found[j] = bool(ok)
+            pending = [j for j in pending if not found[j]]
+        out: dict[int, list[int]] = {g: [] for g in wanted}
+        for j in pending:
+            g, i = items[j]
+            out[g.group].append(i)
+        return out
+
+    def _keys_for(self, seq: Sequence, items: list[tuple[KindManager, int]]) -> list[bytes]:
+        hashes = {g.group: self.manager.coordinator.hashes(seq, g) for g, _ in items}
+        return [tier_key(self.namespace_id, g.group, hashes[g.group][i]) for g, i in items]
+
+    # ------------------------------------------------------------------ load
+    def fetch(self, seq: Sequence, start_token: int, num_tokens: int) -> FetchedKV:
+        """Read and verify the blocks for tokens ``[start_token, start_token + num_tokens)``.
+
+        Returns the longest aligned prefix every group can resume from; a fault, a missing entry
+        or a rejected frame ends it (everything after becomes a miss). Touches no manager state.
+        """
+        end = self._check_range(seq, start_token, num_tokens)
+        payloads: dict[tuple[int, int], bytes] = {}
+        if num_tokens and self._possible:
+            items = [(g, i) for g in self._groups for i in self._needed(g, start_token, end)]
+            items.sort(key=lambda it: ((it[1] + 1) * it[0].block_size, it[0].group))  # token order
+            keys = self._keys_for(seq, items)
+            for lo in range(0, len(items), self.batch_blocks):
+                got = self._get(keys[lo : lo + self.batch_blocks])
+                for (g, i), payload in zip(items[lo : lo + self.batch_blocks], got):
+                    if payload is not None:
+                        payloads[(g.group, i)] = payload
+                if None in got:
+                    break
+        missing = {g.group: [i for i in range(start_token // g.block_size, end // g.block_size)
+                             if (g.group, i) not in payloads] for g in self._groups}
+        stop = self._longest(start_token, end, missing) if self._possible else start_token
+        keep = {(g.group, i) for g in self._groups for i in self._needed(g, start_token, stop)}
+        payloads = {k: v for k, v in payloads.items() if k in keep}
+        self.stats.fetched_tokens += stop - start_token
+        return FetchedKV(seq.seq_id, start_token, stop - start_token, payloads)
+
+    def _get(self, keys: list[bytes]) -> list[bytes | None]:
+        """Verified payloads of ``keys`` from the first tier that serves each, promoting upwards."""
+        out: list[bytes | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        rejected: set[int] = set()  # counted as a fault already
+        for depth, tier in enumerate(self.tiers):
+            if not pending:
+                break
+            values = self._safe(tier.get_many, [keys[j] for j in pending])
+            if values is _FAILED:
+                rejected.update(pending)
+                continue
+            promote: list[tuple[bytes, bytes]] = []
+            still: list[int] = []
+            for j, value in zip(pending, values):
+                if value is None:
+                    still.append(j)
+                    continue
+                try:
+                    out[j] = decode_frame(keys[j], value, self.auth_key)
+                except FrameError as exc:
+                    self._fault(exc.kind, f"tier {tier.name}: {exc}")
+                    rejected.add(j)
+                    still.append(j)
+                    self._safe(tier.delete, keys[j])
+                    continue
+                self.stats.bytes_loaded += len(value)
+                promote.append((keys[j], value))
+            if depth and self.promote and promote:
+                for upper in self.tiers[:depth]:
+                    self._safe(upper.put_many, promote)
+                self.stats.promoted_blocks += len(promote)
+            pending = still
+        for j in pending:
+            if j not in rejected:
+                self._fault("missing", "no tier holds a block it was asked for")
+        return out
+
+    def write(self, fetched: FetchedKV, block_tables: BlockTables, write_block: WriteBlock) -> int:
+        """Copy fetched payloads into the blocks ``allocate`` gave them; returns the tokens written.
+
+        ``block_tables`` is ``manager.block_table(seq_id)``; ``write_block(group, block_id, payload)``.
+        """
+        for (group, index), payload in sorted(fetched.payloads.items()):
+            table = block_tables[group]
+            block = table[index] if index < len(table) else NULL_BLOCK
+            if block == NULL_BLOCK:
+                raise InvalidInputError(
+                    f"sequence {fetched.seq_id!r}: group {group} has no block at index {index}; allocate "
+                    f"with num_external_tokens={fetched.num_tokens} before writing"
+                )
+            write_block(group, block, payload)
+        self.stats.loaded_blocks += len(fetched.payloads)
+        self.stats.loaded_tokens += fetched.num_tokens
+        return fetched.num_tokens
+
+    def load(self, seq: Sequence, start_token: int, num_tokens: int, block_tables: BlockTables,
+             write_block: WriteBlock) -> int:
+        """``fetch`` then ``write``: the tokens loaded, a block-aligned prefix of ``num_tokens``."""
+        return self.write(self.fetch(seq, start_token, num_tokens), block_tables, write_block)
+
+    # ------------------------------------------------------------------ store
+    def store(self, seq: Sequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock) -> int:
+        """Offer the cached full blocks of the first ``num_tokens`` computed tokens; returns blocks stored.
+
+        A block is offered when the device cache has it registered under the sequence's hash (so
+        superseded Mamba states and uncomputed blocks are never stored); a tier that already holds
+        it is skipped. ``read_block(group, block_id)`` returns the payload.
+        """
+        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= seq.num_computed_tokens:
+            raise InvalidInputError(
+                f"sequence {seq.seq_id!r}: num_tokens={num_tokens!r} must be within its "
+                f"{seq.num_computed_tokens} computed tokens"
+            )
+        block_hash = self.manager.pool.block_hash
+        offers: list[tuple[int, int, bytes]] = []  # (group, block id, key)
+        for g in self._groups:
+            table = block_tables[g.group]
+            hashes = self.manager.coordinator.hashes(seq, g)
+            for i in range(min(num_tokens // g.block_size, len(hashes), len(table))):
+                b = table[i]
+                if b != NULL_BLOCK and block_hash[b] == hashes[i]:
+                    offers.append((g.group, b, tier_key(self.namespace_id, g.group, hashes[i])))
+        stored: set[bytes] = set()
+        targets = self.tiers if self.write_through else self.tiers[:1]
+        for lo in range(0, len(offers), self.batch_blocks):
+            batch = offers[lo : lo + self.batch_blocks]
+            frames: dict[bytes, bytes] = {}
+            for tier in targets:
+                present = self._safe(tier.exists_many, [key for _, _, key in batch])
+                if present is _FAILED:
+                    continue
+                items = []
+                for (group, b, key), there in zip(batch, present):
+                    if there:
+                        continue
+                    if key not in frames:
+                        frames[key] = encode_frame(key, read_block(group, b), self.auth_key)
+                    items.append((key, frames[key]))
+                if items and self._safe(tier.put_many, items) is not _FAILED:
+                    stored.update(k for k, _ in items)
+                    self.stats.bytes_stored += sum(len(v) for _, v in items)
+        self.stats.stored_blocks += len(stored)
+        return len(stored)
+
+    # ------------------------------------------------------------------ faults
+    def _safe(self, method: Callable[[_A], _T], arg: _A) -> _T | Literal[_Failed.FAILED]:
+        """``method(arg)`` (a tier method), or ``_FAILED`` and a counted fault if it raised."""
+        try:
+            return method(arg)
+        except Exception as exc:  # a tier fault must never take the engine down
+            kind: FaultKind = "timeout" if isinstance(exc, (TierTimeout, TimeoutError)) else "error"
+            self._fault(kind, f"{method.__qualname__}: {exc!r}")
+            return _FAILED
+
+    def _fault(self, kind: FaultKind, message: str) -> None:
+        self.stats.faults[kind] += 1
+        logger.debug("kv connector fault (%s): %s", kind, message)
+
