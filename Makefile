@@ -14,18 +14,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,cli,sim,engine,server]'
 	touch $(STAMP)
 
-# The embedded default: Gemma 3 27B on an H100, 300 requests over 12 shared 16k-token prefixes,
-# simulated with retention none and window side by side (about 25 s).
+# The embedded default: Gemma 3 270M from PyPI on the CPU, a shared-prefix batch without and with
+# prefix caching (continuations, TTFT, hit tokens, speed-up); then the simulator on Gemma 3 27B on an
+# H100, 300 requests over 12 shared 16k-token prefixes, retention none and window side by side.
 demo: $(STAMP)
+	$(BIN)/hybridkv engine-demo
 	$(BIN)/hybridkv simulate --model gemma-3-27b --gpu h100-80gb --max-model-len 32768 \
 		--workload shared-prefix --prefixes 12 --prefix-len 16000 --suffix-len 200 --output-len 64 \
-		--requests 300 --concurrency 16 --compare retention=none,window
-
-# The Redis tier's tests start their own redis-server on loopback; they skip (saying why) without one.
-redis-server:
-	@command -v redis-server >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
-		(apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1) || \
-		echo "redis-server is not installed and could not be: the Redis tier tests will skip"
+		--requests 300 --concurrency 16 --compare retention=none,window --no-progress
 
 test: $(STAMP) redis-server
 	$(BIN)/ruff check src tests bench

@@ -227,7 +227,7 @@ def test_stop_strings_seeded_sampling_abort_and_bad_input(weights: Gemma3Weights
     from hybridkv.errors import InvalidInputError
 
     eng = engine(weights, tokenizer)
-    prompt = "The three largest cities of France are Paris,"
+    prompt = LOREM + "The three largest cities of France are Paris,"  # > 16 tokens: full blocks get cached
     (full,) = eng.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
     words = full.text.split()
     assert len(words) >= 3, full.text

@@ -86,6 +86,9 @@ class ScriptedEngine:
 
     num_running = num_waiting = 0
 
+    def metrics_text(self) -> str:
+        return self.metrics.render({"kv_cache_usage": (self.manager.usage, "Fraction of KV-cache blocks in use.")})
+
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         self.metrics.steps += 1
@@ -101,7 +104,7 @@ class ScriptedEngine:
             if done:
                 del self.requests[rid]
             outputs.append(RequestOutput(rid, [1], list(tokens), "x" * len(tokens), "" if aborted else "x", done,
-                                         ("abort" if aborted else "length") if done else None, 0, None))
+                                         ("abort" if aborted else "length") if done else None, 0, 0, None))
         return outputs
 
 

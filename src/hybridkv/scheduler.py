@@ -27,11 +27,14 @@ from bisect import insort
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
 from hybridkv.manager import KVCacheManager
 from hybridkv.sequence import Sequence
+
+if TYPE_CHECKING:
+    from hybridkv.connectors import KVConnector
 
 Policy = Literal["fcfs", "priority"]
 Admission = Literal["max_utilization", "guaranteed_no_preemption"]
@@ -89,6 +92,10 @@ class Request:
     finish_reason: str | None = None
     num_hit_tokens: int = 0
     """Prefix-hit tokens at the latest admission."""
+    num_external_tokens: int = 0
+    """Tokens an external KV tier supplied at the latest admission (after the local hit)."""
+    fetched: Any = None
+    """Payloads fetched for an admission that did not fit yet, reused while the local hit is unchanged."""
 
     @property
     def seq_id(self) -> str:
@@ -113,6 +120,8 @@ class SchedulerOutput:
     admitted: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
+    external: dict[str, Any] = field(default_factory=dict)
+    """Per admitted sequence, the connector's ``FetchedKV`` to write into its new blocks before the step runs."""
 
     @property
     def total_tokens(self) -> int:
@@ -131,8 +140,11 @@ class SchedulerStats:
 class Scheduler:
     """Continuous batching with chunked prefill, preemption and admission on a ``KVCacheManager``."""
 
-    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None, *,
+                 connector: KVConnector | None = None) -> None:
         self.manager = manager
+        self.connector = connector
+        """External KV tiers: at admission, tokens past the local hit they can supply are loaded, not computed."""
         self.config = config or SchedulerConfig(max_num_batched_tokens=manager.max_num_batched_tokens)
         if self.config.max_num_batched_tokens > manager.max_num_batched_tokens:
             raise InvalidInputError(
@@ -240,22 +252,43 @@ class Scheduler:
             req = self.waiting[0]
             seq = req.seq
             hit = mgr.lookup(seq)
-            n = self._chunk(seq, hit.num_tokens, budget)
+            fetched = self._fetch_external(req, hit.num_tokens)
+            external = fetched.num_tokens if fetched is not None else 0
+            n = self._chunk(seq, hit.num_tokens + external, budget)
             if cfg.admission == "guaranteed_no_preemption" and not self._growth_fits(req, hit.num_blocks):
                 break
-            new = mgr.allocate(seq, n, hit=hit, whole_sequence_must_fit=True)
+            new = mgr.allocate(seq, n, hit=hit, num_external_tokens=external, whole_sequence_must_fit=True)
             if new is None:
                 break
             self.waiting.pop(0)
-            seq.num_computed_tokens = hit.num_tokens
+            seq.num_computed_tokens = hit.num_tokens + external
             req.status = Status.RUNNING
             req.num_hit_tokens = hit.num_tokens
+            req.num_external_tokens = external
+            req.fetched = None
+            if external:
+                out.external[seq.seq_id] = fetched
             self.running.append(req)
             out.admitted.append(seq.seq_id)
             out.num_scheduled_tokens[seq.seq_id] = n
             out.new_block_ids[seq.seq_id] = new
             self.stats.admissions += 1
             budget -= n
+
+    def _fetch_external(self, req: Request, local_hit: int) -> Any:
+        """The connector's verified payloads for the tokens after ``local_hit`` (None without any).
+
+        Fetched before ``allocate`` so a tier fault only shortens what is allocated as external;
+        kept on the request while it waits for room, so a queue head is not fetched every step.
+        """
+        if self.connector is None:
+            return None
+        cached = req.fetched
+        if cached is not None and cached.start_token == local_hit:
+            return cached
+        k = self.connector.num_external_tokens(req.seq, local_hit)
+        req.fetched = self.connector.fetch(req.seq, local_hit, k) if k else None
+        return req.fetched
 
     def _growth_fits(self, req: Request, hit_blocks: int) -> bool:
         """Whether every admitted sequence can grow to its final length once ``req`` joins."""

@@ -316,24 +316,28 @@ class KVConnector:
         return self.write(self.fetch(seq, start_token, num_tokens), block_tables, write_block)
 
     # ------------------------------------------------------------------ store
-    def store(self, seq: Sequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock) -> int:
-        """Offer the cached full blocks of the first ``num_tokens`` computed tokens; returns blocks stored.
+    def store(self, seq: Sequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock,
+              start_token: int = 0) -> int:
+        """Offer the cached full blocks ending in ``(start_token, num_tokens]``; returns blocks stored.
 
-        A block is offered when the device cache has it registered under the sequence's hash (so
-        superseded Mamba states and uncomputed blocks are never stored); a tier that already holds
-        it is skipped. ``read_block(group, block_id)`` returns the payload.
+        The caller vouches that the KV of the first ``num_tokens`` tokens is in the blocks (an
+        engine calls this right after a forward pass, with the range that pass computed). A block
+        is offered when the device cache has it registered under the sequence's hash (so
+        superseded Mamba states are never stored); a tier that already holds it is skipped.
+        ``read_block(group, block_id)`` returns the payload.
         """
-        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= seq.num_computed_tokens:
+        if (not isinstance(num_tokens, int) or not isinstance(start_token, int)
+                or not 0 <= start_token <= num_tokens <= seq.num_tokens):
             raise InvalidInputError(
-                f"sequence {seq.seq_id!r}: num_tokens={num_tokens!r} must be within its "
-                f"{seq.num_computed_tokens} computed tokens"
+                f"sequence {seq.seq_id!r}: need 0 <= start_token ({start_token!r}) <= num_tokens "
+                f"({num_tokens!r}) <= its {seq.num_tokens} tokens"
             )
         block_hash = self.manager.pool.block_hash
         offers: list[tuple[int, int, bytes]] = []  # (group, block id, key)
         for g in self._groups:
             table = block_tables[g.group]
             hashes = self.manager.coordinator.hashes(seq, g)
-            for i in range(min(num_tokens // g.block_size, len(hashes), len(table))):
+            for i in range(start_token // g.block_size, min(num_tokens // g.block_size, len(hashes), len(table))):
                 b = table[i]
                 if b != NULL_BLOCK and block_hash[b] == hashes[i]:
                     offers.append((g.group, b, tier_key(self.namespace_id, g.group, hashes[i])))

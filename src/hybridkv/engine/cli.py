@@ -44,6 +44,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retention", choices=("none", "window"), default=None,
                    help="prefix-cache retention under memory pressure (default window)")
     p.add_argument("--policy", choices=("fcfs", "priority"), default=None, help="scheduling policy (default fcfs)")
+    p.add_argument("--kv-tier", action="append", default=[], metavar="SPEC",
+                   help="external KV tier, queried in the order given: host:SIZE, disk:PATH:SIZE or "
+                        "redis://HOST:PORT[/DB] (repeatable)")
+    p.add_argument("--kv-store", default=None, metavar="URL",
+                   help="a KV store shared by several engine instances, e.g. redis://127.0.0.1:6379 "
+                        "(queried after the --kv-tier tiers)")
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -52,8 +58,9 @@ def engine_config(args: argparse.Namespace) -> Any:
 
     names = ("kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "retention", "policy")
     options: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    tiers = [*getattr(args, "kv_tier", []), *([args.kv_store] if getattr(args, "kv_store", None) else [])]
     return EngineConfig(dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
-                        **options)
+                        kv_tiers=tuple(tiers), **options)
 
 
 def add_parser(sub: Any) -> None:
@@ -119,8 +126,9 @@ def generate(args: argparse.Namespace) -> int:
             n = len(out.token_ids)
             decode_time = (out.latency or elapsed) - (out.ttft or 0.0)
             rate = (n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0
+            loaded = f", {out.num_external_tokens} from KV tiers" if engine.connector is not None else ""
             print(f"[{rid}: {len(out.prompt_token_ids)} prompt tokens ({out.num_cached_tokens} from the prefix "
-                  f"cache), {n} generated, finish={out.finish_reason}, TTFT {1000 * (out.ttft or 0):.0f} ms, "
+                  f"cache{loaded}), {n} generated, finish={out.finish_reason}, TTFT {1000 * (out.ttft or 0):.0f} ms, "
                   f"{rate:.1f} tokens/s decode]", file=sys.stderr)
         if len(batch) > 1:
             total = sum(len(finals[r].token_ids) for r in ids)

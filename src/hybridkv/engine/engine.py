@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from hybridkv.connectors import DiskTier, HostTier, KVConnector, KVTier, RedisTier
 from hybridkv.engine.gguf_file import GGUFFile
 from hybridkv.engine.metrics import EngineMetrics
 from hybridkv.engine.model import AttentionPart, Gemma3Model, PagedKVCache, StepInputs
@@ -57,6 +58,8 @@ class EngineConfig:
     hash_algorithm: str = "sha256"
     ignore_sliding_window: bool = False
     """Plan every layer as full attention and attend over all tokens (a negative control: wrong outputs)."""
+    kv_tiers: tuple[str, ...] = ()
+    """External KV tiers, queried in order: ``host:SIZE``, ``disk:PATH:SIZE``, ``redis://HOST:PORT[/DB]``."""
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -80,7 +83,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
-    """Prompt tokens served from the prefix cache at the request's first admission."""
+    """Prompt tokens served from the device prefix cache at the request's first admission."""
+    num_external_tokens: int
+    """Prompt tokens loaded from external KV tiers at the request's first admission."""
     ttft: float | None
     """Seconds from arrival to the first output token."""
     latency: float | None = None
@@ -96,6 +101,7 @@ class _Tracked:
     prompt_ids: list[int]
     first_token_at: float | None = None
     num_cached_tokens: int | None = None
+    num_external_tokens: int = 0
     text: str = ""
     sent: int = 0
     """Characters of ``text`` already returned in ``new_text``."""
@@ -127,7 +133,8 @@ class LLMEngine:
             self.layout, cfg.max_model_len, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
             retention=cfg.retention, hash_algorithm=cfg.hash_algorithm,  # type: ignore[arg-type]
         )
-        self.scheduler = Scheduler(self.manager, SchedulerConfig(
+        self.connector = build_connector(cfg, self.manager) if cfg.kv_tiers else None
+        self.scheduler = Scheduler(self.manager, connector=self.connector, config=SchedulerConfig(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             policy=cfg.policy,  # type: ignore[arg-type]  # validated by SchedulerConfig
@@ -141,7 +148,7 @@ class LLMEngine:
                 layer_slots[int(name.rsplit(".", 1)[1])] = (g, j)
         self.block_size = self.layout.groups[0].spec.block_size
         self.kv = PagedKVCache(self.layout.num_blocks, self.block_size,
-                               max(len(g.layer_names) for g in self.layout.groups), mcfg.num_kv_heads,
+                               [len(g.layer_names) for g in self.layout.groups], mcfg.num_kv_heads,
                                mcfg.head_dim, dtype, self.device)
         self.model = Gemma3Model(weights, self.kv, layer_slots, self.group_windows)
         self.stop_token_ids = frozenset({tokenizer.eos_token_id})
@@ -208,6 +215,27 @@ class LLMEngine:
             return True
         return False
 
+    def metrics_text(self) -> str:
+        """Prometheus exposition of the engine, its KV cache and its external tiers."""
+        mgr = self.manager
+        gauges: dict[str, tuple[float, str]] = {
+            "kv_cache_usage": (mgr.usage, "Fraction of KV-cache blocks in use (0..1)."),
+            "num_free_blocks": (mgr.num_free_blocks, "Free KV-cache blocks."),
+            "num_requests_running": (self.num_running, "Requests in the running batch."),
+            "num_requests_waiting": (self.num_waiting, "Requests waiting to be admitted."),
+        }
+        counters: dict[str, tuple[float, str]] = {}
+        if self.connector is not None:
+            st = self.connector.stats
+            counters = {
+                "kv_tier_loaded_tokens_total": (st.loaded_tokens, "Tokens loaded from external KV tiers."),
+                "kv_tier_stored_blocks_total": (st.stored_blocks, "Blocks stored to external KV tiers."),
+                "kv_tier_bytes_loaded_total": (st.bytes_loaded, "Bytes read from external KV tiers."),
+                "kv_tier_bytes_stored_total": (st.bytes_stored, "Bytes written to external KV tiers."),
+            }
+            counters.update({f'kv_tier_faults_total{{kind="{kind}"}}': (n, "") for kind, n in st.faults.items()})
+        return self.metrics.render(gauges, counters=counters)
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._aborted)
@@ -230,13 +258,23 @@ class LLMEngine:
             t = self._tracked[sid]
             if t.num_cached_tokens is None:
                 t.num_cached_tokens = t.req.num_hit_tokens
+                t.num_external_tokens = t.req.num_external_tokens
                 self.metrics.prefix_queries += len(t.prompt_ids)
                 self.metrics.prefix_hits += t.req.num_hit_tokens
         self.metrics.preemptions += len(out.preempted)
+        if self.connector is not None:
+            for sid, fetched in out.external.items():
+                self.metrics.external_tokens += self.connector.write(
+                    fetched, self.manager.block_table(sid), self.kv.write_block)
         sampled: dict[str, list[int]] = {}
         if out.num_scheduled_tokens:
             inputs, sampling_rows, sinks, prompt_tokens = self._build_inputs(out.num_scheduled_tokens)
             logits = self.model.forward(inputs)
+            if self.connector is not None:  # write-through: computed blocks go to the tiers at once
+                for sid, n in out.num_scheduled_tokens.items():
+                    seq = self.scheduler.requests[sid].seq
+                    start = seq.num_computed_tokens
+                    self.connector.store(seq, start + n, self.manager.block_table(sid), self.kv.read_block, start)
             for sid, (first, count, position) in sinks.items():
                 sink = self._tracked[sid].logits_sink
                 assert sink is not None
@@ -302,7 +340,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=sid, prompt_token_ids=t.prompt_ids, token_ids=list(out_ids), text=t.text[:t.sent],
             new_text=new_text, finished=finished, finish_reason=reason if finished else None,
-            num_cached_tokens=t.num_cached_tokens or 0,
+            num_cached_tokens=t.num_cached_tokens or 0, num_external_tokens=t.num_external_tokens,
             ttft=None if t.first_token_at is None else t.first_token_at - t.arrival,
             latency=now - t.arrival if finished else None,
         )
@@ -425,6 +463,33 @@ def reason_label(reason: str | None) -> str:
     if reason is None:
         return "none"
     return "rejected" if reason.startswith("rejected") else reason
+
+
+def build_connector(cfg: EngineConfig, manager: KVCacheManager) -> KVConnector:
+    """The connector of ``cfg.kv_tiers`` (see ``parse_tier``), namespaced by model and dtype."""
+    return KVConnector([parse_tier(spec) for spec in cfg.kv_tiers], manager,
+                       namespace=f"gemma-3-270m-q4_k_m/{parse_dtype(cfg.dtype)}")
+
+
+def parse_tier(spec: str) -> KVTier:
+    """``host:SIZE``, ``disk:PATH:SIZE`` or ``redis://HOST:PORT[/DB]`` (SIZE like 512MiB, 4GiB)."""
+    from hybridkv.engine.cli import parse_size
+
+    def size(text: str) -> int:
+        try:
+            return parse_size(text)
+        except Exception:
+            raise InvalidInputError(f"KV tier {spec!r}: {text!r} is not a size (e.g. 512MiB, 4GiB)") from None
+
+    if spec.startswith(("redis://", "rediss://")):
+        return RedisTier(spec)
+    kind, _, rest = spec.partition(":")
+    if kind == "host" and rest:
+        return HostTier(size(rest))
+    if kind == "disk" and ":" in rest:
+        path, _, budget = rest.rpartition(":")
+        return DiskTier(path, size(budget))
+    raise InvalidInputError(f"KV tier {spec!r}: expected host:SIZE, disk:PATH:SIZE or redis://HOST:PORT[/DB]")
 
 
 def plan_kv_layout(mcfg: Gemma3Config, cfg: EngineConfig, dtype: torch.dtype) -> KVCacheLayout:

@@ -47,18 +47,30 @@ class EngineMetrics:
     """Prompt tokens looked up in the prefix cache at first admission."""
     prefix_hits: int = 0
     preemptions: int = 0
+    external_tokens: int = 0
+    """Prompt tokens loaded from external KV tiers instead of computed."""
     steps: int = 0
     finished: Counter[str] = field(default_factory=Counter)
     ttft_seconds: Histogram = field(default_factory=Histogram)
     latency_seconds: Histogram = field(default_factory=Histogram)
     step_seconds: Histogram = field(default_factory=Histogram)
 
-    def render(self, gauges: dict[str, tuple[float, str]], prefix: str = "hybridkv") -> str:
-        """Prometheus exposition: ``gauges`` maps name -> (value, help) for point-in-time values."""
+    def render(self, gauges: dict[str, tuple[float, str]], prefix: str = "hybridkv", *,
+               counters: dict[str, tuple[float, str]] | None = None) -> str:
+        """Prometheus exposition: ``gauges`` maps name -> (value, help) for point-in-time values;
+        extra ``counters`` may carry labels (``name{label="x"}``; help text on the first of a name)."""
         lines: list[str] = []
         for name, (value, help_text) in gauges.items():
             lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} gauge",
                       f"{prefix}_{name} {value}"]
+        seen: set[str] = set()
+        for name, (value, help_text) in (counters or {}).items():
+            base = name.split("{", 1)[0]
+            if base not in seen:
+                seen.add(base)
+                lines += [f"# HELP {prefix}_{base} {help_text or 'External KV tier faults, by kind.'}",
+                          f"# TYPE {prefix}_{base} counter"]
+            lines.append(f"{prefix}_{name} {value}")
         counters = {
             "requests_received_total": (self.requests_received, "Requests accepted."),
             "prompt_tokens_total": (self.prompt_tokens, "Prompt tokens computed (cache hits excluded)."),
@@ -66,6 +78,7 @@ class EngineMetrics:
             "prefix_cache_queries_total": (self.prefix_queries, "Prompt tokens looked up in the prefix cache."),
             "prefix_cache_hits_total": (self.prefix_hits, "Prompt tokens served from the prefix cache."),
             "preemptions_total": (self.preemptions, "Sequences preempted (recomputed later)."),
+            "external_kv_tokens_total": (self.external_tokens, "Prompt tokens loaded from external KV tiers."),
             "engine_steps_total": (self.steps, "Engine steps run."),
         }
         for name, (value, help_text) in counters.items():

@@ -71,15 +71,40 @@ class StepInputs:
 
 
 class PagedKVCache:
-    """The KV tensors: ``slots_per_group`` key and value tensors shared by all groups."""
+    """The KV tensors: as many key and value tensors as the largest group has layers, shared by all groups."""
 
-    def __init__(self, num_blocks: int, block_size: int, slots_per_group: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_blocks: int, block_size: int, group_layers: list[int], num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots_per_group)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots_per_group)]
+        self.group_layers = group_layers
+        """Layers of each group: a block of group ``g`` holds a page in the first ``group_layers[g]`` tensors."""
+        slots = max(group_layers)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots)]
         self.block_size = block_size
         self.num_blocks = num_blocks
+
+    def _block(self, layers: int, block_id: int) -> list[torch.Tensor]:
+        rows = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        return [t[rows] for j in range(layers) for t in (self.keys[j], self.values[j])]
+
+    def read_block(self, group: int, block_id: int) -> bytes:
+        """One block of ``group`` as bytes: K then V of each of its layers (a connector payload)."""
+        parts = self._block(self.group_layers[group], block_id)
+        flat = torch.stack(parts).cpu()
+        return (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).numpy().tobytes()
+
+    def write_block(self, group: int, block_id: int, payload: bytes) -> None:
+        """The inverse of ``read_block``."""
+        parts = self._block(self.group_layers[group], block_id)
+        nbytes = sum(p.numel() * p.element_size() for p in parts)
+        if len(payload) != nbytes:
+            raise ValueError(f"a block of group {group} holds {nbytes} bytes, the payload has {len(payload)}")
+        dtype = parts[0].dtype
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
+        data = (raw.view(torch.bfloat16) if dtype == torch.bfloat16 else raw).view(len(parts), *parts[0].shape)
+        for dst, src in zip(parts, data):
+            dst.copy_(src)
 
     @property
     def nbytes(self) -> int:

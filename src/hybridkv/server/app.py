@@ -125,7 +125,8 @@ def _sampling_params(body: CompletionRequest, max_model_len: int) -> SamplingPar
 def _usage(output: RequestOutput) -> dict[str, Any]:
     prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens + output.num_external_tokens,
+                                      "external_tokens": output.num_external_tokens}}
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:

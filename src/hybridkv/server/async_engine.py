@@ -175,11 +175,4 @@ class AsyncEngine:
             stream.put(output)
 
     def _render_metrics(self) -> str:
-        engine = self._engine
-        manager = engine.manager
-        return engine.metrics.render({
-            "kv_cache_usage": (manager.usage, "Fraction of KV-cache blocks in use (0..1)."),
-            "num_free_blocks": (manager.num_free_blocks, "Free KV-cache blocks."),
-            "num_requests_running": (engine.num_running, "Requests in the running batch."),
-            "num_requests_waiting": (engine.num_waiting, "Requests waiting to be admitted."),
-        })
+        return self._engine.metrics_text()
