@@ -3,6 +3,11 @@
 ``memory_bytes`` is the device memory a process sees (``nvidia-smi`` total), ``bandwidth`` the
 peak memory bandwidth in bytes/s and ``bf16_flops`` the dense (no sparsity) bf16 tensor-core
 peak in FLOP/s, from the vendors' data sheets.
+
+``cpu`` is a nominal preset for the reference engine on a small x86 machine: 2 cores with AVX2
+(2 FMA units of 8 fp32 lanes each at ~2.5 GHz: 160 GFLOP/s fp32 in ``bf16_flops``), 40 GB/s of
+DRAM bandwidth and 16 GiB of memory. Real CPUs differ widely; a calibration file fitted on
+measured engine steps supplies the efficiencies, so only the order of magnitude matters.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class Hardware:
     memory_bytes: int
     bandwidth: float
     bf16_flops: float
+    """Peak FLOP/s of the dtype the engine computes in (bf16 on the GPUs, fp32 on ``cpu``)."""
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -36,6 +42,7 @@ HARDWARE: dict[str, Hardware] = {
         Hardware("l4-24gb", "NVIDIA L4 24GB", 23034 * MiB, 0.3e12, 121e12),
         Hardware("rtx4090-24gb", "NVIDIA GeForce RTX 4090 24GB", 24564 * MiB, 1.008e12, 165e12),
         Hardware("b200-192gb", "NVIDIA B200 192GB", 183359 * MiB, 8.0e12, 2250e12),
+        Hardware("cpu", "x86 CPU, 2 cores AVX2 (nominal peaks, fp32)", 16 * GiB, 40e9, 160e9),
     )
 }
 

@@ -18,7 +18,7 @@ from hybridkv.models import get_preset
 from hybridkv.models.hf_config import layer_specs, load_config, parse_config
 from hybridkv.specs import MambaMode
 
-DTYPE_BYTES: dict[str, float] = {"bf16": 2, "fp16": 2, "fp8": 1, "int4": 0.5}
+DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int4": 0.5}
 
 
 @dataclass(frozen=True)

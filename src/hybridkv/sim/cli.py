@@ -55,8 +55,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="size the pool to this many tokens instead of from GPU memory")
-    p.add_argument("--weights-dtype", default="bf16", choices=("bf16", "fp16", "fp8", "int4"))
-    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp8"))
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
+                   help="size the pool for this KV budget (e.g. 48MiB) as the reference engine plans it")
+    p.add_argument("--weights-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8", "int4"))
+    p.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"))
+    p.add_argument("--calibration", default=None, metavar="PATH",
+                   help="fit the cost model's efficiencies to measured steps in this JSON file")
+    p.add_argument("--lm-head", choices=("per_token", "per_sample"), default="per_token",
+                   help="charge the output projection per new token (generic) or per sampled sequence")
     p.add_argument("--workload", choices=("shared-prefix", "multi-turn", "chat", "trace"), default="shared-prefix")
     p.add_argument("--trace", default=None, help="JSONL trace (with --workload trace)")
     p.add_argument("--requests", type=int, default=600)
@@ -77,6 +83,24 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--plot", default=None, help="write KV usage / hit rate over time and the TTFT CDF to a PNG")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``48MiB``, ``2GB``, ``512KiB`` or a plain integer (argparse type)."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    mult = 1
+    for suffix, m in units.items():
+        if t.endswith(suffix):
+            t, mult = t[: -len(suffix)], m
+            break
+    try:
+        value = int(float(t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 48MiB or 50331648, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be > 0 bytes, got {text!r}")
+    return value
 
 
 def _arrivals(args: argparse.Namespace) -> Arrivals:
@@ -113,7 +137,12 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
                      max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                      long_prefill_token_threshold=args.long_prefill_threshold, retention=args.retention,
                      admission=args.admission, policy=args.policy, enable_prefix_caching=not args.no_prefix_caching,
-                     kv_cache_tokens=args.kv_cache_tokens, weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype)
+                     kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory=args.kv_cache_memory,
+                     weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype, calibration=args.calibration,
+                     lm_head=args.lm_head)
+
+
+_OPTIONAL_INTS = ("max_model_len", "kv_cache_tokens", "kv_cache_memory", "gpu_memory_bytes")
 
 
 def variants(base: SimConfig, compare: str | None) -> list[tuple[str, SimConfig]]:
@@ -134,7 +163,7 @@ def variants(base: SimConfig, compare: str | None) -> list[tuple[str, SimConfig]
         value: Any = raw
         if isinstance(current, bool):
             value = raw.lower() in ("1", "true", "yes", "on")
-        elif isinstance(current, int) or name in ("max_model_len", "kv_cache_tokens", "gpu_memory_bytes"):
+        elif isinstance(current, int) or name in _OPTIONAL_INTS:
             value = int(raw)
         elif isinstance(current, float):
             value = float(raw)

@@ -1,4 +1,5 @@
-"""GPU cost of one engine step: a roofline over FLOPs and bytes, plus fixed overheads.
+"""Cost of one engine step on a GPU (or, calibrated, a CPU): a roofline over FLOPs and bytes, plus
+fixed overheads.
 
 A step runs a batch of sequences, each computing ``num_new_tokens`` tokens (a prefill chunk, or
 1 for decode) after ``context_len`` tokens already in the KV cache. Its time on one
@@ -6,6 +7,7 @@ tensor-parallel rank is::
 
     max(flops / (bf16_flops * compute), bytes / (bandwidth * memory))
       + step_overhead_s + (tp > 1: num_layers * tp_overhead_s_per_layer)
+      + sampled sequences * sample_overhead_s     (0 by default; see calibration)
       + loaded KV bytes / tier_bandwidth          (an external KV tier, not overlapped)
 
 **FLOPs** (per rank): ``2 * active_params / tp`` per new token for the matrix multiplies, plus
@@ -32,14 +34,37 @@ follow the loaded ones: they sit at positions ``context_len + num_loaded_tokens`
 
 A step without new tokens runs no forward pass: it costs the step overhead (and any loads).
 
+**LM head per sampled sequence** (``lm_head="per_sample"``, off by default). The generic roofline
+above charges every parameter as a matmul for every new token. An engine computes the output
+projection (``vocab_size x hidden_size``) only for the rows it samples (one per sequence that
+finishes its known tokens this step: a decode or a last prefill chunk; ``SeqWork.sampled``), and the
+input embedding is a lookup, not a matmul. With ``lm_head="per_sample"``: the per-token matmul
+FLOPs are ``2 * (active_params - lm_head_params - embedding_params) / tp``; each sampled sequence
+adds ``2 * lm_head_params / tp``; the weights read per step are the body (as above, without the
+head and the embedding) plus the head once if any sequence samples. ``lm_head_params`` is
+``vocab_size * hidden_size``; ``embedding_params`` is 0 for tied embeddings (one matrix, counted
+once in ``num_params``) and ``vocab_size * hidden_size`` otherwise. The looked-up embedding rows
+(one ``hidden_size`` row per token) are not counted.
+
 **Calibration file** (``load_calibration``), JSON::
 
     {"samples": [{"work": [[num_new_tokens, context_len], ...], "seconds": 0.0123}, ...]}
 
-Each ``work`` entry is one sequence of the measured step, ``[num_new_tokens, context_len]`` or
-``[num_new_tokens, context_len, num_loaded_tokens]`` (non-negative integers, not all steps
-empty); ``seconds`` is the measured step time (> 0). ``fit_efficiency`` fits ``compute``,
-``memory`` and ``step_overhead_s`` to such samples.
+Each ``work`` entry is one sequence of the measured step, ``[num_new_tokens, context_len]``,
+``[num_new_tokens, context_len, num_loaded_tokens]`` or ``[num_new_tokens, context_len,
+num_loaded_tokens, sampled]`` (non-negative integers, ``sampled`` 0 or 1, default 1; not all
+steps empty); ``seconds`` is the measured step time (> 0). ``fit_efficiency`` fits ``compute``,
+``memory``, ``step_overhead_s`` and ``sample_overhead_s`` to such samples; ``calibrate`` loads a
+file and fits it. ``sample_overhead_s`` is a fixed cost per sequence that samples (its row of the
+LM head, the sampler): on a CPU, matmuls of a few rows (a small decode batch) run far below a
+prefill's efficiency, and this term carries most of that cost. Measured on the fp32 reference
+engine (MKL, one thread), a decode step of 2-4 sequences costs more than the roofline with a
+linear per-sample term allows, and one of 8 less: workloads of small decode batches come out
+5-25% fast.
+
+**Hardware**: the GPU presets carry data-sheet peaks. The ``cpu`` preset carries nominal peaks
+(fp32 FMA FLOP/s and DRAM bandwidth of a small x86 machine); on a CPU the calibration, not the
+preset, decides the step times: fit it on measured steps of the engine being modelled.
 """
 
 from __future__ import annotations
@@ -49,7 +74,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hybridkv.errors import InvalidInputError
 from hybridkv.hardware import Hardware, get_hardware
@@ -72,6 +97,16 @@ ACTIVE_PARAMS: dict[str, float] = {
 }
 """Parameters one token runs through, for the MoE presets; dense presets use ``num_params``."""
 
+VOCAB: dict[str, tuple[int, bool]] = {
+    # (vocab size, tied embeddings) of presets whose config omits them. Gemma 3 270M: the GGUF the
+    # engine serves has 262,144 tokenizer tokens and no separate output matrix; the model card's
+    # "170M embedding parameters" is 262,144 * 640.
+    "gemma-3-270m": (262_144, True),
+}
+"""Vocabulary facts for ``lm_head="per_sample"`` when a preset's config lacks ``vocab_size``."""
+
+LMHead = Literal["per_token", "per_sample"]
+
 STATE_DTYPE_BYTES = 2
 """Recurrent states stay in the model dtype (bf16), as in ``layer_specs``."""
 
@@ -86,6 +121,8 @@ class SeqWork:
     """Tokens already in the KV cache before this step (computed tokens)."""
     num_loaded_tokens: int = 0
     """Tokens an external KV tier loads for this sequence this step; they precede the new tokens."""
+    sampled: bool = True
+    """Whether the step samples a token for this sequence (a decode or a last prefill chunk)."""
 
     def __post_init__(self) -> None:
         if self.num_new_tokens < 0 or self.context_len < 0 or self.num_loaded_tokens < 0:
@@ -107,13 +144,15 @@ class Efficiency:
     """Fixed cost of every step (scheduling, kernel launches, sampling), >= 0."""
     tp_overhead_s_per_layer: float = 0.00002
     """All-reduce cost per layer per step when tensor_parallel_size > 1, >= 0."""
+    sample_overhead_s: float = 0.0
+    """Fixed cost per sequence that samples in a step (its logits row, the sampler), >= 0."""
 
     def __post_init__(self) -> None:
         for name in ("compute", "memory"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise InvalidInputError(f"Efficiency.{name} must be in (0, 1], got {value}")
-        for name in ("step_overhead_s", "tp_overhead_s_per_layer"):
+        for name in ("step_overhead_s", "tp_overhead_s_per_layer", "sample_overhead_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise InvalidInputError(f"Efficiency.{name} must be >= 0, got {value}")
@@ -204,6 +243,10 @@ class CostModel:
     efficiency: Efficiency = DEFAULT_EFFICIENCY
     tier_bandwidth: float | None = None
     """Bytes/s per GPU of the external KV tier; ``None`` without one."""
+    lm_head_params: float = 0.0
+    """Output-projection parameters run once per sampled sequence (0: counted per token, the generic roofline)."""
+    embedding_params: float = 0.0
+    """Input-embedding parameters apart from the head (a lookup: no FLOPs, not read in full)."""
 
     # Per-call constants, derived in __post_init__.
     _flops_per_token: float = field(init=False, repr=False, compare=False)
@@ -222,9 +265,16 @@ class CostModel:
             )
         if self.tier_bandwidth is not None and not self.tier_bandwidth > 0:
             raise InvalidInputError(f"tier_bandwidth must be > 0 bytes/s, got {self.tier_bandwidth}")
+        vocab = self.lm_head_params + self.embedding_params
+        if self.lm_head_params < 0 or self.embedding_params < 0 or not vocab < self.active_params:
+            raise InvalidInputError(
+                f"lm_head_params={self.lm_head_params:g} and embedding_params={self.embedding_params:g} must be "
+                f">= 0 and together less than active_params={self.active_params:g}"
+            )
         eff, hw = self.efficiency, self.hardware
         setattr_ = object.__setattr__
-        setattr_(self, "_flops_per_token", 2.0 * self.active_params / tp + self.layers.recurrent_flops_per_token)
+        setattr_(self, "_flops_per_token", 2.0 * (self.active_params - vocab) / tp
+                 + self.layers.recurrent_flops_per_token)
         setattr_(self, "_seconds_per_flop", 1.0 / (hw.bf16_flops * eff.compute))
         setattr_(self, "_seconds_per_byte", 1.0 / (hw.bandwidth * eff.memory))
         setattr_(self, "_seconds_per_tier_byte", 1.0 / self.tier_bandwidth if self.tier_bandwidth else 0.0)
@@ -246,23 +296,46 @@ class CostModel:
         efficiency: Efficiency = DEFAULT_EFFICIENCY,
         tier_bandwidth: float | None = None,
         name: str = "custom",
+        lm_head: LMHead = "per_token",
+        vocab_size: int | None = None,
+        tie_word_embeddings: bool | None = None,
     ) -> CostModel:
         """The cost model of a Hugging Face ``config`` with ``num_params`` parameters (all experts).
 
-        ``active_params`` (per token) defaults to ``num_params``, i.e. a dense model.
+        ``active_params`` (per token) defaults to ``num_params``, i.e. a dense model. ``lm_head``
+        picks how the output projection is charged (module docstring); ``"per_sample"`` needs the
+        vocabulary size (``vocab_size`` or the config's) and takes ``tie_word_embeddings`` from the
+        argument, else the config, else True (the Hugging Face default).
         """
         if not num_params > 0:
             raise InvalidInputError(f"num_params must be > 0, got {num_params}")
         weight_bytes = _dtype_bytes(weights_dtype, "weights dtype")
         kv_bytes = _dtype_bytes(kv_dtype, "KV dtype")
         if kv_bytes < 1:
-            raise InvalidInputError(f"the KV cache dtype must be bf16, fp16 or fp8, got {kv_dtype!r}")
+            raise InvalidInputError(f"the KV cache dtype must be fp32, bf16, fp16 or fp8, got {kv_dtype!r}")
         model = parse_config(config, tensor_parallel_size=tensor_parallel_size)
         layers = LayerCosts.from_config(config, model, tensor_parallel_size=tensor_parallel_size,
                                         kv_dtype_bytes=kv_bytes)
+        head = embedding = 0.0
+        if lm_head == "per_sample":
+            cfg = text_config(config)
+            vocab = vocab_size if vocab_size is not None else cfg.get("vocab_size")
+            hidden = cfg.get("hidden_size")
+            for field_name, value in (("vocab_size", vocab), ("hidden_size", hidden)):
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise InvalidInputError(f"{name}: lm_head='per_sample' needs a positive integer {field_name}, "
+                                            f"got {value!r}")
+            assert isinstance(vocab, int) and isinstance(hidden, int)
+            tied = tie_word_embeddings
+            if tied is None:
+                tied = bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
+            head = float(vocab * hidden)
+            embedding = 0.0 if tied else head
+        elif lm_head != "per_token":
+            raise InvalidInputError(f"lm_head must be 'per_token' or 'per_sample', got {lm_head!r}")
         return cls(name, hardware, tensor_parallel_size, model.num_layers, float(num_params),
                    float(num_params if active_params is None else active_params), weight_bytes, layers,
-                   efficiency, tier_bandwidth)
+                   efficiency, tier_bandwidth, head, embedding)
 
     @classmethod
     def from_preset(
@@ -276,15 +349,19 @@ class CostModel:
         active_params: float | None = None,
         efficiency: Efficiency = DEFAULT_EFFICIENCY,
         tier_bandwidth: float | None = None,
+        lm_head: LMHead = "per_token",
     ) -> CostModel:
-        """The cost model of a model preset on a GPU preset; MoE presets take ``ACTIVE_PARAMS``."""
+        """The cost model of a model preset on a hardware preset; MoE presets take ``ACTIVE_PARAMS``,
+        ``lm_head="per_sample"`` takes the vocabulary from the config or ``VOCAB``."""
         preset = get_preset(model_id)
         hardware = get_hardware(gpu_id)
         if active_params is None:
             active_params = ACTIVE_PARAMS.get(preset.id, preset.num_params)
+        vocab, tied = VOCAB.get(preset.id, (None, None))
         return cls.from_config(preset.config, preset.num_params, hardware, tensor_parallel_size=tensor_parallel_size,
                                weights_dtype=weights_dtype, kv_dtype=kv_dtype, active_params=active_params,
-                               efficiency=efficiency, tier_bandwidth=tier_bandwidth, name=preset.id)
+                               efficiency=efficiency, tier_bandwidth=tier_bandwidth, name=preset.id,
+                               lm_head=lm_head, vocab_size=vocab, tie_word_embeddings=tied)
 
     def with_efficiency(self, efficiency: Efficiency) -> CostModel:
         """A copy with other efficiencies."""
@@ -294,39 +371,44 @@ class CostModel:
 
     def step_time(self, work: Sequence[SeqWork]) -> float:
         """Seconds one engine step takes to run ``work`` (one entry per scheduled sequence)."""
-        flops, nbytes, load_bytes, tokens = self._totals(work)
+        flops, nbytes, load_bytes, tokens, sampled = self._totals(work)
         t = self.efficiency.step_overhead_s + load_bytes * self._seconds_per_tier_byte
         if tokens:
             compute = flops * self._seconds_per_flop
             memory = nbytes * self._seconds_per_byte
-            t += (compute if compute > memory else memory) + self._forward_overhead_s
+            t += ((compute if compute > memory else memory) + self._forward_overhead_s
+                  + sampled * self.efficiency.sample_overhead_s)
         return t
 
     def breakdown(self, work: Sequence[SeqWork]) -> dict[str, float]:
-        """``step_time``'s parts: ``compute_s``, ``memory_s`` (the larger counts), ``overhead_s``,
-        ``load_s``, ``total_s``, and the step's ``flops``, ``bytes`` (HBM) and ``load_bytes`` (tier)."""
-        flops, nbytes, load_bytes, tokens = self._totals(work)
+        """``step_time``'s parts: ``compute_s``, ``memory_s`` (the larger counts), ``overhead_s`` (step
+        and TP), ``sample_s`` (per sampled sequence), ``load_s``, ``total_s``, and the step's ``flops``,
+        ``bytes`` (HBM), ``load_bytes`` (tier) and ``sampled`` (sequences that sample)."""
+        flops, nbytes, load_bytes, tokens, sampled = self._totals(work)
         compute_s = flops * self._seconds_per_flop
         memory_s = nbytes * self._seconds_per_byte
         overhead_s = self.efficiency.step_overhead_s + (self._forward_overhead_s if tokens else 0.0)
+        sample_s = sampled * self.efficiency.sample_overhead_s
         load_s = load_bytes * self._seconds_per_tier_byte
         return {
             "compute_s": compute_s,
             "memory_s": memory_s,
             "overhead_s": overhead_s,
+            "sample_s": sample_s,
             "load_s": load_s,
-            "total_s": max(compute_s, memory_s) + overhead_s + load_s,
+            "total_s": max(compute_s, memory_s) + overhead_s + sample_s + load_s,
             "flops": flops,
             "bytes": nbytes,
             "load_bytes": load_bytes,
+            "sampled": float(sampled),
         }
 
-    def _totals(self, work: Sequence[SeqWork]) -> tuple[float, float, float, int]:
-        """(FLOPs, HBM bytes, tier bytes, new tokens) of one step on one rank."""
+    def _totals(self, work: Sequence[SeqWork]) -> tuple[float, float, float, int, int]:
+        """(FLOPs, HBM bytes, tier bytes, new tokens, sampling sequences) of one step on one rank."""
         lc = self.layers
         window = lc.sliding_window
         chunk = lc.attention_chunk_size
-        tokens = seqs = loaded = loaded_seqs = 0
+        tokens = seqs = loaded = loaded_seqs = sampled = 0
         global_pairs2 = global_read = 0  # global_pairs2 is twice the (query, key) pairs
         sliding_pairs = sliding_read = chunked_pairs = chunked_read = 0
         for w in work:
@@ -341,6 +423,7 @@ class CostModel:
                 continue
             tokens += n
             seqs += 1
+            sampled += w.sampled
             end = c + n
             global_pairs2 += n * (c + end + 1)
             global_read += c
@@ -366,15 +449,21 @@ class CostModel:
                     chunked_pairs += ((q1 - c // chunk) * chunk * (chunk + 1) + r1 * (r1 + 1) - r * (r + 1)) // 2
         load_bytes = loaded * lc.kv_bytes_per_token + loaded_seqs * lc.recurrent_state_bytes
         if not tokens:
-            return 0.0, 0.0, load_bytes, 0
+            return 0.0, 0.0, load_bytes, 0, 0
         flops = (tokens * self._flops_per_token + global_pairs2 * 0.5 * lc.global_flops_per_pair
                  + sliding_pairs * lc.sliding_flops_per_pair + chunked_pairs * lc.chunked_flops_per_pair)
-        weights = min(self.total_params, self.active_params * tokens) * self.weight_bytes_per_param \
-            / self.tensor_parallel_size
+        head = self.lm_head_params
+        vocab = head + self.embedding_params
+        weights = min(self.total_params - vocab, (self.active_params - vocab) * tokens)
+        if head:
+            flops += sampled * 2.0 * head / self.tensor_parallel_size
+            if sampled:
+                weights += head
+        weights = weights * self.weight_bytes_per_param / self.tensor_parallel_size
         nbytes = (weights + 2 * tokens * lc.kv_bytes_per_token + seqs * 2 * lc.recurrent_state_bytes
                   + global_read * lc.global_kv_bytes_per_token + sliding_read * lc.sliding_kv_bytes_per_token
                   + chunked_read * lc.chunked_kv_bytes_per_token)
-        return flops, nbytes, load_bytes, tokens
+        return flops, nbytes, load_bytes, tokens, sampled
 
 
 # ---------------------------------------------------------------------- calibration
@@ -383,34 +472,54 @@ _MIN_EFFICIENCY = 0.01
 
 
 def fit_efficiency(model: CostModel, samples: Sequence[tuple[Sequence[SeqWork], float]]) -> Efficiency:
-    """The ``compute``, ``memory`` and ``step_overhead_s`` that best predict measured step times.
+    """The ``compute``, ``memory``, ``step_overhead_s`` and ``sample_overhead_s`` that best predict
+    measured step times.
 
     Minimises the sum of squared relative errors by a coarse-to-fine grid over compute and memory
-    efficiency in [0.01, 1] (log-spaced), with the best overhead (>= 0) solved exactly at each
-    point. ``tp_overhead_s_per_layer`` is kept from ``model``. An efficiency the samples cannot
-    tell (e.g. compute when every sample is memory-bound) stays near ``model``'s value.
+    efficiency in [0.01, 1] (log-spaced), with the best overheads (>= 0; per step, and per sampled
+    sequence) solved exactly at each point; a faint penalty keeps ``sample_overhead_s`` at 0 where
+    it would fit no better. ``tp_overhead_s_per_layer`` is kept from ``model``. An efficiency
+    the samples cannot tell (e.g. compute when every sample is memory-bound) stays near ``model``'s.
     """
     if not samples:
         raise InvalidInputError("fit_efficiency needs at least one sample, got none")
     hw = model.hardware
-    # Per sample: FLOPs / peak, bytes / peak, the fixed time (TP and loads), the measurement.
-    rows: list[tuple[float, float, float, float]] = []
+    # Per sample: FLOPs / peak, bytes / peak, the fixed time (TP and loads), sampled sequences, the measurement.
+    rows: list[tuple[float, float, float, float, float]] = []
     for i, (work, seconds) in enumerate(samples):
         if not seconds > 0:
             raise InvalidInputError(f"calibration sample {i}: 'seconds' must be > 0, got {seconds!r}")
         b = model.breakdown(work)
         fixed = b["load_s"] + b["overhead_s"] - model.efficiency.step_overhead_s
-        rows.append((b["flops"] / hw.bf16_flops, b["bytes"] / hw.bandwidth, fixed, float(seconds)))
+        rows.append((b["flops"] / hw.bf16_flops, b["bytes"] / hw.bandwidth, fixed, b["sampled"], float(seconds)))
     weights = [1.0 / (y * y) for *_, y in rows]
     sum_w = sum(weights)
+    sum_ws = sum(w * r[3] for w, r in zip(weights, rows))
+    sum_wss = sum(w * r[3] * r[3] for w, r in zip(weights, rows))
     prior_c, prior_m = model.efficiency.compute, model.efficiency.memory
 
-    def cost(c: float, m: float) -> tuple[float, float]:
-        roof = [max(f / c, b / m) + fixed for f, b, fixed, _ in rows]
-        overhead = max(0.0, sum(w * (y - r) for w, r, (*_, y) in zip(weights, roof, rows)) / sum_w)
-        err = sum(w * (r + overhead - y) ** 2 for w, r, (*_, y) in zip(weights, roof, rows))
+    def cost(c: float, m: float) -> tuple[float, float, float]:
+        # Residuals d = measured - roofline; overheads o (per step) and q (per sampled sequence) fit d.
+        d = [y - max(f / c, b / m) - fixed for f, b, fixed, _, y in rows]
+        wd = sum(w * x for w, x in zip(weights, d))
+        wsd = sum(w * r[3] * x for w, r, x in zip(weights, rows, d))
+        wdd = sum(w * x * x for w, x in zip(weights, d))
+
+        def err(o: float, q: float) -> float:
+            # The small last term prefers no per-sample cost where one would only stand in for
+            # per-sequence bytes (e.g. decode-only samples, where both grow with the batch).
+            sq = wdd - 2 * o * wd - 2 * q * wsd + o * o * sum_w + 2 * o * q * sum_ws + q * q * sum_wss
+            return sq + 1e-6 * q * q * sum_wss / len(rows)
+
+        candidates = [(max(0.0, wd / sum_w), 0.0), (0.0, max(0.0, wsd / sum_wss) if sum_wss else 0.0)]
+        det = sum_w * sum_wss - sum_ws * sum_ws
+        if det > 1e-12 * sum_w * sum_wss:
+            o, q = (wd * sum_wss - wsd * sum_ws) / det, (wsd * sum_w - wd * sum_ws) / det
+            if o >= 0 and q >= 0:
+                candidates.append((o, q))
+        best_err, best_o, best_q = min((err(o, q), o, q) for o, q in candidates)
         # A tiny pull towards the prior decides between efficiencies the samples cannot tell apart.
-        return err + 1e-9 * (math.log(c / prior_c) ** 2 + math.log(m / prior_m) ** 2), overhead
+        return best_err + 1e-9 * (math.log(c / prior_c) ** 2 + math.log(m / prior_m) ** 2), best_o, best_q
 
     lo = math.log(_MIN_EFFICIENCY)
     grid = [math.exp(lo * (1 - k / 40)) for k in range(41)]  # 0.01 .. 1, ratio ~1.12
@@ -423,9 +532,10 @@ def fit_efficiency(model: CostModel, samples: Sequence[tuple[Sequence[SeqWork], 
         best = min((cost(c, m)[0], c, m) for c in cs for m in ms)
         _, c_best, m_best = best
         ratio = ratio ** 0.25
-    overhead = cost(c_best, m_best)[1]
+    _, overhead, per_sample = cost(c_best, m_best)
     return Efficiency(compute=c_best, memory=m_best, step_overhead_s=overhead,
-                      tp_overhead_s_per_layer=model.efficiency.tp_overhead_s_per_layer)
+                      tp_overhead_s_per_layer=model.efficiency.tp_overhead_s_per_layer,
+                      sample_overhead_s=per_sample)
 
 
 def _around(x: float, ratio: float, steps: int = 4) -> list[float]:
@@ -459,12 +569,22 @@ def load_calibration(path: str | Path) -> list[tuple[list[SeqWork], float]]:
                                     f"[num_new_tokens, context_len] pairs, got {work!r}")
         seqs = []
         for j, entry in enumerate(work):
-            if (not isinstance(entry, list) or len(entry) not in (2, 3)
-                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)):
+            if (not isinstance(entry, list) or len(entry) not in (2, 3, 4)
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)
+                    or (len(entry) == 4 and entry[3] > 1)):
                 raise InvalidInputError(
-                    f"calibration sample {i}: 'work'[{j}] must be [num_new_tokens, context_len] or "
-                    f"[num_new_tokens, context_len, num_loaded_tokens] of integers >= 0, got {entry!r}"
+                    f"calibration sample {i}: 'work'[{j}] must be [num_new_tokens, context_len], "
+                    f"[num_new_tokens, context_len, num_loaded_tokens] or [num_new_tokens, context_len, "
+                    f"num_loaded_tokens, sampled 0/1] of integers >= 0, got {entry!r}"
                 )
-            seqs.append(SeqWork(*entry))
+            n, c, *rest = entry
+            seqs.append(SeqWork(n, c, rest[0] if rest else 0, bool(rest[1]) if len(rest) > 1 else True))
         out.append((seqs, float(seconds)))
     return out
+
+
+def calibrate(model: CostModel, calibration: Efficiency | str | Path) -> CostModel:
+    """``model`` with the given efficiencies, or with those fitted to a calibration file."""
+    if isinstance(calibration, Efficiency):
+        return model.with_efficiency(calibration)
+    return model.with_efficiency(fit_efficiency(model, load_calibration(calibration)))

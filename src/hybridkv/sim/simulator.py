@@ -4,6 +4,12 @@ Only block ids move: prompts are ``SyntheticSequence`` runs (or real token ids w
 carries them), so 10,000 requests with 100k-token contexts simulate in seconds to a minute.
 Each step the scheduler picks the batch, the cost model turns it into seconds, and every
 sequence that reached the end of its tokens "samples" one token of its ``out:<id>`` run.
+
+The pool is sized from the GPU memory (``make_plan``), to ``kv_cache_tokens`` tokens, or to a KV
+budget in bytes (``kv_cache_memory``) planned by ``plan_layout`` exactly as the reference engine
+plans its own pool. ``calibration`` replaces the default efficiencies: an ``Efficiency``, or a
+calibration file (``cost_model.load_calibration``) fitted to this config's cost model. A closed
+loop adds a request when one finishes, before the next step is scheduled, with no think time.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridkv.errors import InvalidInputError
+from hybridkv.layout import KVCacheLayout, capacity_report, plan_layout
 from hybridkv.manager import KVCacheManager
-from hybridkv.planner import PlanInput, make_plan
+from hybridkv.models import get_preset
+from hybridkv.models.hf_config import layer_specs, parse_config
+from hybridkv.planner import DTYPE_BYTES, PlanInput, make_plan
 from hybridkv.retention import NoRetention
 from hybridkv.scheduler import Admission, Policy, Scheduler, SchedulerConfig
 from hybridkv.sequence import Sequence
-from hybridkv.sim.cost_model import CostModel, SeqWork
+from hybridkv.sim.cost_model import CostModel, Efficiency, LMHead, SeqWork, calibrate
 from hybridkv.sim.synthetic import SyntheticSequence
 from hybridkv.sim.workloads import SimRequest, Workload, release_time
 
@@ -45,11 +54,17 @@ class SimConfig:
     gpu_memory_bytes: int | None = None
     kv_cache_tokens: int | None = None
     """Size the pool to hold this many tokens of the growing groups, instead of the GPU memory."""
+    kv_cache_memory: int | None = None
+    """Size the pool for this KV budget in bytes with ``plan_layout`` (as the reference engine does)."""
     weights_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     block_size: int = 16
     samples: int = 400
     """Points of the KV-usage / hit-rate time series."""
+    calibration: Efficiency | str | None = None
+    """Efficiencies, or a calibration file path fitted with ``fit_efficiency``; None: the defaults."""
+    lm_head: LMHead = "per_token"
+    """How the cost model charges the output projection (``cost_model`` module docstring)."""
 
 
 @dataclass
@@ -62,6 +77,8 @@ class SimResult:
     timeline: list[tuple[float, float, float]] = field(default_factory=list)
     """(time s, KV usage, cumulative prefix-hit rate)."""
     ttfts: list[float] = field(default_factory=list)
+    requests: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per request id: ``hit_tokens`` (at its first admission), ``ttft_s``, ``latency_s``, ``finish_s``."""
 
 
 def _percentile(sorted_values: list[float] | array[float], q: float) -> float:
@@ -71,8 +88,36 @@ def _percentile(sorted_values: list[float] | array[float], q: float) -> float:
     return float(sorted_values[k])
 
 
+def layout_for_memory(cfg: SimConfig) -> tuple[KVCacheLayout, int]:
+    """``(layout, max_model_len)`` for a KV budget of ``cfg.kv_cache_memory`` bytes: the model's layer specs
+    through ``plan_layout``, as the reference engine plans its pool."""
+    memory = cfg.kv_cache_memory
+    if not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0:
+        raise InvalidInputError(f"kv_cache_memory must be a positive number of bytes, got {memory!r}")
+    preset = get_preset(cfg.model)
+    max_model_len = cfg.max_model_len or preset.max_model_len
+    kv_bytes = DTYPE_BYTES.get(cfg.kv_dtype)
+    if kv_bytes is None or kv_bytes < 1:
+        raise InvalidInputError(f"unknown KV dtype {cfg.kv_dtype!r}; choose one of fp32, bf16, fp16, fp8")
+    specs = layer_specs(parse_config(preset.config, tensor_parallel_size=cfg.tensor_parallel_size),
+                        block_size=cfg.block_size, kv_dtype_bytes=int(kv_bytes))
+    layout = plan_layout(specs, memory, max_model_len=max_model_len,
+                         max_num_batched_tokens=min(cfg.max_num_batched_tokens, max_model_len))
+    return layout, max_model_len
+
+
 def build_manager(cfg: SimConfig) -> tuple[KVCacheManager, dict[str, Any]]:
-    """The manager the simulated engine runs on, and the plan report it came from."""
+    """The manager the simulated engine runs on, and the plan report it came from (capacity figures only
+    when ``kv_cache_memory`` sizes the pool)."""
+    if cfg.kv_cache_memory is not None:
+        if cfg.kv_cache_tokens is not None:
+            raise InvalidInputError("give kv_cache_memory or kv_cache_tokens, not both")
+        layout, max_model_len = layout_for_memory(cfg)
+        batch = min(cfg.max_num_batched_tokens, max_model_len)
+        rep = capacity_report(layout, max_model_len=max_model_len, max_num_batched_tokens=batch)
+        mgr = KVCacheManager(layout, max_model_len, batch, cfg.enable_prefix_caching, retention=cfg.retention)
+        return mgr, {"kv_capacity_tokens": rep.token_capacity, "max_concurrency": rep.max_concurrency,
+                     "num_blocks": layout.num_blocks, "kv_memory_bytes": layout.memory_bytes}
     inp = PlanInput(model=cfg.model, gpu=cfg.gpu, gpu_memory_bytes=cfg.gpu_memory_bytes,
                     max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                     tensor_parallel_size=cfg.tensor_parallel_size, weights_dtype=cfg.weights_dtype,
@@ -107,7 +152,9 @@ def simulate(workload: Workload, cfg: SimConfig, *,
                                            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                                            policy=cfg.policy, admission=cfg.admission))
     cost = CostModel.from_preset(cfg.model, cfg.gpu, tensor_parallel_size=cfg.tensor_parallel_size,
-                                 weights_dtype=cfg.weights_dtype, kv_dtype=cfg.kv_dtype)
+                                 weights_dtype=cfg.weights_dtype, kv_dtype=cfg.kv_dtype, lm_head=cfg.lm_head)
+    if cfg.calibration is not None:
+        cost = calibrate(cost, cfg.calibration)
     requests = workload.requests
     total = len(requests)
     by_id = {r.request_id: r for r in requests}
@@ -130,6 +177,8 @@ def simulate(workload: Workload, cfg: SimConfig, *,
     in_flight = 0
     now = 0.0
     arrival: dict[str, float] = {}
+    hits: dict[str, int] = {}
+    finish: dict[str, float] = {}
     first_token: dict[str, float] = {}
     last_token: dict[str, float] = {}
     itl = array("d")
@@ -153,7 +202,13 @@ def simulate(workload: Workload, cfg: SimConfig, *,
             now = max(now, ready[0][0])
             continue
         out = sched.schedule()
-        work = [SeqWork(n, sched.requests[sid].seq.num_computed_tokens) for sid, n in out.num_scheduled_tokens.items()]
+        for sid in out.admitted:
+            hits.setdefault(sid, sched.requests[sid].num_hit_tokens)
+        work = []
+        for sid, n in out.num_scheduled_tokens.items():
+            seq = sched.requests[sid].seq
+            c = seq.num_computed_tokens
+            work.append(SeqWork(n, c, sampled=c + n == seq.num_tokens))
         now += cost.step_time(work) if work else 0.0
         steps += 1
         peak_running = max(peak_running, len(sched.running))
@@ -172,6 +227,7 @@ def simulate(workload: Workload, cfg: SimConfig, *,
         ended = [r.seq_id for r in finished] + [sid for sid, _ in out.rejected]
         rejected += len(out.rejected)
         for sid in ended:
+            finish[sid] = now
             done += 1
             in_flight -= 1
             nxt = blocked_by.get(sid)
@@ -184,6 +240,13 @@ def simulate(workload: Workload, cfg: SimConfig, *,
             timeline.append((now, mgr.usage, mgr.stats.hit_rate))
     timeline.append((now, mgr.usage, mgr.stats.hit_rate))
     ttfts = sorted(first_token[sid] - arrival[sid] for sid in first_token)
+    per_request: dict[str, dict[str, float]] = {}
+    for r in requests:
+        rid = r.request_id
+        if rid in arrival:
+            per_request[rid] = {"hit_tokens": hits.get(rid, 0), "arrival_s": arrival[rid],
+                                "ttft_s": first_token[rid] - arrival[rid] if rid in first_token else math.nan,
+                                "latency_s": finish[rid] - arrival[rid], "finish_s": finish[rid]}
     itl_sorted = sorted(itl)
     st = mgr.stats
     summary: dict[str, Any] = {
@@ -212,6 +275,10 @@ def simulate(workload: Workload, cfg: SimConfig, *,
         "itl_p90_s": _percentile(itl_sorted, 0.9),
         "itl_p99_s": _percentile(itl_sorted, 0.99),
         "kv_capacity_tokens": plan["kv_capacity_tokens"] if cfg.kv_cache_tokens is None else None,
+        "efficiency": {"compute": cost.efficiency.compute, "memory": cost.efficiency.memory,
+                       "step_overhead_s": cost.efficiency.step_overhead_s,
+                       "sample_overhead_s": cost.efficiency.sample_overhead_s},
+        "lm_head": cfg.lm_head,
         "num_blocks": mgr.layout.num_blocks,
         "max_concurrency": plan["max_concurrency"],
         "peak_running": peak_running,
@@ -219,9 +286,7 @@ def simulate(workload: Workload, cfg: SimConfig, *,
         "kv_usage_max": max(u for _, u, _ in timeline),
     }
     if cfg.kv_cache_tokens is not None:
-        from hybridkv.layout import capacity_report
-
         rep = capacity_report(mgr.layout, max_model_len=mgr.max_model_len, max_num_batched_tokens=batch)
         summary["kv_capacity_tokens"] = rep.token_capacity
         summary["max_concurrency"] = rep.max_concurrency
-    return SimResult(cfg, workload.name, summary, timeline, ttfts)
+    return SimResult(cfg, workload.name, summary, timeline, ttfts, per_request)
