@@ -21,6 +21,15 @@ import torch.nn.functional as F
 from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, LayerWeights
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T``. For a few rows (decode batches) ``weight @ x.T`` runs a different CPU GEMM
+    path that is up to 4x faster (measured on the 262,144 x 640 LM head: 2-4 rows in 35-45 ms
+    instead of 125-170 ms); for many rows ``F.linear`` is as fast or faster."""
+    if x.shape[0] <= 64:
+        return torch.matmul(weight, x.T).T.contiguous()
+    return F.linear(x, weight)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm in float32; ``weight`` already holds ``1 + w`` (as the GGUF stores it)."""
     xf = x.float()
@@ -146,21 +155,21 @@ class Gemma3Model:
             h = self._attention(layer, h, ropes[local], step, local, group, slot)
             x = x + rms_norm(h, layer.post_attn_norm, cfg.rms_norm_eps)
             h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            h = F.linear(F.gelu(gate, approximate="tanh") * up, layer.down)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+            h = linear(F.gelu(gate, approximate="tanh") * up, layer.down)
             x = x + rms_norm(h, layer.post_ffn_norm, cfg.rms_norm_eps)
         if not len(step.logits_rows):  # only prefill chunks that end mid-prompt: no LM head
             return torch.empty(0, cfg.vocab_size)
         x = rms_norm(x[step.logits_rows], self.w.final_norm, cfg.rms_norm_eps)
-        return F.linear(x, self.w.embed).float()
+        return linear(x, self.w.embed).float()
 
     def _attention(self, layer: LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    step: StepInputs, local: bool, group: int, slot: int) -> torch.Tensor:
         cfg = self.cfg
         t = h.shape[0]
-        q = F.linear(h, layer.q).view(t, cfg.num_heads, cfg.head_dim)
-        k = F.linear(h, layer.k).view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(h, layer.v).view(t, cfg.num_kv_heads, cfg.head_dim)
+        q = linear(h, layer.q).view(t, cfg.num_heads, cfg.head_dim)
+        k = linear(h, layer.k).view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = linear(h, layer.v).view(t, cfg.num_kv_heads, cfg.head_dim)
         q = apply_rope(rms_norm(q, layer.q_norm, cfg.rms_norm_eps), *rope)
         k = apply_rope(rms_norm(k, layer.k_norm, cfg.rms_norm_eps), *rope)
         k_cache, v_cache = self.kv.keys[slot], self.kv.values[slot]
@@ -178,4 +187,4 @@ class Gemma3Model:
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=part.mask, scale=cfg.attn_scale,
                                                enable_gqa=True)
             out[part.query_rows] = o.transpose(1, 2)
-        return F.linear(out.reshape(t, -1), layer.o)
+        return linear(out.reshape(t, -1), layer.o)
