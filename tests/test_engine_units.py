@@ -32,7 +32,7 @@ def write_gguf(path: Path, *, q8_values: list[float]) -> None:
     header = b"GGUF" + struct.pack("<IQQ", 3, 1, 2) + meta + info
     header += b"\0" * (-len(header) % 32)
     scale = max(abs(v) for v in q8_values) / 127
-    block = struct.pack("<e", scale) + bytes(int(round(v / scale)) & 0xFF for v in q8_values)
+    block = struct.pack("<e", scale) + bytes(round(v / scale) & 0xFF for v in q8_values)
     path.write_bytes(header + block)
 
 
