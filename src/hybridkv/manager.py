@@ -12,6 +12,7 @@ from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequ
 from hybridkv.hashing import BlockHasher, HashAlgorithm
 from hybridkv.layout import KVCacheLayout
 from hybridkv.managers import KindManager, manager_for
+from hybridkv.managers.base import NEVER
 from hybridkv.retention import NoRetention, make_policy
 from hybridkv.sequence import Sequence
 from hybridkv.specs import ChunkedLocalAttentionSpec
@@ -97,6 +98,10 @@ class KVCacheManager:
         self.retention = make_policy(retention)
         self.retention.bind(self.coordinator)
         self._seqs: dict[str, Sequence] = {}
+        # Per running sequence: the token count up to which a step has nothing to allocate, drop
+        # or register in any group (most decodes), so ``allocate`` can return at once.
+        self._idle_until: dict[str, int] = {}
+        self._no_blocks = ((),) * len(self.groups)
         self._stats = KVCacheStats()
         # Groups whose kind drops tokens behind a window (the others never free mid-sequence).
         self._droppers = [g for g in self.groups if type(g).skipped_tokens is not KindManager.skipped_tokens]
@@ -258,6 +263,7 @@ class KVCacheManager:
             new_blocks = tuple(g.extend(sid, computed, total, allow_reserved=allow_reserved) for g in groups)
         # 6. Register the full blocks this step computes.
         self._register(seq, known)
+        self._idle_until[sid] = self._idle_limit(sid)
         if not running:
             st = self._stats
             st.admissions += 1
@@ -284,6 +290,8 @@ class KVCacheManager:
                 f"{seq.num_tokens} tokens"
             )
         total = known + num_lookahead_tokens
+        if total <= self._idle_until[sid]:
+            return tuple(map(list, self._no_blocks))  # fresh empty lists, one per group
         self._drop_windows(seq, computed)
         need = 0
         for g in self.groups:
@@ -293,7 +301,12 @@ class KVCacheManager:
             return None
         new_blocks = tuple(g.extend(sid, computed, total, allow_reserved=True) for g in self.groups)
         self._register(seq, known)
+        self._idle_until[sid] = self._idle_limit(sid)
         return new_blocks
+
+    def _idle_limit(self, sid: str) -> int:
+        """Token count up to which the next steps of ``sid`` have nothing to do in any group."""
+        return min([g.idle_limit(sid) for g in self.groups], default=NEVER)
 
     def _drop_windows(self, seq: Sequence, computed: int) -> None:
         """Release the blocks every window has left behind once ``computed`` tokens are in."""
@@ -317,6 +330,7 @@ class KVCacheManager:
         """Release every block of the sequence (finished or preempted). Idempotent."""
         sid = seq if isinstance(seq, str) else seq.seq_id
         stored = self._seqs.pop(sid, None)
+        self._idle_until.pop(sid, None)
         tables = [g.pop_table(sid) for g in self.groups]
         if stored is not None:
             self.retention.release_sequence(stored, tables)
@@ -408,6 +422,8 @@ class KVCacheManager:
             )
         for sid in self._seqs:
             assert any(sid in g.tables for g in self.groups) or not self.groups, f"{sid!r} has no tables"
+            assert self._idle_until.get(sid, NEVER) <= self._idle_limit(sid), f"{sid!r}: idle limit too high"
+        assert set(self._idle_until) <= set(self._seqs), "idle limits of sequences that hold no blocks"
 
     def __repr__(self) -> str:
         return (

@@ -22,6 +22,9 @@ from hybridkv.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.sequence import Sequence
 from hybridkv.specs import KVCacheSpec
 
+NEVER = 1 << 62
+"""A token count no sequence reaches: the limit of a group that never has work to do."""
+
 
 class KindManager:
     """Block tables of one group. Subclasses override the kind-specific hooks."""
@@ -59,6 +62,10 @@ class KindManager:
     def skipped_tokens(self, num_computed: int) -> int:
         """Leading tokens the attention of the next token no longer reads."""
         return 0
+
+    def drop_point(self, index: int) -> int:
+        """Fewest computed tokens at which table entry ``index`` is skipped (``NEVER`` if never)."""
+        return NEVER
 
     def remove_skipped(self, seq_id: str, num_computed: int) -> list[tuple[int, int]]:
         """Null out wholly skipped blocks; return ``(index, block)`` pairs, last index first.
@@ -148,6 +155,15 @@ class KindManager:
         table.extend([NULL_BLOCK] * (new_idx.start - len(table)))
         table.extend(new)
         return new
+
+    def idle_limit(self, seq_id: str) -> int:
+        """Most tokens a running sequence can reach (computed, known and with lookahead) before this
+        group has a block to allocate, drop or register; the manager skips steps that stay below."""
+        bs = self.block_size
+        limit = min(len(self.tables[seq_id]) * bs, self.drop_point(self.num_dropped.get(seq_id, 0)) - 1)
+        if self.caching:  # the next block to fill is registered when it is complete
+            limit = min(limit, (self.num_cached[seq_id] + 1) * bs - 1)
+        return limit
 
     def cache_full_blocks(self, seq_id: str, hashes: list[bytes], num_tokens: int) -> None:
         """Register the non-null full blocks covering the first ``num_tokens`` tokens."""
