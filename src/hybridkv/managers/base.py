@@ -22,6 +22,8 @@ from hybridkv.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.sequence import Sequence
 from hybridkv.specs import KVCacheSpec
 
+_NOTHING = range(0)
+
 NEVER = 1 << 62
 """A token count no sequence reaches: the limit of a group that never has work to do."""
 
@@ -112,10 +114,9 @@ class KindManager:
         For a new sequence ``hit_blocks`` is its adopted hit and ``num_computed`` the hit length;
         for a running one ``hit_blocks`` is empty.
         """
-        table = self.tables.get(seq_id)
-        if table is not None and -(-num_tokens // self.block_size) <= len(table):
-            return 0  # a running sequence whose table already covers the step (most decodes)
-        length = len(table) if table is not None else len(hit_blocks)
+        if seq_id in self.tables:
+            return len(self.grow_range(seq_id, num_computed, num_tokens))
+        length = len(hit_blocks)
         computed = num_computed + num_external
         count = 0
         if num_external:  # allocated in a phase of its own (see ``extend``), so counted apart
@@ -141,18 +142,25 @@ class KindManager:
 
     def extend(self, seq_id: str, num_computed: int, num_tokens: int, *, allow_reserved: bool) -> list[int]:
         """Grow the table to hold ``num_tokens`` slots; return the fresh block ids."""
-        table = self.tables.get(seq_id)
-        if table is None:
-            table = self.tables[seq_id] = []
+        if seq_id not in self.tables:
+            self.tables[seq_id] = []
             self.num_cached[seq_id] = 0
-        elif -(-num_tokens // self.block_size) <= len(table):
+        return self.grow(seq_id, self.grow_range(seq_id, num_computed, num_tokens), allow_reserved=allow_reserved)
+
+    def grow_range(self, seq_id: str, num_computed: int, num_tokens: int) -> range:
+        """Table indices that need a fresh block for the table to hold ``num_tokens`` slots."""
+        table = self.tables[seq_id]
+        if -(-num_tokens // self.block_size) <= len(table):
+            return _NOTHING  # the table already covers the step (most steps)
+        return self._new_indices(len(table), num_computed, num_tokens)
+
+    def grow(self, seq_id: str, indices: range, *, allow_reserved: bool) -> list[int]:
+        """Give ``indices`` (from ``grow_range``) fresh blocks, null entries before them; return the blocks."""
+        table = self.tables[seq_id]
+        if indices.stop <= len(table):
             return []
-        new_idx = self._new_indices(len(table), num_computed, num_tokens)
-        end = new_idx.stop
-        if end <= len(table):
-            return []
-        new = self.pool.allocate(len(new_idx), allow_reserved=allow_reserved) if new_idx else []
-        table.extend([NULL_BLOCK] * (new_idx.start - len(table)))
+        new = self.pool.allocate(len(indices), allow_reserved=allow_reserved) if indices else []
+        table.extend([NULL_BLOCK] * (indices.start - len(table)))
         table.extend(new)
         return new
 

@@ -205,6 +205,9 @@ class CrossAttentionManager(KindManager):
     def idle_limit(self, seq_id: str) -> int:
         return NEVER if seq_id in self.tables else 0
 
+    def grow_range(self, seq_id: str, num_computed: int, num_tokens: int) -> range:
+        return range(0)  # all blocks come with the first allocation
+
     def adopt(self, seq_id: str, blocks: list[int]) -> None:
         self.num_cached[seq_id] = 0
 
