@@ -20,6 +20,8 @@ from hybridkv import (
     KVCacheGroup,
     KVCacheLayout,
     KVCacheManager,
+    KVCacheSpec,
+    MambaSpec,
     Sequence,
     SlidingWindowSpec,
 )
@@ -40,6 +42,7 @@ class TraceConfig:
     num_blocks: int = 16384
     block_size: int = 16
     sliding_window: int = 128
+    sliding_window_2: int = 1024
     max_model_len: int = 8192
     seed: int = 1
 
@@ -79,17 +82,28 @@ def build_workload(cfg: TraceConfig) -> list[list[int]]:
     return work
 
 
+KINDS = ("full", "hybrid", "swa2", "mamba")
+"""``full``: one full-attention group; ``hybrid``: full + sliding window (the reference's);
+``swa2``: full + two sliding windows; ``mamba``: full + a Mamba group in ``align`` mode."""
+
+
 def make_layout(kind: str, cfg: TraceConfig) -> KVCacheLayout:
-    """``full``: one full-attention group; ``hybrid``: full + sliding window (the reference's)."""
-    full = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=8, head_size=128, dtype_bytes=2)
-    groups = [KVCacheGroup(full, ("model.layers.0", "model.layers.2"))]
-    if kind == "hybrid":
-        swa = SlidingWindowSpec(block_size=cfg.block_size, num_kv_heads=8, head_size=128, dtype_bytes=2,
-                                sliding_window=cfg.sliding_window)
-        groups.append(KVCacheGroup(swa, ("model.layers.1", "model.layers.3")))
-    elif kind != "full":
-        raise ValueError(f"unknown kind {kind!r}")
-    return KVCacheLayout(num_blocks=cfg.num_blocks, groups=tuple(groups))
+    """The layout of ``kind`` (see ``KINDS``), with the layer names the reference side uses."""
+    attn = {"block_size": cfg.block_size, "num_kv_heads": 8, "head_size": 128, "dtype_bytes": 2}
+    specs: list[KVCacheSpec] = [FullAttentionSpec(**attn)]
+    if kind in ("hybrid", "swa2"):
+        specs.append(SlidingWindowSpec(**attn, sliding_window=cfg.sliding_window))
+    if kind == "swa2":
+        specs.append(SlidingWindowSpec(**attn, sliding_window=cfg.sliding_window_2))
+    if kind == "mamba":
+        specs.append(MambaSpec(block_size=cfg.block_size, state_bytes=8 * 64 * 2, mode="align"))
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
+    groups = tuple(
+        KVCacheGroup(spec, tuple(f"model.layers.{i * len(specs) + g}" for i in range(2)))
+        for g, spec in enumerate(specs)
+    )
+    return KVCacheLayout(num_blocks=cfg.num_blocks, groups=groups)
 
 
 def run_trace(kind: str, cfg: TraceConfig, retention: str | NoRetention = "none",
