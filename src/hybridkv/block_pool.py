@@ -208,32 +208,44 @@ class BlockPool:
         ref = self.ref_cnt
         blocks = block_ids if isinstance(block_ids, list) else list(block_ids)
         tier = self._tier
-        taken: list[int] = []
-        # Free blocks leave their tier one by one, each counted at once so that an anchor and
-        # its window touched together keep the reservation count right; the rest is one loop.
-        for b in self.unreferenced(blocks) if free is None else free:
-            if tier[b] == _HELD:  # a block listed twice
-                continue
-            t = tier[b]
-            if t == _LRU:
-                del self._lru[b]
-            elif t == _LOW:
-                del self._low[b]
-            elif t == _RETAINED:
-                self._unretain(b)
-            else:
-                raise AssertionError(f"touch of block {b} in tier {_TIER_NAMES[t]}: not cached")
-            tier[b] = _HELD
-            ref[b] += 1
-            taken.append(b)
-            windows = self._anchored.get(b)
-            if windows:
-                self._num_reserved += len(windows)
-        for b in blocks:
-            ref[b] += 1
-        for b in taken:  # counted twice above
-            ref[b] -= 1
+        if free is None:
+            free = self.unreferenced(blocks)
+        if self._anchored:
+            # Free blocks leave their tier one by one, each counted at once so that an anchor and
+            # its window touched together keep the reservation count right.
+            taken: list[int] = []
+            for b in free:
+                if tier[b] != _HELD:  # skips a block listed twice
+                    self._take_free(b)
+                    ref[b] += 1
+                    taken.append(b)
+                    windows = self._anchored.get(b)
+                    if windows:
+                        self._num_reserved += len(windows)
+            for b in blocks:
+                ref[b] += 1
+            for b in taken:  # counted twice above
+                ref[b] -= 1
+        else:  # no retained windows: no reservations to keep
+            for b in free:
+                if tier[b] != _HELD:
+                    self._take_free(b)
+            for b in blocks:
+                ref[b] += 1
         ref[NULL_BLOCK] = 0  # null entries were counted above; the null block has no count
+
+    def _take_free(self, b: int) -> None:
+        """Take the free cached block ``b`` out of its tier (it becomes held)."""
+        t = self._tier[b]
+        if t == _LRU:
+            del self._lru[b]
+        elif t == _LOW:
+            del self._low[b]
+        elif t == _RETAINED:
+            self._unretain(b)
+        else:
+            raise AssertionError(f"touch of block {b} in tier {_TIER_NAMES[t]}: not cached")
+        self._tier[b] = _HELD
 
     def allocate(self, num_blocks: int, *, allow_reserved: bool) -> list[int]:
         """Take ``num_blocks`` free blocks (reference count 1 each), evicting cached ones lazily.

@@ -186,9 +186,10 @@ class KVCacheManager:
                 and self._seqs.get(getattr(seq, "seq_id", None)) is seq):  # type: ignore[arg-type]
             return self._grow(seq, num_new_tokens, num_lookahead_tokens)
         self._check_sequence(seq)
-        _check_count("num_new_tokens", num_new_tokens)
-        _check_count("num_external_tokens", num_external_tokens)
-        _check_count("num_lookahead_tokens", num_lookahead_tokens)
+        for name, count in (("num_new_tokens", num_new_tokens), ("num_external_tokens", num_external_tokens),
+                            ("num_lookahead_tokens", num_lookahead_tokens)):
+            if type(count) is not int or count < 0:
+                _check_count(name, count)
         sid = seq.seq_id
         running = sid in self._seqs
         if running:
@@ -245,9 +246,13 @@ class KVCacheManager:
         if running:
             available = pool.num_free_blocks
         else:
-            live = [list(filter(None, blocks)) for blocks in hit_blocks]  # window hits are mostly null
+            # Null entries lead a hit (window hits are mostly null): a list without one is kept as is.
+            live = [blocks if not blocks or blocks[0] else list(filter(None, blocks)) for blocks in hit_blocks]
             free = [pool.unreferenced(blocks) for blocks in live]
-            need += pool.admission_cost(list(chain.from_iterable(live)), list(chain.from_iterable(free)))
+            if len(live) == 1:
+                need += pool.admission_cost(live[0], free[0])
+            else:
+                need += pool.admission_cost(list(chain.from_iterable(live)), list(chain.from_iterable(free)))
             available = pool.num_admissible_blocks
         if need > available:
             self._stats.allocation_failures += 1
@@ -306,7 +311,8 @@ class KVCacheManager:
             self._drop_windows(seq, computed)
         # Count every group's need before any group allocates (a failed step allocates nothing).
         grow = [g.grow_range(sid, computed, total) for g in self.groups]
-        if sum(map(len, grow)) > self.pool.num_free_blocks:
+        need = sum(map(len, grow))
+        if need and need > self.pool.num_free_blocks:
             self._stats.allocation_failures += 1
             return None
         new_blocks = tuple([g.grow(sid, indices, allow_reserved=True) for g, indices in zip(self.groups, grow)])
@@ -316,7 +322,11 @@ class KVCacheManager:
 
     def _idle_limit(self, sid: str) -> int:
         """Token count up to which the next steps of ``sid`` have nothing to do in any group."""
-        return min([g.idle_limit(sid) for g in self.groups], default=NEVER)
+        limit = NEVER
+        for g in self.groups:
+            group_limit = g.idle_limit(sid)
+            limit = group_limit if group_limit < limit else limit
+        return limit
 
     def _drop_windows(self, seq: Sequence, computed: int) -> None:
         """Release the blocks every window has left behind once ``computed`` tokens are in."""

@@ -16,6 +16,7 @@ Token layout of one allocation, left to right::
 from __future__ import annotations
 
 from bisect import bisect_left
+from itertools import compress, takewhile
 
 from hybridkv._util import cdiv
 from hybridkv.block_pool import NULL_BLOCK, BlockPool
@@ -105,7 +106,7 @@ class KindManager:
     def adoptable(self, hit_blocks: list[int], num_computed: int) -> list[int]:
         """The hit blocks a new sequence keeps once ``num_computed`` tokens (hit + external) are in."""
         skipped = min(self.skipped_tokens(num_computed) // self.block_size, len(hit_blocks))
-        return [NULL_BLOCK] * skipped + hit_blocks[skipped:]
+        return [NULL_BLOCK] * skipped + hit_blocks[skipped:] if skipped else hit_blocks
 
     def num_new_blocks(self, seq_id: str, hit_blocks: list[int], num_computed: int,
                        num_external: int, num_tokens: int) -> int:
@@ -168,10 +169,12 @@ class KindManager:
         """Most tokens a running sequence can reach (computed, known and with lookahead) before this
         group has a block to allocate, drop or register; the manager skips steps that stay below."""
         bs = self.block_size
-        limit = min(len(self.tables[seq_id]) * bs, self.drop_point(self.num_dropped.get(seq_id, 0)) - 1)
-        if self.caching:  # the next block to fill is registered when it is complete
-            limit = min(limit, (self.num_cached[seq_id] + 1) * bs - 1)
-        return limit
+        limit = len(self.tables[seq_id]) * bs  # past it, a block to allocate
+        if self.caching:
+            registered = (self.num_cached[seq_id] + 1) * bs - 1  # past it, a full block to register
+            limit = registered if registered < limit else limit
+        dropped = self.drop_point(self.num_dropped.get(seq_id, 0)) - 1  # past it, a block to drop
+        return dropped if dropped < limit else limit
 
     def cache_full_blocks(self, seq_id: str, hashes: list[bytes], num_tokens: int) -> None:
         """Register the non-null full blocks covering the first ``num_tokens`` tokens."""
@@ -182,13 +185,13 @@ class KindManager:
         end = min(num_tokens // self.block_size, len(hashes), len(table))
         if end <= start:
             return
-        ids: list[int] = []
-        hs: list[bytes] = []
-        for i in range(start, end):
-            b = table[i]
-            if b != NULL_BLOCK and self.pool.block_hash[b] is None:
-                ids.append(b)
-                hs.append(hashes[i])
+        ids = table[start:end]
+        hs = hashes[start:end]
+        block_hash = self.pool.block_hash
+        new = [b != NULL_BLOCK and block_hash[b] is None for b in ids]
+        if not all(new):  # null entries and blocks cached already (adopted hits) stay as they are
+            ids = list(compress(ids, new))
+            hs = list(compress(hs, new))
         self.pool.cache_blocks(self.group, ids, hs)
         self.num_cached[seq_id] = end
 
@@ -212,8 +215,6 @@ def _leading_nulls(blocks: list[int]) -> int:
 
 def scan_left_to_right(pool: BlockPool, group: int, hashes: list[bytes], start: int, end: int) -> list[int]:
     """Cached blocks for ``hashes[start:end]`` up to the first miss."""
-    # map() runs the dict lookups at C speed: a long chain costs ~50 ns per block.
-    found: list[int | None] = list(map(pool.index[group].get, hashes[start:end]))
-    if None in found:
-        del found[found.index(None):]
-    return found  # type: ignore[return-value]
+    # takewhile(bool, ...) stops at the first miss (cached block ids are never 0), so the chain
+    # costs one C-speed dict lookup per block and nothing past its end.
+    return list(takewhile(bool, map(pool.index[group].get, hashes[start:end])))  # type: ignore[arg-type]
