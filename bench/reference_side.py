@@ -11,7 +11,11 @@ and trace format unchanged (``driver.speed``); only the KV-cache config builder 
 * ``swa2``  -- full attention + two sliding-window groups (windows ``--sliding-window`` and
   ``--sliding-window-2``), three groups in one shared pool;
 * ``mamba`` -- full attention + one Mamba group in ``align`` mode (the reference's mode for
-  prefix caching over recurrent state), its page padded to the attention page.
+  prefix caching over recurrent state), its page padded to the attention page;
+* ``groups-K`` -- full attention + K - 1 sliding windows of 128, 256, 512, ... tokens (scaling).
+
+``--sweep FILE`` runs a list of configurations instead (a JSON list of objects, each with a
+``kind`` and any of the options below by their ``dest`` name) and writes one result per entry.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ def make_kv_cache_config(kind: str, num_blocks: int, block_size: int = 16, slidi
     full = driver.full_spec(block_size)
     if kind == "swa2":
         specs = [full, driver.swa_spec(block_size, sliding_window), driver.swa_spec(block_size, sliding_window_2)]
+    elif kind.startswith("groups-"):  # full + K - 1 sliding windows of 128, 256, 512, ... tokens
+        k = int(kind.removeprefix("groups-"))
+        specs = [full] + [driver.swa_spec(block_size, 128 << i) for i in range(k - 1)]
     elif kind == "mamba":
         mamba = MambaSpec(block_size=block_size, shapes=(MAMBA_STATE_SHAPE,), dtypes=(torch.bfloat16,),
                           page_size_padded=full.page_size_bytes, mamba_cache_mode="align")
@@ -81,9 +88,18 @@ def main() -> None:
     ap.add_argument("--dump-trace", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quiet", action="store_true", help="no per-kind report on stdout")
+    ap.add_argument("--sweep", default=None, help="JSON list of configurations to run (needs --json)")
     args = ap.parse_args()
     driver.make_kv_cache_config = lambda kind, nb, bs=16, sw=128, nl=2: make_kv_cache_config(
         kind, nb, bs, sw, nl, sliding_window_2=args.sliding_window_2)
+    if args.sweep:
+        results = []
+        for point in json.loads(Path(args.sweep).read_text()):
+            point_args = argparse.Namespace(**{**vars(args), **point})
+            with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+                results.append(driver.speed(point["kind"], point_args, driver.Trace(None)))
+        Path(args.json).write_text(json.dumps(results))
+        return
     results, errors = [], {}
     for kind in args.kinds.split(","):
         trace = driver.Trace(f"{args.dump_trace}.{kind}.jsonl" if args.dump_trace else None)

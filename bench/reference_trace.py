@@ -84,21 +84,30 @@ def build_workload(cfg: TraceConfig) -> list[list[int]]:
 
 KINDS = ("full", "hybrid", "swa2", "mamba")
 """``full``: one full-attention group; ``hybrid``: full + sliding window (the reference's);
-``swa2``: full + two sliding windows; ``mamba``: full + a Mamba group in ``align`` mode."""
+``swa2``: full + two sliding windows; ``mamba``: full + a Mamba group in ``align`` mode.
+``groups-K`` (scaling sweeps): full + K - 1 sliding windows of 128, 256, 512, ... tokens."""
+
+
+def sliding_windows(kind: str, cfg: TraceConfig) -> list[int]:
+    """The sliding windows of ``kind``, one per sliding-window group (the reference side's too)."""
+    if kind == "hybrid":
+        return [cfg.sliding_window]
+    if kind == "swa2":
+        return [cfg.sliding_window, cfg.sliding_window_2]
+    if kind.startswith("groups-"):
+        return [128 << i for i in range(int(kind.removeprefix("groups-")) - 1)]
+    if kind in KINDS:
+        return []
+    raise ValueError(f"unknown kind {kind!r}; choose from {', '.join(KINDS)} or groups-K")
 
 
 def make_layout(kind: str, cfg: TraceConfig) -> KVCacheLayout:
     """The layout of ``kind`` (see ``KINDS``), with the layer names the reference side uses."""
     attn = {"block_size": cfg.block_size, "num_kv_heads": 8, "head_size": 128, "dtype_bytes": 2}
     specs: list[KVCacheSpec] = [FullAttentionSpec(**attn)]
-    if kind in ("hybrid", "swa2"):
-        specs.append(SlidingWindowSpec(**attn, sliding_window=cfg.sliding_window))
-    if kind == "swa2":
-        specs.append(SlidingWindowSpec(**attn, sliding_window=cfg.sliding_window_2))
+    specs += [SlidingWindowSpec(**attn, sliding_window=w) for w in sliding_windows(kind, cfg)]
     if kind == "mamba":
         specs.append(MambaSpec(block_size=cfg.block_size, state_bytes=8 * 64 * 2, mode="align"))
-    if kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
     groups = tuple(
         KVCacheGroup(spec, tuple(f"model.layers.{i * len(specs) + g}" for i in range(2)))
         for g, spec in enumerate(specs)
