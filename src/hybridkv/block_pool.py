@@ -262,6 +262,14 @@ class BlockPool:
         if fresh:
             out.extend(range(self._next_fresh, self._next_fresh + fresh))
             self._next_fresh += fresh
+        missing = num_blocks - len(out)
+        if missing and not self._anchored and len(self._low) + len(self._lru) >= missing:
+            # No retained windows: evicting changes no tier, so the victims are taken in one go.
+            low, lru = self._low, self._lru
+            victims = [low.popitem(last=False)[0] for _ in range(min(missing, len(low)))]
+            victims += [lru.popitem(last=False)[0] for _ in range(missing - len(victims))]
+            self._evict_all(victims)
+            out += victims
         while len(out) < num_blocks:
             if self._low:
                 b = self._low.popitem(last=False)[0]
@@ -291,6 +299,19 @@ class BlockPool:
             self.ref_cnt[b] = 0
             self._tier[b] = _UNCACHED
             self._uncached.append(b)
+
+    def _evict_all(self, victims: list[int]) -> None:
+        """``_evict`` each of ``victims`` (cached blocks, none an anchor), with the common case inline."""
+        hashes = self.block_hash
+        groups = self._block_group
+        for b in victims:
+            group = groups[b]
+            if self._dups[group] or self.enable_events:
+                self._evict(b)
+                continue
+            del self.index[group][hashes[b]]  # type: ignore[arg-type]
+            hashes[b] = None
+            self.evictions += 1
 
     def _evict(self, b: int) -> None:
         """Drop ``b``'s hash from the cache (it is being reused) and release its windows."""

@@ -305,7 +305,7 @@ class KVCacheManager:
                 f"{num_tokens} tokens"
             )
         total = known + num_lookahead_tokens
-        if total <= self._idle_until[sid]:
+        if total <= self._idle_until[sid] and num_new_tokens:
             return self._no_new_blocks()
         if self._droppers:
             self._drop_windows(seq, computed)

@@ -166,14 +166,15 @@ class KindManager:
         return new
 
     def idle_limit(self, seq_id: str) -> int:
-        """Most tokens a running sequence can reach (computed, known and with lookahead) before this
-        group has a block to allocate, drop or register; the manager skips steps that stay below."""
+        """Most slots (computed + new + lookahead tokens) a running sequence's step can reach, with at
+        least one new token, while this group has no block to allocate, register or drop."""
         bs = self.block_size
         limit = len(self.tables[seq_id]) * bs  # past it, a block to allocate
         if self.caching:
             registered = (self.num_cached[seq_id] + 1) * bs - 1  # past it, a full block to register
             limit = registered if registered < limit else limit
-        dropped = self.drop_point(self.num_dropped.get(seq_id, 0)) - 1  # past it, a block to drop
+        # A step reaching ``dropped`` slots has computed at most dropped - 1 tokens: nothing to drop yet.
+        dropped = self.drop_point(self.num_dropped.get(seq_id, 0))
         return dropped if dropped < limit else limit
 
     def cache_full_blocks(self, seq_id: str, hashes: list[bytes], num_tokens: int) -> None:
