@@ -252,29 +252,49 @@ class BlockPool:
 
         The caller has checked the count; running out here is a bug, not a miss.
         """
+        out: list[int] = []
         uncached = self._uncached
-        # Tiers 1 and 2 in bulk: uncached blocks (last freed first), then never-used ones.
-        take = min(num_blocks, len(uncached))
-        out = uncached[len(uncached) - take:]
-        out.reverse()
-        del uncached[len(uncached) - take:]
-        fresh = min(num_blocks - take, self.num_blocks - self._next_fresh)
-        if fresh:
+        if uncached:  # tier 1 in bulk: last freed first
+            take = min(num_blocks, len(uncached))
+            out = uncached[len(uncached) - take:]
+            out.reverse()
+            del uncached[len(uncached) - take:]
+        if len(out) < num_blocks and self._next_fresh < self.num_blocks:  # tier 2 in bulk
+            fresh = min(num_blocks - len(out), self.num_blocks - self._next_fresh)
             out.extend(range(self._next_fresh, self._next_fresh + fresh))
             self._next_fresh += fresh
-        missing = num_blocks - len(out)
-        if missing and not self._anchored and len(self._low) + len(self._lru) >= missing:
-            # No retained windows: evicting changes no tier, so the victims are taken in one go.
-            low, lru = self._low, self._lru
-            victims = [low.popitem(last=False)[0] for _ in range(min(missing, len(low)))]
-            victims += [lru.popitem(last=False)[0] for _ in range(missing - len(victims))]
-            self._evict_all(victims)
-            out += victims
+        if len(out) < num_blocks:
+            self._evict_into(out, num_blocks, allow_reserved)
+        ref = self.ref_cnt
+        tier = self._tier
+        for b in out:
+            ref[b] = 1
+            tier[b] = _HELD
+        return out
+
+    def _evict_into(self, out: list[int], num_blocks: int, allow_reserved: bool) -> None:
+        """Fill ``out`` up to ``num_blocks`` from the cached tiers (``low``, ``lru``, then ``retained``)."""
+        low, lru = self._low, self._lru
+        if not self._anchored:
+            # No retained windows: an eviction releases none into ``low``, so each tier is drained
+            # in turn, the common case of ``_evict`` inline.
+            hashes, groups, index = self.block_hash, self._block_group, self.index
+            for od in (low, lru):
+                while od and len(out) < num_blocks:
+                    b = od.popitem(last=False)[0]
+                    group = groups[b]
+                    if self._dups[group] or self.enable_events:
+                        self._evict(b)
+                    else:
+                        del index[group][hashes[b]]  # type: ignore[arg-type]
+                        hashes[b] = None
+                        self.evictions += 1
+                    out.append(b)
         while len(out) < num_blocks:
-            if self._low:
-                b = self._low.popitem(last=False)[0]
-            elif self._lru:
-                b = self._lru.popitem(last=False)[0]
+            if low:
+                b = low.popitem(last=False)[0]
+            elif lru:
+                b = lru.popitem(last=False)[0]
             elif self._retained and allow_reserved:
                 b = next(iter(self._retained))
                 self._unretain(b)
@@ -286,12 +306,6 @@ class BlockPool:
                 )
             self._evict(b)
             out.append(b)
-        ref = self.ref_cnt
-        tier = self._tier
-        for b in out:
-            ref[b] = 1
-            tier[b] = _HELD
-        return out
 
     def _give_back(self, blocks: list[int]) -> None:
         """Undo a partial ``allocate``: the taken blocks become free and uncached."""
@@ -299,19 +313,6 @@ class BlockPool:
             self.ref_cnt[b] = 0
             self._tier[b] = _UNCACHED
             self._uncached.append(b)
-
-    def _evict_all(self, victims: list[int]) -> None:
-        """``_evict`` each of ``victims`` (cached blocks, none an anchor), with the common case inline."""
-        hashes = self.block_hash
-        groups = self._block_group
-        for b in victims:
-            group = groups[b]
-            if self._dups[group] or self.enable_events:
-                self._evict(b)
-                continue
-            del self.index[group][hashes[b]]  # type: ignore[arg-type]
-            hashes[b] = None
-            self.evictions += 1
 
     def _evict(self, b: int) -> None:
         """Drop ``b``'s hash from the cache (it is being reused) and release its windows."""
