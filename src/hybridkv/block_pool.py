@@ -282,11 +282,11 @@ class BlockPool:
             for od in (low, lru):
                 while od and len(out) < num_blocks:
                     b = od.popitem(last=False)[0]
-                    group = groups[b]
-                    if self._dups[group] or self.enable_events:
+                    group, h = groups[b], hashes[b]
+                    if h in self._dups[group] or self.enable_events:
                         self._evict(b)
-                    else:
-                        del index[group][hashes[b]]  # type: ignore[arg-type]
+                    else:  # the only block holding h
+                        del index[group][h]  # type: ignore[arg-type]
                         hashes[b] = None
                         self.evictions += 1
                     out.append(b)
