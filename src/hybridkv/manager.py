@@ -107,9 +107,10 @@ class KVCacheManager:
         self.retention = make_policy(retention)
         self.retention.bind(self.coordinator)
         self._seqs: dict[str, Sequence] = {}
-        # Per running sequence: the token count up to which a step has nothing to allocate, drop
-        # or register in any group (most decodes), so ``allocate`` can return at once.
-        self._idle_until: dict[str, int] = {}
+        # Per running Sequence object (keyed by identity): the slot count up to which a step has
+        # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
+        # return at once.
+        self._idle_until: dict[Sequence, int] = {}
         self._no_new_blocks = _empty_lists(len(self.groups))
         self._stats = KVCacheStats()
         # Groups whose kind drops tokens behind a window (the others never free mid-sequence).
@@ -182,9 +183,12 @@ class KVCacheManager:
         against the free blocks, adopt the hit in every group (two-phase), allocate for the
         external and the new tokens, register the full blocks this step computes.
         """
-        if (hit is None and not num_external_tokens and not whole_sequence_must_fit
-                and self._seqs.get(getattr(seq, "seq_id", None)) is seq):  # type: ignore[arg-type]
-            return self._grow(seq, num_new_tokens, num_lookahead_tokens)
+        try:
+            idle = self._idle_until.get(seq)  # set only while this very object is running
+        except TypeError:  # unhashable: not a Sequence, the checks below say so
+            idle = None
+        if idle is not None and hit is None and not num_external_tokens and not whole_sequence_must_fit:
+            return self._grow(seq, idle, num_new_tokens, num_lookahead_tokens)
         self._check_sequence(seq)
         for name, count in (("num_new_tokens", num_new_tokens), ("num_external_tokens", num_external_tokens),
                             ("num_lookahead_tokens", num_lookahead_tokens)):
@@ -277,7 +281,7 @@ class KVCacheManager:
             new_blocks = tuple(g.extend(sid, computed, total, allow_reserved=allow_reserved) for g in groups)
         # 6. Register the full blocks this step computes.
         self._register(seq, known)
-        self._idle_until[sid] = self._idle_limit(sid)
+        self._idle_until[seq] = self._idle_limit(sid)
         if not running:
             st = self._stats
             st.admissions += 1
@@ -288,8 +292,10 @@ class KVCacheManager:
             self.retention.on_admit(seq, hit)
         return new_blocks
 
-    def _grow(self, seq: Sequence, num_new_tokens: int, num_lookahead_tokens: int) -> tuple[list[int], ...] | None:
-        """``allocate`` for a running sequence: the per-step path (decodes, prefill chunks), kept lean."""
+    def _grow(self, seq: Sequence, idle: int, num_new_tokens: int,
+              num_lookahead_tokens: int) -> tuple[list[int], ...] | None:
+        """``allocate`` for a running sequence whose steps are idle up to ``idle`` slots: the per-step
+        path (decodes, prefill chunks), kept lean."""
         if (type(num_new_tokens) is not int or num_new_tokens < 0
                 or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0):
             _check_count("num_new_tokens", num_new_tokens)
@@ -305,7 +311,7 @@ class KVCacheManager:
                 f"{num_tokens} tokens"
             )
         total = known + num_lookahead_tokens
-        if total <= self._idle_until[sid] and num_new_tokens:
+        if total <= idle and num_new_tokens:
             return self._no_new_blocks()
         if self._droppers:
             self._drop_windows(seq, computed)
@@ -317,7 +323,7 @@ class KVCacheManager:
             return None
         new_blocks = tuple([g.grow(sid, indices, allow_reserved=True) for g, indices in zip(self.groups, grow)])
         self._register(seq, known)
-        self._idle_until[sid] = self._idle_limit(sid)
+        self._idle_until[seq] = self._idle_limit(sid)
         return new_blocks
 
     def _idle_limit(self, sid: str) -> int:
@@ -350,7 +356,8 @@ class KVCacheManager:
         """Release every block of the sequence (finished or preempted). Idempotent."""
         sid = seq if isinstance(seq, str) else seq.seq_id
         stored = self._seqs.pop(sid, None)
-        self._idle_until.pop(sid, None)
+        if stored is not None:
+            self._idle_until.pop(stored, None)
         tables = [g.pop_table(sid) for g in self.groups]
         if stored is not None:
             self.retention.release_sequence(stored, tables)
@@ -442,8 +449,11 @@ class KVCacheManager:
             )
         for sid in self._seqs:
             assert any(sid in g.tables for g in self.groups) or not self.groups, f"{sid!r} has no tables"
-            assert self._idle_until.get(sid, NEVER) <= self._idle_limit(sid), f"{sid!r}: idle limit too high"
-        assert set(self._idle_until) <= set(self._seqs), "idle limits of sequences that hold no blocks"
+            seq = self._seqs[sid]
+            assert self._idle_until.get(seq, NEVER) <= self._idle_limit(sid), f"{sid!r}: idle limit too high"
+        assert len(self._idle_until) <= len(self._seqs) and all(
+            self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
+        ), "idle limits of sequences that hold no blocks"
 
     def __repr__(self) -> str:
         return (
