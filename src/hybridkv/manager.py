@@ -39,8 +39,6 @@ class KVCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
-
-
 def _empty_lists(n: int) -> Callable[[], tuple[list[int], ...]]:
     """A function returning a tuple of ``n`` fresh empty lists (a literal: several times faster
     than a generator, on the path most decode steps take)."""
@@ -327,7 +325,7 @@ class KVCacheManager:
         return new_blocks
 
     def _idle_limit(self, sid: str) -> int:
-        """Token count up to which the next steps of ``sid`` have nothing to do in any group."""
+        """Slot count up to which the next steps of ``sid`` have nothing to do in any group."""
         limit = NEVER
         for g in self.groups:
             group_limit = g.idle_limit(sid)
