@@ -20,6 +20,8 @@ from hybridkv import (
     KVCacheGroup,
     KVCacheLayout,
     KVCacheManager,
+    KVCacheSpec,
+    MambaSpec,
     Sequence,
     SlidingWindowSpec,
 )
@@ -40,6 +42,7 @@ class TraceConfig:
     num_blocks: int = 16384
     block_size: int = 16
     sliding_window: int = 128
+    sliding_window_2: int = 1024
     max_model_len: int = 8192
     seed: int = 1
 
@@ -79,17 +82,37 @@ def build_workload(cfg: TraceConfig) -> list[list[int]]:
     return work
 
 
-def make_layout(kind: str, cfg: TraceConfig) -> KVCacheLayout:
-    """``full``: one full-attention group; ``hybrid``: full + sliding window (the reference's)."""
-    full = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=8, head_size=128, dtype_bytes=2)
-    groups = [KVCacheGroup(full, ("model.layers.0", "model.layers.2"))]
+KINDS = ("full", "hybrid", "swa2", "mamba")
+"""``full``: one full-attention group; ``hybrid``: full + sliding window (the reference's);
+``swa2``: full + two sliding windows; ``mamba``: full + a Mamba group in ``align`` mode.
+``groups-K`` (scaling sweeps): full + K - 1 sliding windows of 128, 256, 512, ... tokens."""
+
+
+def sliding_windows(kind: str, cfg: TraceConfig) -> list[int]:
+    """The sliding windows of ``kind``, one per sliding-window group (the reference side's too)."""
     if kind == "hybrid":
-        swa = SlidingWindowSpec(block_size=cfg.block_size, num_kv_heads=8, head_size=128, dtype_bytes=2,
-                                sliding_window=cfg.sliding_window)
-        groups.append(KVCacheGroup(swa, ("model.layers.1", "model.layers.3")))
-    elif kind != "full":
-        raise ValueError(f"unknown kind {kind!r}")
-    return KVCacheLayout(num_blocks=cfg.num_blocks, groups=tuple(groups))
+        return [cfg.sliding_window]
+    if kind == "swa2":
+        return [cfg.sliding_window, cfg.sliding_window_2]
+    if kind.startswith("groups-"):
+        return [128 << i for i in range(int(kind.removeprefix("groups-")) - 1)]
+    if kind in KINDS:
+        return []
+    raise ValueError(f"unknown kind {kind!r}; choose from {', '.join(KINDS)} or groups-K")
+
+
+def make_layout(kind: str, cfg: TraceConfig) -> KVCacheLayout:
+    """The layout of ``kind`` (see ``KINDS``), with the layer names the reference side uses."""
+    attn = {"block_size": cfg.block_size, "num_kv_heads": 8, "head_size": 128, "dtype_bytes": 2}
+    specs: list[KVCacheSpec] = [FullAttentionSpec(**attn)]
+    specs += [SlidingWindowSpec(**attn, sliding_window=w) for w in sliding_windows(kind, cfg)]
+    if kind == "mamba":
+        specs.append(MambaSpec(block_size=cfg.block_size, state_bytes=8 * 64 * 2, mode="align"))
+    groups = tuple(
+        KVCacheGroup(spec, tuple(f"model.layers.{i * len(specs) + g}" for i in range(2)))
+        for g, spec in enumerate(specs)
+    )
+    return KVCacheLayout(num_blocks=cfg.num_blocks, groups=groups)
 
 
 def run_trace(kind: str, cfg: TraceConfig, retention: str | NoRetention = "none",

@@ -309,3 +309,50 @@ def test_a_stale_hit_is_rejected_instead_of_adopting_reused_blocks() -> None:
     with pytest.raises(InvalidInputError, match="look the sequence up again"):
         mgr.allocate(Sequence("b", tokens(0, 65)), 1, hit=stale)
     mgr.check_invariants()
+
+
+# ---------------------------------------------------------------------- the per-step path
+
+
+def _decode(mgr: KVCacheManager, seq: Sequence, steps: int) -> list[tuple[list[int], ...]]:
+    """Append one token and allocate its slot ``steps`` times; the allocations' results."""
+    out = []
+    for i in range(steps):
+        seq.append_token_ids([9000 + i])
+        new = mgr.allocate(seq, 1)
+        assert new is not None
+        out.append(new)
+        seq.num_computed_tokens += 1
+        mgr.check_invariants()
+    return out
+
+
+def test_decodes_inside_a_block_allocate_nothing_and_return_one_fresh_list_per_group() -> None:
+    mgr = manager(100, full(16), swa(64))
+    seq = Sequence("s", tokens(0, 40))
+    run_prefill(mgr, seq, 40)
+    steps = _decode(mgr, seq, 7)  # tokens 41..47: the third block has room for them
+    assert all(new == ([], []) for new in steps)
+    steps[0][0].append(1)  # callers may keep and change the lists: the next step's are fresh
+    assert _decode(mgr, seq, 1) == [([], [])]
+
+
+def test_a_decode_that_fills_a_block_registers_it_and_the_next_one_allocates() -> None:
+    mgr = manager(100, full(16))
+    seq = Sequence("s", tokens(0, 40))
+    run_prefill(mgr, seq, 40)
+    _decode(mgr, seq, 8)  # 48 tokens: the third block is full now
+    probe = Sequence("p", seq.token_ids + [1])
+    assert mgr.lookup(probe).num_tokens == 48
+    (new,) = _decode(mgr, seq, 1)  # token 49 needs a fourth block
+    assert len(new[0]) == 1 and mgr.block_table("s")[0][-1] == new[0][0]
+
+
+def test_sliding_window_blocks_are_dropped_on_the_step_the_window_leaves_them() -> None:
+    mgr = manager(100, full(16), swa(32))
+    seq = Sequence("s", tokens(0, 40))
+    run_prefill(mgr, seq, 40)
+    free_before = mgr.num_free_blocks
+    _decode(mgr, seq, 8)  # 47 computed: the window (32) no longer reads tokens 0..15
+    assert mgr.block_table("s")[1][0] == 0
+    assert mgr.num_free_blocks == free_before + 1

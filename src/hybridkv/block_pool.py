@@ -27,8 +27,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import compress
-from operator import not_
 
 from hybridkv.errors import InvalidInputError
 
@@ -70,9 +68,8 @@ class AllBlocksCleared:
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def _unreferenced(ref: list[int], blocks: list[int]) -> list[int]:
-    """The entries of ``blocks`` whose reference count is 0, in order (C-speed filter)."""
-    return list(compress(blocks, map(not_, map(ref.__getitem__, blocks))))
+# Hot loops below are plain ``for`` loops and comprehensions over lists of ints: on CPython 3.11+
+# they run specialised list bytecodes and beat ``map``/``compress`` chains of slot wrappers.
 
 
 class BlockPool:
@@ -177,7 +174,8 @@ class BlockPool:
     # ------------------------------------------------------------------ allocate
     def unreferenced(self, block_ids: list[int]) -> list[int]:
         """The blocks of ``block_ids`` (null entries skipped) that no sequence references."""
-        return list(filter(None, _unreferenced(self.ref_cnt, block_ids)))
+        ref = self.ref_cnt
+        return [b for b in block_ids if not ref[b] and b != NULL_BLOCK]
 
     def admission_cost(self, hit_blocks: Iterable[int], free: list[int] | None = None) -> int:
         """Admissible free blocks that adopting ``hit_blocks`` (a touch) would consume.
@@ -210,32 +208,44 @@ class BlockPool:
         ref = self.ref_cnt
         blocks = block_ids if isinstance(block_ids, list) else list(block_ids)
         tier = self._tier
-        taken: list[int] = []
-        # Free blocks leave their tier one by one, each counted at once so that an anchor and
-        # its window touched together keep the reservation count right; the rest is one loop.
-        for b in _unreferenced(ref, blocks) if free is None else free:
-            if b == NULL_BLOCK or tier[b] == _HELD:  # null entries; a block listed twice
-                continue
-            t = tier[b]
-            if t == _LRU:
-                del self._lru[b]
-            elif t == _LOW:
-                del self._low[b]
-            elif t == _RETAINED:
-                self._unretain(b)
-            else:
-                raise AssertionError(f"touch of block {b} in tier {_TIER_NAMES[t]}: not cached")
-            tier[b] = _HELD
-            ref[b] += 1
-            taken.append(b)
-            windows = self._anchored.get(b)
-            if windows:
-                self._num_reserved += len(windows)
-        for b in blocks:
-            ref[b] += 1
-        for b in taken:  # counted twice above
-            ref[b] -= 1
+        if free is None:
+            free = self.unreferenced(blocks)
+        if self._anchored:
+            # Free blocks leave their tier one by one, each counted at once so that an anchor and
+            # its window touched together keep the reservation count right.
+            taken: list[int] = []
+            for b in free:
+                if tier[b] != _HELD:  # skips a block listed twice
+                    self._take_free(b)
+                    ref[b] += 1
+                    taken.append(b)
+                    windows = self._anchored.get(b)
+                    if windows:
+                        self._num_reserved += len(windows)
+            for b in blocks:
+                ref[b] += 1
+            for b in taken:  # counted twice above
+                ref[b] -= 1
+        else:  # no retained windows: no reservations to keep
+            for b in free:
+                if tier[b] != _HELD:
+                    self._take_free(b)
+            for b in blocks:
+                ref[b] += 1
         ref[NULL_BLOCK] = 0  # null entries were counted above; the null block has no count
+
+    def _take_free(self, b: int) -> None:
+        """Take the free cached block ``b`` out of its tier (it becomes held)."""
+        t = self._tier[b]
+        if t == _LRU:
+            del self._lru[b]
+        elif t == _LOW:
+            del self._low[b]
+        elif t == _RETAINED:
+            self._unretain(b)
+        else:
+            raise AssertionError(f"touch of block {b} in tier {_TIER_NAMES[t]}: not cached")
+        self._tier[b] = _HELD
 
     def allocate(self, num_blocks: int, *, allow_reserved: bool) -> list[int]:
         """Take ``num_blocks`` free blocks (reference count 1 each), evicting cached ones lazily.
@@ -243,38 +253,66 @@ class BlockPool:
         The caller has checked the count; running out here is a bug, not a miss.
         """
         out: list[int] = []
+        uncached = self._uncached
+        if uncached:  # tier 1 in bulk: last freed first
+            take = min(num_blocks, len(uncached))
+            out = uncached[len(uncached) - take:]
+            out.reverse()
+            del uncached[len(uncached) - take:]
+        if len(out) < num_blocks and self._next_fresh < self.num_blocks:  # tier 2 in bulk
+            fresh = min(num_blocks - len(out), self.num_blocks - self._next_fresh)
+            out.extend(range(self._next_fresh, self._next_fresh + fresh))
+            self._next_fresh += fresh
+        if len(out) < num_blocks:
+            self._evict_into(out, num_blocks, allow_reserved)
         ref = self.ref_cnt
         tier = self._tier
-        uncached = self._uncached
+        for b in out:
+            ref[b] = 1
+            tier[b] = _HELD
+        return out
+
+    def _evict_into(self, out: list[int], num_blocks: int, allow_reserved: bool) -> None:
+        """Fill ``out`` up to ``num_blocks`` from the cached tiers (``low``, ``lru``, then ``retained``)."""
+        low, lru = self._low, self._lru
+        if not self._anchored:
+            # No retained windows: an eviction releases none into ``low``, so each tier is drained
+            # in turn, the common case of ``_evict`` inline.
+            hashes, groups, index = self.block_hash, self._block_group, self.index
+            for od in (low, lru):
+                while od and len(out) < num_blocks:
+                    b = od.popitem(last=False)[0]
+                    group, h = groups[b], hashes[b]
+                    if h in self._dups[group] or self.enable_events:
+                        self._evict(b)
+                    else:  # the only block holding h
+                        del index[group][h]  # type: ignore[arg-type]
+                        hashes[b] = None
+                        self.evictions += 1
+                    out.append(b)
         while len(out) < num_blocks:
-            if uncached:
-                b = uncached.pop()
-            elif self._next_fresh < self.num_blocks:
-                b = self._next_fresh
-                self._next_fresh = b + 1
-            elif self._low:
-                b = self._low.popitem(last=False)[0]
-                self._evict(b)
-            elif self._lru:
-                b = self._lru.popitem(last=False)[0]
-                self._evict(b)
+            if low:
+                b = low.popitem(last=False)[0]
+            elif lru:
+                b = lru.popitem(last=False)[0]
             elif self._retained and allow_reserved:
                 b = next(iter(self._retained))
                 self._unretain(b)
-                self._evict(b)
             else:
-                for got in out:  # give back what was taken, then fail loudly
-                    ref[got] = 0
-                    tier[got] = _UNCACHED
-                    uncached.append(got)
+                self._give_back(out)
                 raise AssertionError(
                     f"allocate({num_blocks}) ran out of blocks after {len(out)}: the caller must "
                     f"check num_free_blocks first"
                 )
-            ref[b] = 1
-            tier[b] = _HELD
+            self._evict(b)
             out.append(b)
-        return out
+
+    def _give_back(self, blocks: list[int]) -> None:
+        """Undo a partial ``allocate``: the taken blocks become free and uncached."""
+        for b in blocks:
+            self.ref_cnt[b] = 0
+            self._tier[b] = _UNCACHED
+            self._uncached.append(b)
 
     def _evict(self, b: int) -> None:
         """Drop ``b``'s hash from the cache (it is being reused) and release its windows."""
@@ -284,7 +322,9 @@ class BlockPool:
         group = self._block_group[b]
         idx = self.index[group]
         dups = self._dups[group]
-        if idx[h] == b:
+        if not dups:  # the common case: no duplicates in the group, so ``b`` serves ``h``
+            del idx[h]
+        elif idx[h] == b:
             others = dups.get(h)
             if others:
                 idx[h] = others.pop(0)  # the oldest duplicate serves next (the reference's order)
@@ -301,7 +341,7 @@ class BlockPool:
         self.evictions += 1
         if self.enable_events:
             self._events.append(BlockRemoved(group, (h,)))
-        windows = self._anchored.pop(b, None)
+        windows = self._anchored.pop(b, None) if self._anchored else None
         if windows:
             # The prefix these windows complete is gone: they can serve no hit any more.
             for w in windows:
@@ -325,26 +365,28 @@ class BlockPool:
         Blocks reaching zero go to ``uncached`` without a hash, to the ``lru`` tail with one.
         """
         ref = self.ref_cnt
-        blocks = block_ids if isinstance(block_ids, list) else list(block_ids)
-        for b in blocks:
-            ref[b] -= 1
-        ref[NULL_BLOCK] = 0  # null entries are not counted
-        # A block freed more often than referenced would go negative; check_invariants() reports
-        # it (every free block must have ref_cnt 0). The manager never frees a table twice.
+        released: list[int] = []
+        for b in block_ids:
+            r = ref[b] - 1
+            ref[b] = r
+            if not r:  # a block listed twice reaches zero once
+                released.append(b)
+        # Null entries counted the null block down (never to zero: it starts at 0); reset it. A
+        # block freed more often than referenced goes negative: check_invariants() reports it.
+        ref[NULL_BLOCK] = 0
         tier = self._tier
         hashes = self.block_hash
         lru = self._lru
-        anchored = self._anchored
-        for b in _unreferenced(ref, blocks):
-            if b == NULL_BLOCK or tier[b] != _HELD:  # null entries; a block listed twice
-                continue
+        for b in released:
             if hashes[b] is None:
                 tier[b] = _UNCACHED
                 self._uncached.append(b)
             else:
                 tier[b] = _LRU
                 lru[b] = None
-            if anchored:
+        anchored = self._anchored
+        if anchored:
+            for b in released:
                 windows = anchored.get(b)
                 if windows:
                     self._num_reserved -= len(windows)
@@ -433,10 +475,8 @@ class BlockPool:
         for b, h in zip(block_ids, block_hashes):
             hashes[b] = h
             gid[b] = group
-            if h in idx:
+            if idx.setdefault(h, b) != b:  # another block serves h already: b waits as a duplicate
                 self._dups[group].setdefault(h, []).append(b)
-            else:
-                idx[h] = b
         if self.enable_events and block_ids:
             self._events.append(BlockStored(group, tuple(block_hashes), tuple(block_ids)))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain, compress
 
@@ -12,6 +13,7 @@ from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequ
 from hybridkv.hashing import BlockHasher, HashAlgorithm
 from hybridkv.layout import KVCacheLayout
 from hybridkv.managers import KindManager, manager_for
+from hybridkv.managers.base import NEVER
 from hybridkv.retention import NoRetention, make_policy
 from hybridkv.sequence import Sequence
 from hybridkv.specs import ChunkedLocalAttentionSpec
@@ -37,7 +39,13 @@ class KVCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
-_NO_BLOCKS: list[int] = []
+def _empty_lists(n: int) -> Callable[[], tuple[list[int], ...]]:
+    """A function returning a tuple of ``n`` fresh empty lists (a literal: several times faster
+    than a generator, on the path most decode steps take)."""
+    literals: dict[int, Callable[[], tuple[list[int], ...]]] = {
+        1: lambda: ([],), 2: lambda: ([], []), 3: lambda: ([], [], []), 4: lambda: ([], [], [], [])
+    }
+    return literals.get(n) or (lambda: tuple([] for _ in range(n)))
 
 
 def _check_count(name: str, value: object) -> int:
@@ -97,6 +105,11 @@ class KVCacheManager:
         self.retention = make_policy(retention)
         self.retention.bind(self.coordinator)
         self._seqs: dict[str, Sequence] = {}
+        # Per running Sequence object (keyed by identity): the slot count up to which a step has
+        # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
+        # return at once.
+        self._idle_until: dict[Sequence, int] = {}
+        self._no_new_blocks = _empty_lists(len(self.groups))
         self._stats = KVCacheStats()
         # Groups whose kind drops tokens behind a window (the others never free mid-sequence).
         self._droppers = [g for g in self.groups if type(g).skipped_tokens is not KindManager.skipped_tokens]
@@ -168,13 +181,17 @@ class KVCacheManager:
         against the free blocks, adopt the hit in every group (two-phase), allocate for the
         external and the new tokens, register the full blocks this step computes.
         """
-        if (hit is None and not num_external_tokens and not whole_sequence_must_fit
-                and self._seqs.get(getattr(seq, "seq_id", None)) is seq):  # type: ignore[arg-type]
-            return self._grow(seq, num_new_tokens, num_lookahead_tokens)
+        try:
+            idle = self._idle_until.get(seq)  # set only while this very object is running
+        except TypeError:  # unhashable: not a Sequence, the checks below say so
+            idle = None
+        if idle is not None and hit is None and not num_external_tokens and not whole_sequence_must_fit:
+            return self._grow(seq, idle, num_new_tokens, num_lookahead_tokens)
         self._check_sequence(seq)
-        _check_count("num_new_tokens", num_new_tokens)
-        _check_count("num_external_tokens", num_external_tokens)
-        _check_count("num_lookahead_tokens", num_lookahead_tokens)
+        for name, count in (("num_new_tokens", num_new_tokens), ("num_external_tokens", num_external_tokens),
+                            ("num_lookahead_tokens", num_lookahead_tokens)):
+            if type(count) is not int or count < 0:
+                _check_count(name, count)
         sid = seq.seq_id
         running = sid in self._seqs
         if running:
@@ -231,9 +248,13 @@ class KVCacheManager:
         if running:
             available = pool.num_free_blocks
         else:
-            live = [list(filter(None, blocks)) for blocks in hit_blocks]  # window hits are mostly null
+            # Null entries lead a hit (window hits are mostly null): a list without one is kept as is.
+            live = [blocks if not blocks or blocks[0] else list(filter(None, blocks)) for blocks in hit_blocks]
             free = [pool.unreferenced(blocks) for blocks in live]
-            need += pool.admission_cost(list(chain.from_iterable(live)), list(chain.from_iterable(free)))
+            if len(live) == 1:
+                need += pool.admission_cost(live[0], free[0])
+            else:
+                need += pool.admission_cost(list(chain.from_iterable(live)), list(chain.from_iterable(free)))
             available = pool.num_admissible_blocks
         if need > available:
             self._stats.allocation_failures += 1
@@ -258,6 +279,7 @@ class KVCacheManager:
             new_blocks = tuple(g.extend(sid, computed, total, allow_reserved=allow_reserved) for g in groups)
         # 6. Register the full blocks this step computes.
         self._register(seq, known)
+        self._idle_until[seq] = self._idle_limit(sid)
         if not running:
             st = self._stats
             st.admissions += 1
@@ -268,32 +290,47 @@ class KVCacheManager:
             self.retention.on_admit(seq, hit)
         return new_blocks
 
-    def _grow(self, seq: Sequence, num_new_tokens: int, num_lookahead_tokens: int) -> tuple[list[int], ...] | None:
-        """``allocate`` for a running sequence: the per-step path (decodes, prefill chunks), kept lean."""
-        if type(num_new_tokens) is not int or num_new_tokens < 0:
+    def _grow(self, seq: Sequence, idle: int, num_new_tokens: int,
+              num_lookahead_tokens: int) -> tuple[list[int], ...] | None:
+        """``allocate`` for a running sequence whose steps are idle up to ``idle`` slots: the per-step
+        path (decodes, prefill chunks), kept lean."""
+        if (type(num_new_tokens) is not int or num_new_tokens < 0
+                or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0):
             _check_count("num_new_tokens", num_new_tokens)
-        if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
             _check_count("num_lookahead_tokens", num_lookahead_tokens)
         sid = seq.seq_id
         computed = seq.num_computed_tokens
         known = computed + num_new_tokens
-        if known > seq.num_tokens or not computed >= 0 or seq.num_tokens > self.max_model_len:
+        num_tokens = seq.num_tokens
+        if known > num_tokens or not computed >= 0 or num_tokens > self.max_model_len:
             self._check_sequence(seq)
             raise InvalidInputError(
                 f"sequence {sid!r}: {computed} computed + {num_new_tokens} new tokens exceed its "
-                f"{seq.num_tokens} tokens"
+                f"{num_tokens} tokens"
             )
         total = known + num_lookahead_tokens
-        self._drop_windows(seq, computed)
-        need = 0
-        for g in self.groups:
-            need += g.num_new_blocks(sid, _NO_BLOCKS, computed, 0, total)
-        if need > self.pool.num_free_blocks:
+        if total <= idle and num_new_tokens:
+            return self._no_new_blocks()
+        if self._droppers:
+            self._drop_windows(seq, computed)
+        # Count every group's need before any group allocates (a failed step allocates nothing).
+        grow = [g.grow_range(sid, computed, total) for g in self.groups]
+        need = sum(map(len, grow))
+        if need and need > self.pool.num_free_blocks:
             self._stats.allocation_failures += 1
             return None
-        new_blocks = tuple(g.extend(sid, computed, total, allow_reserved=True) for g in self.groups)
+        new_blocks = tuple([g.grow(sid, indices, allow_reserved=True) for g, indices in zip(self.groups, grow)])
         self._register(seq, known)
+        self._idle_until[seq] = self._idle_limit(sid)
         return new_blocks
+
+    def _idle_limit(self, sid: str) -> int:
+        """Slot count up to which the next steps of ``sid`` have nothing to do in any group."""
+        limit = NEVER
+        for g in self.groups:
+            group_limit = g.idle_limit(sid)
+            limit = group_limit if group_limit < limit else limit
+        return limit
 
     def _drop_windows(self, seq: Sequence, computed: int) -> None:
         """Release the blocks every window has left behind once ``computed`` tokens are in."""
@@ -317,6 +354,8 @@ class KVCacheManager:
         """Release every block of the sequence (finished or preempted). Idempotent."""
         sid = seq if isinstance(seq, str) else seq.seq_id
         stored = self._seqs.pop(sid, None)
+        if stored is not None:
+            self._idle_until.pop(stored, None)
         tables = [g.pop_table(sid) for g in self.groups]
         if stored is not None:
             self.retention.release_sequence(stored, tables)
@@ -408,6 +447,11 @@ class KVCacheManager:
             )
         for sid in self._seqs:
             assert any(sid in g.tables for g in self.groups) or not self.groups, f"{sid!r} has no tables"
+            seq = self._seqs[sid]
+            assert self._idle_until.get(seq, NEVER) <= self._idle_limit(sid), f"{sid!r}: idle limit too high"
+        assert len(self._idle_until) <= len(self._seqs) and all(
+            self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
+        ), "idle limits of sequences that hold no blocks"
 
     def __repr__(self) -> str:
         return (

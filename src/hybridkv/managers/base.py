@@ -16,11 +16,17 @@ Token layout of one allocation, left to right::
 from __future__ import annotations
 
 from bisect import bisect_left
+from itertools import compress, takewhile
 
 from hybridkv._util import cdiv
 from hybridkv.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.sequence import Sequence
 from hybridkv.specs import KVCacheSpec
+
+_NOTHING = range(0)
+
+NEVER = 1 << 62
+"""A token count no sequence reaches: the limit of a group that never has work to do."""
 
 
 class KindManager:
@@ -60,6 +66,10 @@ class KindManager:
         """Leading tokens the attention of the next token no longer reads."""
         return 0
 
+    def drop_point(self, index: int) -> int:
+        """Fewest computed tokens at which table entry ``index`` is skipped (``NEVER`` if never)."""
+        return NEVER
+
     def remove_skipped(self, seq_id: str, num_computed: int) -> list[tuple[int, int]]:
         """Null out wholly skipped blocks; return ``(index, block)`` pairs, last index first.
 
@@ -96,7 +106,7 @@ class KindManager:
     def adoptable(self, hit_blocks: list[int], num_computed: int) -> list[int]:
         """The hit blocks a new sequence keeps once ``num_computed`` tokens (hit + external) are in."""
         skipped = min(self.skipped_tokens(num_computed) // self.block_size, len(hit_blocks))
-        return [NULL_BLOCK] * skipped + hit_blocks[skipped:]
+        return [NULL_BLOCK] * skipped + hit_blocks[skipped:] if skipped else hit_blocks
 
     def num_new_blocks(self, seq_id: str, hit_blocks: list[int], num_computed: int,
                        num_external: int, num_tokens: int) -> int:
@@ -105,10 +115,9 @@ class KindManager:
         For a new sequence ``hit_blocks`` is its adopted hit and ``num_computed`` the hit length;
         for a running one ``hit_blocks`` is empty.
         """
-        table = self.tables.get(seq_id)
-        if table is not None and -(-num_tokens // self.block_size) <= len(table):
-            return 0  # a running sequence whose table already covers the step (most decodes)
-        length = len(table) if table is not None else len(hit_blocks)
+        if seq_id in self.tables:
+            return len(self.grow_range(seq_id, num_computed, num_tokens))
+        length = len(hit_blocks)
         computed = num_computed + num_external
         count = 0
         if num_external:  # allocated in a phase of its own (see ``extend``), so counted apart
@@ -134,20 +143,39 @@ class KindManager:
 
     def extend(self, seq_id: str, num_computed: int, num_tokens: int, *, allow_reserved: bool) -> list[int]:
         """Grow the table to hold ``num_tokens`` slots; return the fresh block ids."""
-        table = self.tables.get(seq_id)
-        if table is None:
-            table = self.tables[seq_id] = []
+        if seq_id not in self.tables:
+            self.tables[seq_id] = []
             self.num_cached[seq_id] = 0
-        elif -(-num_tokens // self.block_size) <= len(table):
+        return self.grow(seq_id, self.grow_range(seq_id, num_computed, num_tokens), allow_reserved=allow_reserved)
+
+    def grow_range(self, seq_id: str, num_computed: int, num_tokens: int) -> range:
+        """Table indices that need a fresh block for the table to hold ``num_tokens`` slots."""
+        table = self.tables[seq_id]
+        if -(-num_tokens // self.block_size) <= len(table):
+            return _NOTHING  # the table already covers the step (most steps)
+        return self._new_indices(len(table), num_computed, num_tokens)
+
+    def grow(self, seq_id: str, indices: range, *, allow_reserved: bool) -> list[int]:
+        """Give ``indices`` (from ``grow_range``) fresh blocks, null entries before them; return the blocks."""
+        table = self.tables[seq_id]
+        if indices.stop <= len(table):
             return []
-        new_idx = self._new_indices(len(table), num_computed, num_tokens)
-        end = new_idx.stop
-        if end <= len(table):
-            return []
-        new = self.pool.allocate(len(new_idx), allow_reserved=allow_reserved) if new_idx else []
-        table.extend([NULL_BLOCK] * (new_idx.start - len(table)))
+        new = self.pool.allocate(len(indices), allow_reserved=allow_reserved) if indices else []
+        table.extend([NULL_BLOCK] * (indices.start - len(table)))
         table.extend(new)
         return new
+
+    def idle_limit(self, seq_id: str) -> int:
+        """Most slots (computed + new + lookahead tokens) a running sequence's step can reach, with at
+        least one new token, while this group has no block to allocate, register or drop."""
+        bs = self.block_size
+        limit = len(self.tables[seq_id]) * bs  # past it, a block to allocate
+        if self.caching:
+            registered = (self.num_cached[seq_id] + 1) * bs - 1  # past it, a full block to register
+            limit = registered if registered < limit else limit
+        # A step reaching ``dropped`` slots has computed at most dropped - 1 tokens: nothing to drop yet.
+        dropped = self.drop_point(self.num_dropped.get(seq_id, 0))
+        return dropped if dropped < limit else limit
 
     def cache_full_blocks(self, seq_id: str, hashes: list[bytes], num_tokens: int) -> None:
         """Register the non-null full blocks covering the first ``num_tokens`` tokens."""
@@ -158,13 +186,13 @@ class KindManager:
         end = min(num_tokens // self.block_size, len(hashes), len(table))
         if end <= start:
             return
-        ids: list[int] = []
-        hs: list[bytes] = []
-        for i in range(start, end):
-            b = table[i]
-            if b != NULL_BLOCK and self.pool.block_hash[b] is None:
-                ids.append(b)
-                hs.append(hashes[i])
+        ids = table[start:end]
+        hs = hashes[start:end]
+        block_hash = self.pool.block_hash
+        new = [b != NULL_BLOCK and block_hash[b] is None for b in ids]
+        if not all(new):  # null entries and blocks cached already (adopted hits) stay as they are
+            ids = list(compress(ids, new))
+            hs = list(compress(hs, new))
         self.pool.cache_blocks(self.group, ids, hs)
         self.num_cached[seq_id] = end
 
@@ -188,8 +216,6 @@ def _leading_nulls(blocks: list[int]) -> int:
 
 def scan_left_to_right(pool: BlockPool, group: int, hashes: list[bytes], start: int, end: int) -> list[int]:
     """Cached blocks for ``hashes[start:end]`` up to the first miss."""
-    # map() runs the dict lookups at C speed: a long chain costs ~50 ns per block.
-    found: list[int | None] = list(map(pool.index[group].get, hashes[start:end]))
-    if None in found:
-        del found[found.index(None):]
-    return found  # type: ignore[return-value]
+    # takewhile(bool, ...) stops at the first miss (cached block ids are never 0), so the chain
+    # costs one C-speed dict lookup per block and nothing past its end.
+    return list(takewhile(bool, map(pool.index[group].get, hashes[start:end])))  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybridkv._util import cdiv
 from hybridkv.block_pool import NULL_BLOCK, BlockPool
-from hybridkv.managers.base import KindManager, scan_left_to_right
+from hybridkv.managers.base import NEVER, KindManager, scan_left_to_right
 from hybridkv.sequence import Sequence
 from hybridkv.specs import ChunkedLocalAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
@@ -58,6 +58,9 @@ class SlidingWindowManager(KindManager):
     def skipped_tokens(self, num_computed: int) -> int:
         return max(0, num_computed - self.window + 1)
 
+    def drop_point(self, index: int) -> int:
+        return (index + 1) * self.block_size + self.window - 1
+
 
 class ChunkedLocalAttentionManager(KindManager):
     """Attention within chunks of C tokens: blocks before the current chunk are null hits."""
@@ -81,6 +84,9 @@ class ChunkedLocalAttentionManager(KindManager):
 
     def skipped_tokens(self, num_computed: int) -> int:
         return (num_computed // self.chunk) * self.chunk
+
+    def drop_point(self, index: int) -> int:
+        return cdiv((index + 1) * self.block_size, self.chunk) * self.chunk
 
 
 class MambaManager(KindManager):
@@ -114,6 +120,9 @@ class MambaManager(KindManager):
 
     def skipped_tokens(self, num_computed: int) -> int:
         return max(0, num_computed - 1) if self.align else 0
+
+    def drop_point(self, index: int) -> int:
+        return (index + 1) * self.block_size + 1 if self.align else NEVER
 
     def _new_indices(self, length: int, num_computed: int, num_tokens: int) -> range:
         if not self.align:
@@ -158,6 +167,9 @@ class MambaNoCacheManager(KindManager):
     def whole_sequence_blocks(self, num_tokens: int) -> int:
         return 1
 
+    def idle_limit(self, seq_id: str) -> int:
+        return NEVER if self.tables.get(seq_id) else 0
+
 
 class CrossAttentionManager(KindManager):
     """Cross attention: blocks for the encoder tokens, allocated once, never prefix-cached.
@@ -189,6 +201,12 @@ class CrossAttentionManager(KindManager):
 
     def whole_sequence_blocks(self, num_tokens: int) -> int:
         return 0  # counted by num_new_blocks at the first allocation
+
+    def idle_limit(self, seq_id: str) -> int:
+        return NEVER if seq_id in self.tables else 0
+
+    def grow_range(self, seq_id: str, num_computed: int, num_tokens: int) -> range:
+        return range(0)  # all blocks come with the first allocation
 
     def adopt(self, seq_id: str, blocks: list[int]) -> None:
         self.num_cached[seq_id] = 0
@@ -224,3 +242,6 @@ class NoCacheManager(KindManager):
 
     def whole_sequence_blocks(self, num_tokens: int) -> int:
         return 0
+
+    def idle_limit(self, seq_id: str) -> int:
+        return NEVER
