@@ -1,4 +1,11 @@
-"""``hybridkv simulate``: workloads through the real scheduler and manager, timed by a cost model."""
+"""``hybridkv simulate``: workloads through the real scheduler and manager, timed by a cost model.
+
+``--tier KIND:SIZE[@BANDWIDTH][@LATENCY]`` (repeatable, queried in order) adds simulated external
+KV tiers (``sim.tiers``), e.g. ``--tier host:64GiB --tier disk:1TiB@7GB/s``; ``--compare
+tier=none,host:64GiB,host:64GiB+disk:1TiB`` runs one variant per tier set (``+`` joins tiers).
+The summary then shows the tier and total hit rates, the tokens and bytes loaded per tier and the
+load time; the JSON keys are documented in ``sim.simulator``.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from typing import Any
 
 from hybridkv.errors import InvalidInputError
 from hybridkv.sim.simulator import SimConfig, SimResult, simulate
+from hybridkv.sim.tiers import parse_tiers, tier_arg
 from hybridkv.sim.workloads import (
     Arrivals,
     Bursty,
@@ -37,6 +45,16 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("KV capacity", lambda s: f"{s['kv_capacity_tokens']:,} tokens, {s['num_blocks']:,} blocks"),
     ("max concurrency (plan) / peak running", lambda s: f"{s['max_concurrency']} / {s['peak_running']}"),
 ]
+
+TIER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("KV tiers", lambda s: " + ".join(s["tiers"]) or "none"),
+    ("tier / total hit rate (tokens)", lambda s: f"{s['tier_hit_rate']:.1%} / {s['total_hit_rate']:.1%}"),
+    ("tokens loaded from tiers", lambda s: f"{s['tier_hit_tokens']:,}"),
+    ("loaded per tier (GB)", lambda s: ", ".join(f"{k.split(':', 1)[1]} {v['loaded_bytes'] / 1e9:,.1f}"
+                                                 for k, v in s["tier_stats"].items()) or "-"),
+    ("tier load time (all steps)", lambda s: f"{s['tier_load_s']:.2f} s"),
+]
+"""Rows added to the summary when any variant has tiers."""
 
 
 def add_parser(sub: Any) -> None:
@@ -78,7 +96,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--burstiness", type=float, default=None, help="with --rate: bursty (gamma) arrivals")
     p.add_argument("--concurrency", type=int, default=64, help="closed-loop concurrency (without --rate)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare", default=None, help="run variants: OPTION=V1,V2 (e.g. retention=none,window)")
+    p.add_argument("--tier", type=tier_arg, action="append", default=None, metavar="SPEC",
+                   help="external KV tier, queried in the order given (repeatable): KIND:SIZE[@BANDWIDTH][@LATENCY] "
+                        "with KIND host (default 25GB/s), disk (5GB/s, 100us) or net/redis (3GB/s, 1ms), "
+                        "e.g. host:64GiB, disk:1TiB@7GB/s; per GPU")
+    p.add_argument("--compare", default=None,
+                   help="run variants: OPTION=V1,V2 (e.g. retention=none,window or tier=none,host:64GiB+disk:1TiB)")
     p.add_argument("--json", default=None, help="write the summary as JSON to PATH ('-' for stdout)")
     p.add_argument("--plot", default=None, help="write KV usage / hit rate over time and the TTFT CDF to a PNG")
     p.add_argument("--no-progress", action="store_true")
@@ -86,8 +109,9 @@ def add_parser(sub: Any) -> None:
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``48MiB``, ``2GB``, ``512KiB`` or a plain integer (argparse type)."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    """Bytes from ``48MiB``, ``2GB``, ``512KiB``, ``1TiB`` or a plain integer (argparse type)."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "tb": 10**12, "b": 1}
     t = text.strip().lower()
     mult = 1
     for suffix, m in units.items():
@@ -139,20 +163,24 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
                      admission=args.admission, policy=args.policy, enable_prefix_caching=not args.no_prefix_caching,
                      kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory=args.kv_cache_memory,
                      weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype, calibration=args.calibration,
-                     lm_head=args.lm_head)
+                     lm_head=args.lm_head, tiers=tuple(args.tier or ()))
 
 
 _OPTIONAL_INTS = ("max_model_len", "kv_cache_tokens", "kv_cache_memory", "gpu_memory_bytes")
 
 
 def variants(base: SimConfig, compare: str | None) -> list[tuple[str, SimConfig]]:
-    """``[(label, config)]``: the base alone, or one variant per value of ``OPTION=V1,V2``."""
+    """``[(label, config)]``: the base alone, or one variant per value of ``OPTION=V1,V2``.
+
+    ``tier`` (or ``tiers``) takes tier sets: ``none`` or specs joined by ``+`` (``sim.tiers``)."""
     if not compare:
         return [("", base)]
     if "=" not in compare:
         raise InvalidInputError(f"--compare expects OPTION=V1,V2, got {compare!r}")
     key, values = compare.split("=", 1)
     name = key.strip().replace("-", "_")
+    if name in ("tier", "tiers"):
+        return [(f"tier={raw.strip()}", replace(base, tiers=parse_tiers(raw))) for raw in values.split(",")]
     known = {f.name: f for f in fields(SimConfig)}
     if name not in known:
         raise InvalidInputError(f"--compare: unknown option {key!r}; known: {', '.join(known)}")
@@ -230,7 +258,8 @@ def print_summary(workload: Workload, results: list[tuple[str, SimResult]]) -> N
     title = (f"{workload.name}: {len(workload.requests)} requests on {s0['model']} / {s0['gpu']}"
              + (f", closed loop x{workload.concurrency}" if workload.concurrency else ""))
     labels = [lbl or "result" for lbl, _ in results]
-    rows = [(name, [fmt(r.summary) for _, r in results]) for name, fmt in SUMMARY_ROWS]
+    spec_rows = SUMMARY_ROWS + (TIER_ROWS if any(r.summary["tiers"] for _, r in results) else [])
+    rows = [(name, [fmt(r.summary) for _, r in results]) for name, fmt in spec_rows]
     rows.append(("simulation wall time", [f"{r.summary['wall_s']:.1f} s" for _, r in results]))
     try:
         from rich.console import Console

@@ -9,6 +9,7 @@ tensor-parallel rank is::
       + step_overhead_s + (tp > 1: num_layers * tp_overhead_s_per_layer)
       + sampled sequences * sample_overhead_s     (0 by default; see calibration)
       + loaded KV bytes / tier_bandwidth          (an external KV tier, not overlapped)
+      + extra_load_s                              (loads the caller timed, not overlapped)
 
 **FLOPs** (per rank): ``2 * active_params / tp`` per new token for the matrix multiplies, plus
 attention. A query attending to one key costs ``4 * heads_per_rank * head_size`` FLOPs per layer
@@ -31,6 +32,9 @@ read and written once (in bf16, ``STATE_DTYPE_BYTES``, even with an fp8 KV cache
 tokens run, at ``kv_bytes_per_token`` (all attention layers, one rank) per token plus one recurrent
 state per sequence that loads anything; ``tier_bandwidth`` is per GPU in bytes/s. The new tokens
 follow the loaded ones: they sit at positions ``context_len + num_loaded_tokens`` onwards.
+``step_time(work, extra_load_s)`` adds loads timed by the caller instead: the simulator's tiers
+(``sim.tiers``) charge each loaded block's bytes at the bandwidth of the tier that served it,
+plus the tier's latency; that work passes the loaded tokens in ``context_len``.
 
 A step without new tokens runs no forward pass: it costs the step overhead (and any loads).
 
@@ -369,10 +373,11 @@ class CostModel:
 
     # ------------------------------------------------------------------ step cost
 
-    def step_time(self, work: Sequence[SeqWork]) -> float:
-        """Seconds one engine step takes to run ``work`` (one entry per scheduled sequence)."""
+    def step_time(self, work: Sequence[SeqWork], extra_load_s: float = 0.0) -> float:
+        """Seconds one engine step takes to run ``work`` (one entry per scheduled sequence), plus
+        ``extra_load_s`` of external-tier loads timed by the caller (not overlapped)."""
         flops, nbytes, load_bytes, tokens, sampled = self._totals(work)
-        t = self.efficiency.step_overhead_s + load_bytes * self._seconds_per_tier_byte
+        t = self.efficiency.step_overhead_s + load_bytes * self._seconds_per_tier_byte + extra_load_s
         if tokens:
             compute = flops * self._seconds_per_flop
             memory = nbytes * self._seconds_per_byte
@@ -380,16 +385,17 @@ class CostModel:
                   + sampled * self.efficiency.sample_overhead_s)
         return t
 
-    def breakdown(self, work: Sequence[SeqWork]) -> dict[str, float]:
+    def breakdown(self, work: Sequence[SeqWork], extra_load_s: float = 0.0) -> dict[str, float]:
         """``step_time``'s parts: ``compute_s``, ``memory_s`` (the larger counts), ``overhead_s`` (step
-        and TP), ``sample_s`` (per sampled sequence), ``load_s``, ``total_s``, and the step's ``flops``,
-        ``bytes`` (HBM), ``load_bytes`` (tier) and ``sampled`` (sequences that sample)."""
+        and TP), ``sample_s`` (per sampled sequence), ``load_s`` (with ``extra_load_s``), ``total_s``, and
+        the step's ``flops``, ``bytes`` (HBM), ``load_bytes`` (tier, at ``tier_bandwidth``) and ``sampled``
+        (sequences that sample)."""
         flops, nbytes, load_bytes, tokens, sampled = self._totals(work)
         compute_s = flops * self._seconds_per_flop
         memory_s = nbytes * self._seconds_per_byte
         overhead_s = self.efficiency.step_overhead_s + (self._forward_overhead_s if tokens else 0.0)
         sample_s = sampled * self.efficiency.sample_overhead_s
-        load_s = load_bytes * self._seconds_per_tier_byte
+        load_s = load_bytes * self._seconds_per_tier_byte + extra_load_s
         return {
             "compute_s": compute_s,
             "memory_s": memory_s,

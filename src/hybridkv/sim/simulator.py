@@ -10,6 +10,29 @@ budget in bytes (``kv_cache_memory``) planned by ``plan_layout`` exactly as the 
 plans its own pool. ``calibration`` replaces the default efficiencies: an ``Efficiency``, or a
 calibration file (``cost_model.load_calibration``) fitted to this config's cost model. A closed
 loop adds a request when one finishes, before the next step is scheduled, with no think time.
+
+``tiers`` adds external KV tiers (host memory, disk, a network store) with a capacity, a
+bandwidth and a latency each, behind the real ``KVConnector`` (``sim.tiers`` documents the model):
+at admission the scheduler loads the tokens past the local hit that the tiers hold, instead of
+computing them; the load time is added to the step, and every computed block is written through.
+
+Summary keys for the tiers (present in every run; zeros and empty without tiers):
+
+* ``tiers`` -- the tiers' specs in query order (``host:64GiB@25GB/s``); ``[]`` without tiers;
+* ``tier_hit_tokens`` -- prompt tokens loaded from the tiers at admissions (re-admissions after
+  a preemption count again, as for ``hit_tokens``);
+* ``tier_hit_rate`` -- ``tier_hit_tokens / queried_tokens``;
+* ``total_hit_rate`` -- ``(hit_tokens + tier_hit_tokens) / queried_tokens``: prompt tokens not
+  computed (``prefix_hit_rate`` stays the device prefix cache's alone);
+* ``tier_load_s`` -- seconds of tier loads added to the steps, all tiers;
+* ``tier_stats`` -- per tier, keyed ``"<position>:<kind>"``: ``spec``, ``capacity_bytes``,
+  ``bandwidth_bytes_per_s``, ``latency_s``, ``loaded_blocks`` / ``loaded_bytes`` /
+  ``loaded_sequences`` / ``load_s`` (what the tier served to admitted sequences), ``read_hits`` /
+  ``read_misses`` (every read, including promotions' sources and admissions retried later),
+  ``stored_blocks`` / ``stored_bytes`` (writes, including promotions from a lower tier),
+  ``evictions``, ``used_bytes`` and ``entries`` at the end.
+
+``SimResult.requests`` entries also carry ``tier_tokens`` (tokens loaded at the first admission).
 """
 
 from __future__ import annotations
@@ -31,7 +54,8 @@ from hybridkv.retention import NoRetention
 from hybridkv.scheduler import Admission, Policy, Scheduler, SchedulerConfig
 from hybridkv.sequence import Sequence
 from hybridkv.sim.cost_model import CostModel, Efficiency, LMHead, SeqWork, calibrate
-from hybridkv.sim.synthetic import SyntheticSequence
+from hybridkv.sim.synthetic import SyntheticSequence, TierKeyedSequence
+from hybridkv.sim.tiers import SimTiers, TierSpec
 from hybridkv.sim.workloads import SimRequest, Workload, release_time
 
 
@@ -65,6 +89,8 @@ class SimConfig:
     """Efficiencies, or a calibration file path fitted with ``fit_efficiency``; None: the defaults."""
     lm_head: LMHead = "per_token"
     """How the cost model charges the output projection (``cost_model`` module docstring)."""
+    tiers: tuple[TierSpec, ...] = ()
+    """External KV tiers, queried in order (``sim.tiers``); empty: none."""
 
 
 @dataclass
@@ -78,7 +104,8 @@ class SimResult:
     """(time s, KV usage, cumulative prefix-hit rate)."""
     ttfts: list[float] = field(default_factory=list)
     requests: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per request id: ``hit_tokens`` (at its first admission), ``ttft_s``, ``latency_s``, ``finish_s``."""
+    """Per request id: ``hit_tokens`` and ``tier_tokens`` (at its first admission), ``ttft_s``, ``latency_s``,
+    ``finish_s``."""
 
 
 def _percentile(sorted_values: list[float] | array[float], q: float) -> float:
@@ -137,9 +164,11 @@ def build_manager(cfg: SimConfig) -> tuple[KVCacheManager, dict[str, Any]]:
     return mgr, plan.report
 
 
-def _make_sequence(req: SimRequest) -> Sequence:
+def _make_sequence(req: SimRequest, tiered: bool = False) -> Sequence:
     if req.token_ids is not None:
         return Sequence(req.request_id, req.token_ids, req.cache_salt)
+    if tiered:  # tier keys need bytes block hashes
+        return TierKeyedSequence(req.request_id, req.segments, req.cache_salt)
     return SyntheticSequence(req.request_id, req.segments, req.cache_salt)
 
 
@@ -148,9 +177,12 @@ def simulate(workload: Workload, cfg: SimConfig, *,
     """Run ``workload`` on the system ``cfg``; ``progress(done, total)`` is called as requests finish."""
     mgr, plan = build_manager(cfg)
     batch = mgr.max_num_batched_tokens
+    tiers = SimTiers(cfg.tiers, mgr, namespace=f"sim/{cfg.model}/{cfg.kv_dtype}") if cfg.tiers else None
+    tiered = tiers is not None
     sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=batch, max_num_seqs=cfg.max_num_seqs,
                                            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-                                           policy=cfg.policy, admission=cfg.admission))
+                                           policy=cfg.policy, admission=cfg.admission),
+                      connector=tiers.connector if tiers is not None else None)
     cost = CostModel.from_preset(cfg.model, cfg.gpu, tensor_parallel_size=cfg.tensor_parallel_size,
                                  weights_dtype=cfg.weights_dtype, kv_dtype=cfg.kv_dtype, lm_head=cfg.lm_head)
     if cfg.calibration is not None:
@@ -178,6 +210,8 @@ def simulate(workload: Workload, cfg: SimConfig, *,
     now = 0.0
     arrival: dict[str, float] = {}
     hits: dict[str, int] = {}
+    tier_tokens: dict[str, int] = {}
+    tier_load_s = 0.0
     finish: dict[str, float] = {}
     first_token: dict[str, float] = {}
     last_token: dict[str, float] = {}
@@ -194,7 +228,7 @@ def simulate(workload: Workload, cfg: SimConfig, *,
             _, _, rid = heapq.heappop(ready)
             req = by_id[rid]
             arrival[rid] = max(now, req.arrival_time) if concurrency else req.arrival_time
-            sched.add(_make_sequence(req), req.max_new_tokens)  # a rejection is reported by schedule()
+            sched.add(_make_sequence(req, tiered), req.max_new_tokens)  # a rejection is reported by schedule()
             in_flight += 1
         if not sched.has_unfinished:
             if not ready:
@@ -204,17 +238,26 @@ def simulate(workload: Workload, cfg: SimConfig, *,
         out = sched.schedule()
         for sid in out.admitted:
             hits.setdefault(sid, sched.requests[sid].num_hit_tokens)
+        load_s = 0.0
+        if tiers is not None:
+            for sid in out.admitted:
+                tier_tokens.setdefault(sid, sched.requests[sid].num_external_tokens)
+            if out.external:
+                load_s = tiers.admit(out.external)
+                tier_load_s += load_s
         work = []
         for sid, n in out.num_scheduled_tokens.items():
             seq = sched.requests[sid].seq
             c = seq.num_computed_tokens
             work.append(SeqWork(n, c, sampled=c + n == seq.num_tokens))
-        now += cost.step_time(work) if work else 0.0
+        now += cost.step_time(work, load_s) if work else load_s
         steps += 1
         peak_running = max(peak_running, len(sched.running))
         sampled = {}
         for sid, n in out.num_scheduled_tokens.items():
             seq = sched.requests[sid].seq
+            if tiers is not None:  # write-through after the forward pass, before blocks are freed
+                tiers.store(seq, seq.num_computed_tokens, n)
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sampled[sid] = (1,)
                 if sid in first_token:
@@ -244,7 +287,8 @@ def simulate(workload: Workload, cfg: SimConfig, *,
     for r in requests:
         rid = r.request_id
         if rid in arrival:
-            per_request[rid] = {"hit_tokens": hits.get(rid, 0), "arrival_s": arrival[rid],
+            per_request[rid] = {"hit_tokens": hits.get(rid, 0), "tier_tokens": tier_tokens.get(rid, 0),
+                                "arrival_s": arrival[rid],
                                 "ttft_s": first_token[rid] - arrival[rid] if rid in first_token else math.nan,
                                 "latency_s": finish[rid] - arrival[rid], "finish_s": finish[rid]}
     itl_sorted = sorted(itl)
@@ -284,6 +328,12 @@ def simulate(workload: Workload, cfg: SimConfig, *,
         "peak_running": peak_running,
         "kv_usage_mean": sum(u for _, u, _ in timeline) / len(timeline),
         "kv_usage_max": max(u for _, u, _ in timeline),
+        "tiers": [t.label for t in cfg.tiers],
+        "tier_hit_tokens": st.external_tokens,
+        "tier_hit_rate": st.external_tokens / st.queried_tokens if st.queried_tokens else 0.0,
+        "total_hit_rate": (st.hit_tokens + st.external_tokens) / st.queried_tokens if st.queried_tokens else 0.0,
+        "tier_load_s": tier_load_s,
+        "tier_stats": tiers.summary() if tiers is not None else {},
     }
     if cfg.kv_cache_tokens is not None:
         rep = capacity_report(mgr.layout, max_model_len=mgr.max_model_len, max_num_batched_tokens=batch)

@@ -147,3 +147,31 @@ class SyntheticSequence(Sequence):
                 _MEMO.put((block_size, salt, *segs[:m]), list(hashes))
         _extend(hashes, runs, self._root, block_size, self.num_prompt_tokens)
         return hashes
+
+
+class TierKeyedSequence(SyntheticSequence):
+    """A ``SyntheticSequence`` whose block hashes are bytes, for simulations with external KV tiers.
+
+    The connector names a block by ``tier_key(namespace, group, block_hash)``, which hex-encodes
+    a ``bytes`` hash; a synthetic hash is a Python ``int``. This subclass hands out each int hash
+    as its 8-byte signed big-endian encoding (one-to-one, so hits and evictions are unchanged),
+    converted once per block and kept. Sim-only: the keys are as process-local as the hashes.
+    Simulations without tiers keep the plain int hashes (no conversion on the hot path).
+    """
+
+    __slots__ = ("_bytes_hashes", "_bytes_bs")
+
+    def __init__(self, seq_id: str, segments: Segments, cache_salt: str | None = None) -> None:
+        super().__init__(seq_id, segments, cache_salt)
+        self._bytes_hashes: list[bytes] = []
+        self._bytes_bs = 0
+
+    def block_hashes(self, hasher: BlockHasher, block_size: int) -> list[bytes]:
+        ints: list[int] = super().block_hashes(hasher, block_size)  # type: ignore[assignment]
+        out = self._bytes_hashes
+        if self._bytes_bs != block_size:
+            self._bytes_bs = block_size
+            out.clear()
+        if len(out) < len(ints):
+            out.extend(h.to_bytes(8, "big", signed=True) for h in ints[len(out):])
+        return out

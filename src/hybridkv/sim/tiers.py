@@ -1,0 +1,407 @@
+"""External KV tiers in the simulator: capacity, bandwidth and latency, through the real connector.
+
+A simulated tier (``SimTier``) implements the connectors' ``KVTier`` interface but keeps only
+keys and the *nominal* size of each block (the bytes the block of that group really has for the
+simulated model), never the payload: a Gemma 3 27B block of 16 tokens and 10 layers is 1.25 MiB.
+Everything else is the real path: the scheduler asks the real ``KVConnector`` at admission how
+many tokens past the local hit the tiers can supply (``num_external_tokens``: the manager's
+window rules per group) and fetches them (``fetch``: frames verified, lower-tier hits promoted to
+the tiers above); after each step the simulator stores the blocks the step computed
+(``KVConnector.store``, write-through to every tier, as the engine does). To pass the frame
+check, a tier answers a hit with a real frame (``encode_frame``) around a 1-byte placeholder
+payload naming the tier, so the simulator knows which tier served each loaded block.
+
+**Spec** (``--tier``, repeatable; tiers are queried in the order given)::
+
+    KIND:SIZE[@BANDWIDTH][@LATENCY]      e.g. host:64GiB   disk:1TiB@7GB/s   net:512GiB@3GB/s@1ms
+
+``KIND`` is ``host`` (CPU memory), ``disk`` (local NVMe) or ``net`` (a network KV store;
+``redis`` and ``network`` are aliases). ``SIZE`` as in ``--kv-cache-memory`` (``64GiB``,
+``1TiB``, ``500GB``); ``BANDWIDTH`` a size per second (``25GB/s``, ``800MiB/s``); ``LATENCY``
+a time (``1ms``, ``100us``, ``0.002s``). Defaults (``DEFAULT_BANDWIDTH``, ``DEFAULT_LATENCY_S``):
+host 25 GB/s (PCIe 5 x16 host-to-device, about what one GPU gets), 0 latency; disk 5 GB/s (one
+PCIe 4 NVMe drive's sequential read), 100 us; net 3 GB/s (a 25 GbE link), 1 ms. With
+``--compare tier=none,host:64GiB,host:64GiB+disk:1TiB`` a variant lists its tiers joined by ``+``.
+
+**Model.**
+
+* Capacity and bandwidth are per GPU (one tensor-parallel rank's shard of the KV), like the cost
+  model's ``tier_bandwidth``. A block of group ``g`` takes ``layers(g) * real page bytes`` of its
+  tier; a tier evicts its least recently used (stored or read) entries to stay within capacity,
+  and skips a block larger than its whole capacity.
+* Loads: for each sequence the scheduler admits with tier tokens, every block it loads costs its
+  bytes at the bandwidth of the tier that served it, plus that tier's latency once per sequence;
+  the sum over the step's admissions is added to the step time, not overlapped with compute (the
+  cost model's ``extra_load_s``). The loaded tokens are not computed.
+* Stores: write-through of every full block a step computed (prompt and output), to every tier,
+  assumed to overlap with compute (no time is charged), but they take capacity and evict.
+  A block is written whole: all its layers, including sliding-window layers whose blocks a later
+  hit needs only within the window -- the connector cannot know at store time which blocks a hit
+  will need.
+* Tier reads for an admission that did not fit yet count in the tier's hit counters
+  (``tier_stats``), not in the load time (charged once, at admission).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.connectors.base import KVTier
+from hybridkv.connectors.connector import BlockTables, FetchedKV, KVConnector, ReadBlock
+from hybridkv.connectors.frame import encode_frame, tier_key
+from hybridkv.errors import InvalidInputError
+from hybridkv.manager import KVCacheManager
+from hybridkv.sequence import Sequence as KVSequence
+
+KINDS = ("host", "disk", "net")
+ALIASES = {"redis": "net", "network": "net"}
+DEFAULT_BANDWIDTH: dict[str, float] = {"host": 25e9, "disk": 5e9, "net": 3e9}
+"""Bytes/s per GPU of each tier kind when the spec names none."""
+DEFAULT_LATENCY_S: dict[str, float] = {"host": 0.0, "disk": 100e-6, "net": 1e-3}
+"""Seconds per sequence loading from a tier of each kind when the spec names none."""
+
+_SIZE_UNITS = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10,
+               "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+_TIME_UNITS = {"us": 1e-6, "µs": 1e-6, "ns": 1e-9, "ms": 1e-3, "s": 1.0}
+_NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?\s*", re.IGNORECASE)
+
+
+def _number_and_unit(text: str) -> tuple[float, str] | None:
+    m = _NUMBER.match(text)
+    if m is None:
+        return None
+    return float(m.group(0)), text[m.end():].strip().lower()
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes from ``64GiB``, ``1TiB``, ``500GB``, ``512KiB`` or a plain integer; ``ValueError`` if not."""
+    got = _number_and_unit(text)
+    if got is not None:
+        value, unit = got
+        if unit == "":
+            return int(value)
+        if unit in _SIZE_UNITS:
+            return int(value * _SIZE_UNITS[unit])
+    raise ValueError(f"expected a size such as 64GiB, 1TiB or 500GB, got {text!r}")
+
+
+def _parse_bandwidth(text: str) -> float:
+    body = text.strip()
+    if not body.lower().endswith("/s"):
+        raise ValueError(f"expected a bandwidth such as 25GB/s, got {text!r}")
+    value = parse_bytes(body[:-2])
+    if value <= 0:
+        raise ValueError(f"the bandwidth must be > 0, got {text!r}")
+    return float(value)
+
+
+def _parse_latency(text: str) -> float:
+    got = _number_and_unit(text)
+    if got is None or got[1] not in _TIME_UNITS:
+        raise ValueError(f"expected a latency such as 1ms, 100us or 0.002s, got {text!r}")
+    return got[0] * _TIME_UNITS[got[1]]
+
+
+def _format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g}{unit}"
+    return f"{n:g}B"
+
+
+def _format_rate(bps: float) -> str:
+    for unit, size in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3)):
+        if bps >= size:
+            return f"{bps / size:.4g}{unit}"
+    return f"{bps:g}B/s"
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One simulated external KV tier: kind, capacity (bytes), bandwidth (bytes/s), latency (s)."""
+
+    kind: str
+    capacity_bytes: int
+    bandwidth: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidInputError(f"tier kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
+            raise InvalidInputError(f"tier capacity must be a positive number of bytes, got {self.capacity_bytes!r}")
+        if not self.bandwidth > 0:
+            raise InvalidInputError(f"tier bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if not self.latency_s >= 0:
+            raise InvalidInputError(f"tier latency must be >= 0 s, got {self.latency_s!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> TierSpec:
+        """``KIND:SIZE[@BANDWIDTH][@LATENCY]`` (module docstring); ``InvalidInputError`` with the reason."""
+        spec = text.strip()
+        head, *extras = spec.split("@")
+        kind, sep, size = head.partition(":")
+        kind = ALIASES.get(kind.strip().lower(), kind.strip().lower())
+        if not sep or kind not in KINDS or not size.strip():
+            raise InvalidInputError(
+                f"tier {text!r}: expected KIND:SIZE[@BANDWIDTH][@LATENCY] with KIND one of host, disk, net "
+                f"(or redis), e.g. host:64GiB, disk:1TiB@5GB/s, net:256GiB@3GB/s@1ms"
+            )
+        try:
+            capacity = parse_bytes(size)
+            if capacity <= 0:
+                raise ValueError(f"the size must be > 0 bytes, got {size!r}")
+            bandwidth = DEFAULT_BANDWIDTH[kind]
+            latency = DEFAULT_LATENCY_S[kind]
+            seen: set[str] = set()
+            for extra in extras:
+                what = "bandwidth" if "/" in extra else "latency"
+                if what in seen:
+                    raise ValueError(f"{what} given twice")
+                seen.add(what)
+                if what == "bandwidth":
+                    bandwidth = _parse_bandwidth(extra)
+                else:
+                    try:
+                        latency = _parse_latency(extra)
+                    except ValueError:
+                        raise ValueError(f"expected @BANDWIDTH (e.g. @25GB/s) or @LATENCY (e.g. @1ms), "
+                                         f"got @{extra}") from None
+        except ValueError as exc:
+            raise InvalidInputError(f"tier {text!r}: {exc}") from None
+        return cls(kind, capacity, bandwidth, latency)
+
+    @property
+    def label(self) -> str:
+        """The spec written back: ``host:64GiB@25GB/s`` (latency shown when not 0)."""
+        text = f"{self.kind}:{_format_bytes(self.capacity_bytes)}@{_format_rate(self.bandwidth)}"
+        if self.latency_s >= 1e-3:
+            text += f"@{self.latency_s * 1e3:.4g}ms"
+        elif self.latency_s:
+            text += f"@{self.latency_s * 1e6:.4g}us"
+        return text
+
+
+def parse_tiers(text: str) -> tuple[TierSpec, ...]:
+    """Tiers joined by ``+`` (``host:64GiB+disk:1TiB``), or ``none`` / empty for no tier."""
+    t = text.strip()
+    if t.lower() in ("", "none", "off"):
+        return ()
+    return tuple(TierSpec.parse(part) for part in t.split("+"))
+
+
+def tier_arg(text: str) -> TierSpec:
+    """argparse ``type`` of ``--tier``: a bad spec exits with status 2 and the reason."""
+    try:
+        return TierSpec.parse(text)
+    except InvalidInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def group_block_bytes(manager: KVCacheManager) -> dict[int, int]:
+    """Nominal bytes of one block of each group: its layers times the unpadded page of one layer."""
+    return {i: max(1, len(g.layer_names)) * g.spec.real_page_size_bytes
+            for i, g in enumerate(manager.layout.groups)}
+
+
+def _key_group(key: bytes) -> bytes:
+    """The group index, as written, in a tier key ``hkv1/<namespace>/<group>/<hash>`` (``frame.tier_key``)."""
+    i = key.index(b"/", 5) + 1
+    return key[i : key.index(b"/", i)]
+
+
+class SimTier(KVTier):
+    """A ``KVTier`` of keys and nominal block sizes under a byte budget, least recently used evicted.
+
+    ``get_many`` answers a held key with a valid frame around a 1-byte payload, the tier's
+    ``index``: the connector's checks pass and the caller learns which tier served the block.
+    """
+
+    def __init__(self, spec: TierSpec, index: int, block_bytes: Mapping[int, int]) -> None:
+        super().__init__()
+        if not 0 <= index < 256:
+            raise InvalidInputError(f"at most 256 simulated tiers, got index {index}")
+        self.spec = spec
+        self.name = spec.kind
+        self.index = index
+        self.capacity_bytes = spec.capacity_bytes
+        self.used_bytes = 0
+        self._tag = bytes([index])
+        self._block_bytes = {str(g).encode(): size for g, size in block_bytes.items()}  # keyed as in tier keys
+        self._entries: OrderedDict[bytes, int] = OrderedDict()  # key -> nominal bytes, LRU first
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self._entries for k in keys]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for k in keys:
+            size = self._entries.get(k)
+            if size is None:
+                self.stats.misses += 1
+                out.append(None)
+                continue
+            self._entries.move_to_end(k)
+            self.stats.hits += 1
+            self.stats.bytes_read += size
+            out.append(encode_frame(k, self._tag))
+        return out
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        entries = self._entries
+        capacity = self.capacity_bytes
+        stats = self.stats
+        for key, _value in items:
+            size = self._block_bytes[_key_group(key)]
+            if size > capacity:
+                continue  # would evict everything and still not fit
+            old = entries.pop(key, None)
+            if old is not None:
+                self.used_bytes -= old
+            while self.used_bytes + size > capacity:
+                _, evicted = entries.popitem(last=False)
+                self.used_bytes -= evicted
+                stats.evictions += 1
+            entries[key] = size
+            self.used_bytes += size
+            stats.puts += 1
+            stats.bytes_written += size
+
+    def delete(self, key: bytes) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.used_bytes -= old
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _no_payload(_group: int, _block: int) -> bytes:
+    return b""
+
+
+def _no_write(_group: int, _block: int, _payload: bytes) -> None:
+    return None
+
+
+class SimConnector(KVConnector):
+    """The real ``KVConnector`` (lookups, fetches, windows, promotion) with a ``store`` that skips frames.
+
+    ``SimTier`` keeps no payload, so framing every stored block (a sha256 each) would only cost
+    time: a simulation writes through millions of blocks. ``store`` here offers the same blocks
+    (full blocks ending in ``(start_token, num_tokens]`` registered in the device cache under the
+    sequence's hash), in the same batches, to the same tiers, skipping those a tier holds, exactly
+    as ``KVConnector.store`` does -- ``tests/test_sim_tiers.py`` checks that both leave the tiers
+    in the same state -- but puts an empty value. Tier faults are not simulated (a ``SimTier``
+    never raises), so there is nothing to catch.
+    """
+
+    def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables,
+              read_block: ReadBlock = _no_payload, start_token: int = 0) -> int:
+        block_hash = self.manager.pool.block_hash
+        hashes_of = self.manager.coordinator.hashes
+        ns = self.namespace_id
+        keys: list[bytes] = []
+        for g in self._groups:
+            table = block_tables[g.group]
+            hashes = hashes_of(seq, g)
+            group = g.group
+            for i in range(start_token // g.block_size, min(num_tokens // g.block_size, len(hashes), len(table))):
+                b = table[i]
+                if b and block_hash[b] == hashes[i]:  # block 0 is the null block
+                    keys.append(tier_key(ns, group, hashes[i]))
+        stored: set[bytes] = set()
+        targets = self.tiers if self.write_through else self.tiers[:1]
+        for lo in range(0, len(keys), self.batch_blocks):
+            batch = keys[lo : lo + self.batch_blocks]
+            for tier in targets:
+                items = [(k, b"") for k, there in zip(batch, tier.exists_many(batch)) if not there]
+                if items:
+                    tier.put_many(items)
+                    stored.update(k for k, _ in items)
+        self.stats.stored_blocks += len(stored)
+        return len(stored)
+
+
+class SimTiers:
+    """The simulated tiers of one run behind the real ``KVConnector``, and their load-time accounting."""
+
+    def __init__(self, specs: Sequence[TierSpec], manager: KVCacheManager, namespace: str, *,
+                 framed_store: bool = False) -> None:
+        """``framed_store``: store through ``KVConnector.store`` (frames built and dropped) instead of
+        ``SimConnector.store``; the same tier states, slower (for tests)."""
+        if not specs:
+            raise InvalidInputError("SimTiers needs at least one tier")
+        self.manager = manager
+        self.block_bytes = group_block_bytes(manager)
+        self.tiers = [SimTier(s, i, self.block_bytes) for i, s in enumerate(specs)]
+        cls = KVConnector if framed_store else SimConnector
+        self.connector = cls(self.tiers, manager, namespace=namespace)
+        self.hash_block_size = manager.coordinator.hash_block_size
+        n = len(self.tiers)
+        self.loaded_blocks = [0] * n
+        """Blocks each tier served to admitted sequences."""
+        self.loaded_bytes = [0] * n
+        self.load_s = [0.0] * n
+        self.loaded_seqs = [0] * n
+
+    def admit(self, external: Mapping[str, Any]) -> float:
+        """Seconds to load what the step's admissions fetched (``SchedulerOutput.external``).
+
+        Also writes the fetched blocks through the connector (no bytes move), as the engine does.
+        """
+        total = 0.0
+        n = len(self.tiers)
+        for sid, fetched in external.items():
+            assert isinstance(fetched, FetchedKV)
+            blocks = [0] * n
+            nbytes = [0] * n
+            for (group, _index), payload in fetched.payloads.items():
+                t = payload[0]
+                blocks[t] += 1
+                nbytes[t] += self.block_bytes[group]
+            for t, tier in enumerate(self.tiers):
+                if blocks[t]:
+                    s = nbytes[t] / tier.spec.bandwidth + tier.spec.latency_s
+                    self.loaded_blocks[t] += blocks[t]
+                    self.loaded_bytes[t] += nbytes[t]
+                    self.loaded_seqs[t] += 1
+                    self.load_s[t] += s
+                    total += s
+            self.connector.write(fetched, self.manager.block_table(sid), _no_write)
+        return total
+
+    def store(self, seq: Any, start: int, num_tokens: int) -> None:
+        """Write-through of the full blocks a step computed, tokens ``[start, start + num_tokens)``."""
+        bs = self.hash_block_size
+        if (start + num_tokens) // bs > start // bs:  # a block was completed
+            self.connector.store(seq, start + num_tokens, self.manager.block_table(seq.seq_id), _no_payload, start)
+
+    def summary(self) -> dict[str, Any]:
+        """Per tier figures, keyed ``"<index>:<kind>"`` (see ``simulator`` for the keys)."""
+        out: dict[str, Any] = {}
+        for t, tier in enumerate(self.tiers):
+            st = tier.stats
+            out[f"{t}:{tier.name}"] = {
+                "spec": tier.spec.label,
+                "capacity_bytes": tier.capacity_bytes,
+                "bandwidth_bytes_per_s": tier.spec.bandwidth,
+                "latency_s": tier.spec.latency_s,
+                "loaded_blocks": self.loaded_blocks[t],
+                "loaded_bytes": self.loaded_bytes[t],
+                "loaded_sequences": self.loaded_seqs[t],
+                "load_s": self.load_s[t],
+                "read_hits": st.hits,
+                "read_misses": st.misses,
+                "stored_blocks": st.puts,
+                "stored_bytes": st.bytes_written,
+                "evictions": st.evictions,
+                "used_bytes": tier.used_bytes,
+                "entries": len(tier),
+            }
+        return out

@@ -1,0 +1,187 @@
+"""Simulated external KV tiers: capacity, bandwidth and latency through the real connector."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import pytest
+
+from hybridkv.cli import main
+from hybridkv.errors import InvalidInputError
+from hybridkv.sim import simulator
+from hybridkv.sim.cli import variants
+from hybridkv.sim.cost_model import CostModel, SeqWork
+from hybridkv.sim.simulator import SimConfig, build_manager, simulate
+from hybridkv.sim.tiers import SimTiers, TierSpec, group_block_bytes, parse_tiers
+from hybridkv.sim.workloads import ClosedLoop, Workload, shared_prefix
+
+# Gemma 3 1B (sliding window 512 + full attention) with a 30k-token pool; 10 prefixes of 4,000
+# tokens do not fit in it, so without tiers most prefixes are recomputed.
+CFG = SimConfig(model="gemma-3-1b", gpu="l4-24gb", max_model_len=8192, max_num_batched_tokens=2048,
+                kv_cache_tokens=30_000, retention="none")
+TIER_KEYS = ("tiers", "tier_hit_tokens", "tier_hit_rate", "total_hit_rate", "tier_load_s", "tier_stats")
+
+
+@pytest.fixture(scope="module")
+def workload() -> Workload:
+    return shared_prefix(60, 10, 4000, 100, max_new_tokens=8, arrivals=ClosedLoop(4), seed=7)
+
+
+def run(w: Workload, tiers: str) -> dict[str, Any]:
+    return simulate(w, replace(CFG, tiers=parse_tiers(tiers))).summary
+
+
+@pytest.fixture(scope="module")
+def no_tier(workload: Workload) -> dict[str, Any]:
+    return run(workload, "none")
+
+
+@pytest.fixture(scope="module")
+def host(workload: Workload) -> dict[str, Any]:
+    return run(workload, "host:4GiB")
+
+
+def test_a_tier_raises_the_hit_rate_and_cuts_ttft(no_tier: dict[str, Any], host: dict[str, Any]) -> None:
+    assert no_tier["tiers"] == [] and no_tier["tier_hit_tokens"] == 0 and no_tier["tier_stats"] == {}
+    assert no_tier["total_hit_rate"] == no_tier["prefix_hit_rate"]
+    assert host["finished"] == 60 and host["rejected"] == 0
+    assert host["tier_hit_rate"] > 0.3
+    assert host["total_hit_rate"] > no_tier["total_hit_rate"] + 0.3
+    assert host["total_hit_rate"] == pytest.approx(host["prefix_hit_rate"] + host["tier_hit_rate"])
+    assert host["ttft_mean_s"] < 0.7 * no_tier["ttft_mean_s"]
+    assert host["ttft_p50_s"] < no_tier["ttft_p50_s"]
+    st = host["tier_stats"]["0:host"]
+    assert st["loaded_blocks"] > 0 and st["stored_blocks"] > 0 and 0 < st["used_bytes"] <= st["capacity_bytes"]
+    assert host["tier_load_s"] == pytest.approx(st["loaded_bytes"] / 25e9)  # host: 25 GB/s, no latency
+
+
+def test_loaded_bytes_are_the_blocks_real_sizes(workload: Workload, host: dict[str, Any]) -> None:
+    mgr, _ = build_manager(CFG)
+    sizes = set(group_block_bytes(mgr).values())
+    st = host["tier_stats"]["0:host"]
+    # Gemma 3 1B groups: 16-token blocks of 5 or 1 layers x 2 (K, V) x 1 head x 256 x bf16.
+    assert sizes <= {16 * 2 * 256 * 2 * n for n in range(1, 27)}
+    assert min(sizes) * st["loaded_blocks"] <= st["loaded_bytes"] <= max(sizes) * st["loaded_blocks"]
+
+
+def test_a_tier_too_small_for_a_block_changes_nothing(workload: Workload, no_tier: dict[str, Any]) -> None:
+    tiny = run(workload, "host:1KiB")
+    assert tiny["tier_stats"]["0:host"]["stored_blocks"] == 0
+    assert {k: v for k, v in tiny.items() if k not in TIER_KEYS} == \
+        {k: v for k, v in no_tier.items() if k not in TIER_KEYS}
+
+
+def test_a_capacity_holding_part_of_the_prefixes_helps_less(workload: Workload, host: dict[str, Any]) -> None:
+    small = run(workload, "host:256MiB")
+    st = small["tier_stats"]["0:host"]
+    assert st["evictions"] > 0 and st["used_bytes"] <= 256 << 20
+    assert 0 < small["tier_hit_rate"] < host["tier_hit_rate"]
+
+
+def test_a_slower_tier_gives_a_larger_ttft(workload: Workload, host: dict[str, Any]) -> None:
+    slow = run(workload, "host:4GiB@0.5GB/s")
+    assert slow["tier_hit_tokens"] == host["tier_hit_tokens"]  # the same hits, paid more slowly
+    assert slow["tier_load_s"] == pytest.approx(50 * host["tier_load_s"])
+    assert slow["ttft_mean_s"] > host["ttft_mean_s"]
+    late = run(workload, "host:4GiB@25GB/s@20ms")
+    assert late["tier_load_s"] > host["tier_load_s"] + 0.02 * 10
+    assert late["ttft_mean_s"] > host["ttft_mean_s"]
+
+
+def test_a_lower_tier_serves_what_the_upper_one_evicted(workload: Workload) -> None:
+    two = run(workload, "host:256MiB+disk:64GiB")
+    host, disk = two["tier_stats"]["0:host"], two["tier_stats"]["1:disk"]
+    assert host["loaded_blocks"] > 0 and disk["loaded_blocks"] > 0
+    assert host["stored_blocks"] > disk["stored_blocks"]  # disk hits are promoted into host
+    assert disk["evictions"] == 0
+    load = (host["loaded_bytes"] / 25e9 + disk["loaded_bytes"] / 5e9 + disk["loaded_sequences"] * 100e-6)
+    assert two["tier_load_s"] == pytest.approx(load)
+    only_small_host = run(workload, "host:256MiB")
+    assert two["tier_hit_rate"] > only_small_host["tier_hit_rate"]
+
+
+def test_sim_connector_stores_exactly_as_the_framed_connector(workload: Workload,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    fast = run(workload, "host:256MiB+disk:64GiB")
+    monkeypatch.setattr(simulator, "SimTiers", partial(SimTiers, framed_store=True))
+    framed = run(workload, "host:256MiB+disk:64GiB")
+    assert framed == fast
+
+
+def test_simulation_with_tiers_is_deterministic(workload: Workload, host: dict[str, Any]) -> None:
+    assert run(workload, "host:4GiB") == host
+
+
+def test_cost_model_adds_the_caller_timed_loads() -> None:
+    cost = CostModel.from_preset("gemma-3-1b", "l4-24gb")
+    work = [SeqWork(100, 2000), SeqWork(1, 500)]
+    assert cost.step_time(work, 0.25) == pytest.approx(cost.step_time(work) + 0.25)
+    assert cost.breakdown(work, 0.25)["load_s"] == pytest.approx(0.25)
+    assert cost.breakdown(work, 0.25)["total_s"] == pytest.approx(cost.step_time(work, 0.25))
+
+
+# ---------------------------------------------------------------------- specs and CLI
+
+def test_tier_specs_parse_with_defaults_and_overrides() -> None:
+    h = TierSpec.parse("host:64GiB")
+    assert (h.kind, h.capacity_bytes, h.bandwidth, h.latency_s) == ("host", 64 << 30, 25e9, 0.0)
+    d = TierSpec.parse("disk:1TiB@7GB/s@50us")
+    assert (d.kind, d.capacity_bytes, d.bandwidth, d.latency_s) == ("disk", 1 << 40, 7e9, pytest.approx(50e-6))
+    n = TierSpec.parse("redis:500GB@2ms")
+    assert (n.kind, n.capacity_bytes, n.bandwidth, n.latency_s) == ("net", 500 * 10**9, 3e9, pytest.approx(2e-3))
+    assert TierSpec.parse("net:1GiB@800MiB/s").bandwidth == 800 * 2**20
+    assert h.label == "host:64GiB@25GB/s" and TierSpec.parse(d.label) == d
+    assert parse_tiers("none") == () and parse_tiers("host:1GiB+disk:2GiB") == (
+        TierSpec.parse("host:1GiB"), TierSpec.parse("disk:2GiB"))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("gpu:1GiB", "KIND"), ("host", "KIND"), ("host:", "KIND"), ("host:lots", "size"), ("host:0GiB", "> 0"),
+    ("host:-1GiB", "size"), ("host:1GiB@fast", "BANDWIDTH"), ("host:1GiB@0GB/s", "> 0"),
+    ("host:1GiB@1GB/s@2GB/s", "twice"), ("host:1GiB@1ms@2ms", "twice"), ("host:1GiB@5GB", "LATENCY"),
+])
+def test_bad_tier_specs_say_why(spec: str, message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        TierSpec.parse(spec)
+
+
+ARGS = ["simulate", "--model", "gemma-3-1b", "--gpu", "l4-24gb", "--max-model-len", "8192", "--kv-cache-tokens",
+        "30000", "--retention", "none", "--requests", "24", "--prefixes", "6", "--prefix-len", "4000",
+        "--suffix-len", "100", "--output-len", "4", "--concurrency", "4", "--no-progress"]
+
+
+def test_cli_tier_flags_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*ARGS, "--tier", "host:512MiB", "--tier", "disk:8GiB@2GB/s", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tiers"] == ["host:512MiB@25GB/s", "disk:8GiB@2GB/s@100us"]
+    assert set(doc["tier_stats"]) == {"0:host", "1:disk"}
+    assert doc["tier_hit_tokens"] > 0 and doc["total_hit_rate"] > doc["prefix_hit_rate"]
+    assert main([*ARGS, "--tier", "host:512MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "tier / total hit rate" in out and "host:512MiB@25GB/s" in out
+
+
+def test_cli_compares_tier_sets(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*ARGS, "--compare", "tier=none,host:512MiB+disk:8GiB", "--json", "-"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert set(both) == {"tier=none", "tier=host:512MiB+disk:8GiB"}
+    assert both["tier=none"]["tiers"] == [] and len(both["tier=host:512MiB+disk:8GiB"]["tiers"]) == 2
+    assert both["tier=host:512MiB+disk:8GiB"]["ttft_mean_s"] < both["tier=none"]["ttft_mean_s"]
+    labels = [lbl for lbl, _ in variants(SimConfig(), "tiers=none, host:1GiB")]
+    assert labels == ["tier=none", "tier=host:1GiB"]
+
+
+def test_cli_rejects_bad_tiers_with_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*ARGS, "--tier", "floppy:1MiB"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tier" in err and "expected KIND:SIZE" in err
+    with pytest.raises(SystemExit) as exc:
+        main([*ARGS, "--tier", "host:1GiB@fast"])
+    assert exc.value.code == 2 and "BANDWIDTH" in capsys.readouterr().err
+    assert main([*ARGS, "--compare", "tier=none,host:big"]) == 2
+    assert "tier 'host:big'" in capsys.readouterr().err
