@@ -111,9 +111,8 @@ class Gemma3Config:
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    qkv: torch.Tensor
+    """q, k and v projections stacked: one matmul instead of three."""
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     o: torch.Tensor
@@ -155,8 +154,9 @@ class Gemma3Weights:
         for i in range(config.num_layers):
             p = f"blk.{i}."
             layers.append(LayerWeights(
-                attn_norm=w(p + "attn_norm.weight"), q=w(p + "attn_q.weight"), k=w(p + "attn_k.weight"),
-                v=w(p + "attn_v.weight"), q_norm=w(p + "attn_q_norm.weight"), k_norm=w(p + "attn_k_norm.weight"),
+                attn_norm=w(p + "attn_norm.weight"),
+                qkv=torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
+                q_norm=w(p + "attn_q_norm.weight"), k_norm=w(p + "attn_k_norm.weight"),
                 o=w(p + "attn_output.weight"), post_attn_norm=w(p + "post_attention_norm.weight"),
                 ffn_norm=w(p + "ffn_norm.weight"),
                 gate_up=torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
