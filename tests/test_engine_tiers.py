@@ -49,7 +49,7 @@ def tokenizer() -> GemmaTokenizer:
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer: GemmaTokenizer) -> list[list[int]]:
-    """Three prompts sharing a ~560-token prefix, and two unrelated fillers that push it out of the pool."""
+    """Three prompts sharing a ~460-token prefix, and two unrelated fillers that push it out of the pool."""
     shared = tokenizer.encode(SHARED)
     tails = ["Question: what was reviewed?", "Summary of the meeting:", "The treasurer said that"]
     out = [shared + tokenizer.encode(f"\n{t}", add_bos=False) for t in tails]

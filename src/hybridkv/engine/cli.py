@@ -103,9 +103,10 @@ def generate(args: argparse.Namespace) -> int:
           f"{engine.layout.num_blocks - 1} KV blocks of {engine.block_size} tokens, "
           f"{len(engine.layout.groups)} groups]", file=sys.stderr)
     groups = [prompts] if args.batch else [[p] for p in prompts]
+    numbered = iter(range(len(prompts)))
     for batch in groups:
         t0 = time.perf_counter()
-        ids = [f"p{len(engine.metrics.finished) + i}" for i in range(len(batch))]
+        ids = [f"p{next(numbered)}" for _ in batch]
         for rid, prompt in zip(ids, batch):
             engine.add_request(rid, prompt, params)
         finals = {}
