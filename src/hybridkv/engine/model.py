@@ -171,7 +171,7 @@ class Gemma3Model:
         cfg = self.cfg
         t = h.shape[0]
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = linear(h, layer.qkv).split((nq, nkv, nkv), dim=-1)
+        q, k, v = torch.split(linear(h, layer.qkv), [nq, nkv, nkv], dim=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
