@@ -99,7 +99,7 @@ class Theirs:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "fp32", "bf16"))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=64)

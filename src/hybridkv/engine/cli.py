@@ -30,7 +30,7 @@ def parse_size(text: str) -> int:
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine options shared by ``generate``, ``engine-demo`` and ``serve`` (unset: ``EngineConfig``'s defaults)."""
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), default="float32",
                    help="weights, activations and KV-cache dtype (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
