@@ -287,7 +287,9 @@ class Scheduler:
         if cached is not None and cached.start_token == local_hit:
             return cached
         k = self.connector.num_external_tokens(req.seq, local_hit)
-        req.fetched = self.connector.fetch(req.seq, local_hit, k) if k else None
+        # Even an empty result is kept (a 0-token fetch reads nothing): a queue head that waits for
+        # room asks the tiers again only when its local hit changes.
+        req.fetched = self.connector.fetch(req.seq, local_hit, k)
         return req.fetched
 
     def _growth_fits(self, req: Request, hit_blocks: int) -> bool:
@@ -310,6 +312,7 @@ class Scheduler:
         self.running.remove(victim)
         self.manager.free(victim.seq)
         victim.seq.num_computed_tokens = 0
+        victim.fetched = None
         victim.num_preemptions += 1
         self.stats.preemptions += 1
         returned = out.num_scheduled_tokens.pop(victim.seq_id, 0)
