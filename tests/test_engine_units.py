@@ -11,12 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
-from hybridkv.engine.cli import parse_size  # noqa: E402
 from hybridkv.engine.engine import EngineConfig  # noqa: E402
 from hybridkv.engine.gguf_file import GGUFError, GGUFFile  # noqa: E402
 from hybridkv.engine.metrics import EngineMetrics, Histogram  # noqa: E402
 from hybridkv.engine.sampling import SamplingParams, make_generator, sample  # noqa: E402
 from hybridkv.errors import InvalidInputError  # noqa: E402
+from hybridkv.sizes import size_arg as parse_size  # noqa: E402
 
 
 def _str(s: str) -> bytes:

@@ -17,7 +17,6 @@ from hybridkv.hardware import get_hardware
 from hybridkv.layout import plan_layout
 from hybridkv.models import get_preset
 from hybridkv.models.hf_config import layer_specs, parse_config
-from hybridkv.sim.cli import parse_size
 from hybridkv.sim.cost_model import (
     DEFAULT_EFFICIENCY,
     CostModel,
@@ -30,6 +29,7 @@ from hybridkv.sim.cost_model import (
 from hybridkv.sim.simulator import SimConfig, build_manager, simulate
 from hybridkv.sim.trace import write_trace
 from hybridkv.sim.workloads import ClosedLoop, Workload, shared_prefix
+from hybridkv.sizes import size_arg as parse_size
 
 GEMMA = "gemma-3-270m"
 HEAD = 262_144 * 640  # Gemma 3 270M's tied embedding / LM head

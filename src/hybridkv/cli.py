@@ -25,6 +25,7 @@ from hybridkv import (
     __version__,
     capacity_report,
 )
+from hybridkv.sizes import parse_bytes, size_arg
 
 
 def _table(ids: SequenceABC[int], limit: int = 24) -> str:
@@ -93,17 +94,6 @@ def _gpu_ids() -> list[str]:
     from hybridkv.hardware import HARDWARE
 
     return list(HARDWARE)
-
-
-def _parse_size(text: str) -> int:
-    """Bytes from ``80GiB``, ``24GB``, ``512MiB`` or a plain integer."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6,
-             "gb": 10**9, "tb": 10**12, "b": 1}
-    t = text.strip().lower()
-    for suffix, mult in units.items():
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(t)
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -204,7 +194,7 @@ def main(argv: SequenceABC[str] | None = None) -> int:
     p.add_argument("--model", help="preset id (see --list-models) or path to a config.json")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset: " + ", ".join(_gpu_ids()))
-    p.add_argument("--gpu-memory", type=_parse_size, default=None, help="GPU memory (e.g. 80GiB), instead of --gpu")
+    p.add_argument("--gpu-memory", type=size_arg, default=None, help="GPU memory (e.g. 80GiB), instead of --gpu")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max context")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--request-len", type=int, action="append", help="also report concurrency at this length")
@@ -212,7 +202,7 @@ def main(argv: SequenceABC[str] | None = None) -> int:
     p.add_argument("--weights-dtype", default="bf16", choices=("bf16", "fp16", "fp8", "int4"))
     p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp8"))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--reserve", type=_parse_size, default=2 << 30, help="activation/workspace reserve per GPU")
+    p.add_argument("--reserve", type=parse_bytes, default=2 << 30, help="activation/workspace reserve per GPU")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-params", type=int, default=None, help="parameter count (needed for a config.json)")
     p.add_argument("--json", default=None, help="write the report as JSON to PATH ('-' for stdout)")

@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from hybridkv.errors import InvalidInputError
-
-_SIZE = re.compile(r"(\d+)\s*(?:([KMGT])(i?)B?)?", re.IGNORECASE)
-_POWERS = {"K": 1, "M": 2, "G": 3, "T": 4}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"268435456"``, ``"512MiB"``, ``"1GiB"``, ``"512M"`` (binary) or ``"500MB"`` (decimal)."""
-    match = _SIZE.fullmatch(text.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected a size like 268435456, 512MiB or 1GiB, got {text!r}")
-    number, unit, binary = match.groups()
-    if unit is None:
-        return int(number)
-    decimal = not binary and text.strip()[-1] in "bB"
-    factor: int = (1000 if decimal else 1024) ** _POWERS[unit.upper()]
-    return int(number) * factor
+from hybridkv.sizes import size_arg
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +17,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), default="float32",
                    help="weights, activations and KV-cache dtype (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
-    p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
+    p.add_argument("--kv-cache-memory", type=size_arg, default=None, metavar="BYTES",
                    help="KV-cache budget the block pool is planned for: bytes, or e.g. 512MiB, 1GiB (default 256MiB)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",

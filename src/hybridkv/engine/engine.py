@@ -28,6 +28,7 @@ from hybridkv.manager import KVCacheManager
 from hybridkv.models.hf_config import layer_specs, parse_config
 from hybridkv.scheduler import Request, Scheduler, SchedulerConfig, Status
 from hybridkv.sequence import Sequence
+from hybridkv.sizes import parse_bytes
 from hybridkv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
@@ -473,13 +474,14 @@ def build_connector(cfg: EngineConfig, manager: KVCacheManager) -> KVConnector:
 
 def parse_tier(spec: str) -> KVTier:
     """``host:SIZE``, ``disk:PATH:SIZE`` or ``redis://HOST:PORT[/DB]`` (SIZE like 512MiB, 4GiB)."""
-    from hybridkv.engine.cli import parse_size
-
     def size(text: str) -> int:
         try:
-            return parse_size(text)
-        except Exception:
-            raise InvalidInputError(f"KV tier {spec!r}: {text!r} is not a size (e.g. 512MiB, 4GiB)") from None
+            value = parse_bytes(text)
+        except InvalidInputError:
+            value = 0
+        if value <= 0:
+            raise InvalidInputError(f"KV tier {spec!r}: {text!r} is not a positive size (e.g. 512MiB, 4GiB)")
+        return value
 
     if spec.startswith(("redis://", "rediss://")):
         return RedisTier(spec)

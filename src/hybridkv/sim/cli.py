@@ -31,6 +31,7 @@ from hybridkv.sim.workloads import (
     multi_turn_chat,
     shared_prefix,
 )
+from hybridkv.sizes import size_arg
 
 SUMMARY_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("requests finished / rejected", lambda s: f"{s['finished']} / {s['rejected']}"),
@@ -73,7 +74,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="size the pool to this many tokens instead of from GPU memory")
-    p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
+    p.add_argument("--kv-cache-memory", type=size_arg, default=None, metavar="BYTES",
                    help="size the pool for this KV budget (e.g. 48MiB) as the reference engine plans it")
     p.add_argument("--weights-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8", "int4"))
     p.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"))
@@ -106,25 +107,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--plot", default=None, help="write KV usage / hit rate over time and the TTFT CDF to a PNG")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``48MiB``, ``2GB``, ``512KiB``, ``1TiB`` or a plain integer (argparse type)."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "tb": 10**12, "b": 1}
-    t = text.strip().lower()
-    mult = 1
-    for suffix, m in units.items():
-        if t.endswith(suffix):
-            t, mult = t[: -len(suffix)], m
-            break
-    try:
-        value = int(float(t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size such as 48MiB or 50331648, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"the size must be > 0 bytes, got {text!r}")
-    return value
 
 
 def _arrivals(args: argparse.Namespace) -> Arrivals:

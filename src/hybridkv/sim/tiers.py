@@ -45,7 +45,6 @@ PCIe 4 NVMe drive's sequential read), 100 us; net 3 GB/s (a 25 GbE link), 1 ms. 
 from __future__ import annotations
 
 import argparse
-import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from hybridkv.connectors.frame import encode_frame, tier_key
 from hybridkv.errors import InvalidInputError
 from hybridkv.manager import KVCacheManager
 from hybridkv.sequence import Sequence as KVSequence
+from hybridkv.sizes import parse_bytes, split_number
 
 KINDS = ("host", "disk", "net")
 ALIASES = {"redis": "net", "network": "net"}
@@ -65,29 +65,7 @@ DEFAULT_BANDWIDTH: dict[str, float] = {"host": 25e9, "disk": 5e9, "net": 3e9}
 DEFAULT_LATENCY_S: dict[str, float] = {"host": 0.0, "disk": 100e-6, "net": 1e-3}
 """Seconds per sequence loading from a tier of each kind when the spec names none."""
 
-_SIZE_UNITS = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10,
-               "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
 _TIME_UNITS = {"us": 1e-6, "µs": 1e-6, "ns": 1e-9, "ms": 1e-3, "s": 1.0}
-_NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?\s*", re.IGNORECASE)
-
-
-def _number_and_unit(text: str) -> tuple[float, str] | None:
-    m = _NUMBER.match(text)
-    if m is None:
-        return None
-    return float(m.group(0)), text[m.end():].strip().lower()
-
-
-def parse_bytes(text: str) -> int:
-    """Bytes from ``64GiB``, ``1TiB``, ``500GB``, ``512KiB`` or a plain integer; ``ValueError`` if not."""
-    got = _number_and_unit(text)
-    if got is not None:
-        value, unit = got
-        if unit == "":
-            return int(value)
-        if unit in _SIZE_UNITS:
-            return int(value * _SIZE_UNITS[unit])
-    raise ValueError(f"expected a size such as 64GiB, 1TiB or 500GB, got {text!r}")
 
 
 def _parse_bandwidth(text: str) -> float:
@@ -101,7 +79,7 @@ def _parse_bandwidth(text: str) -> float:
 
 
 def _parse_latency(text: str) -> float:
-    got = _number_and_unit(text)
+    got = split_number(text)
     if got is None or got[1] not in _TIME_UNITS:
         raise ValueError(f"expected a latency such as 1ms, 100us or 0.002s, got {text!r}")
     return got[0] * _TIME_UNITS[got[1]]
