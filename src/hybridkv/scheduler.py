@@ -397,12 +397,7 @@ class Scheduler:
         req = self.requests.get(seq_id)
         if req is None or req not in self.running:
             return False
-        self.running.remove(req)
-        self.manager.free(req.seq)
-        req.seq.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.stats.preemptions += 1
-        self._enqueue(req, front=True)
+        self._preempt(req, SchedulerOutput(), itself=False)
         return True
 
     def forget(self, seq_id: str) -> None:
