@@ -84,6 +84,10 @@ class _NoTokenizer:
     def decode(self, ids: Seq[int], skip_special_tokens: bool = True) -> str:
         return ""
 
+    def decode_incremental(self, ids: Seq[int], prefix_offset: int, read_offset: int,
+                           skip_special_tokens: bool = True, final: bool = False) -> tuple[str, int, int]:
+        return "", prefix_offset, len(ids)
+
 
 class Recorder:
     """Times ``engine.step()`` and records the step's work as the simulator computes it."""

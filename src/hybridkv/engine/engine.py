@@ -39,6 +39,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Seq[int], skip_special_tokens: bool = True) -> str: ...
 
+    def decode_incremental(self, ids: Seq[int], prefix_offset: int, read_offset: int,
+                           skip_special_tokens: bool = True, final: bool = False) -> tuple[str, int, int]: ...
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -104,6 +107,9 @@ class _Tracked:
     num_cached_tokens: int | None = None
     num_external_tokens: int = 0
     text: str = ""
+    """The output text decoded so far (complete characters only until the request finishes)."""
+    offsets: tuple[int, int] = (0, 0)
+    """``decode_incremental``'s (prefix, read) offsets into the sequence's token ids."""
     sent: int = 0
     """Characters of ``text`` already returned in ``new_text``."""
     stopped: str | None = None
@@ -197,7 +203,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, cache_salt)
         req = self.scheduler.add(seq, params.max_tokens, priority, stops)
         self._tracked[request_id] = _Tracked(req, params, make_generator(params.seed), time.monotonic(), ids,
-                                             logits_sink=logits_sink)
+                                             offsets=(len(ids), len(ids)), logits_sink=logits_sink)
         self.metrics.requests_received += 1
 
     def abort(self, request_id: str) -> None:
@@ -311,7 +317,10 @@ class LLMEngine:
             t.first_token_at = now
             self.metrics.ttft_seconds.observe(now - t.arrival)
         if t.stopped is None:
-            text = self.tokenizer.decode(out_ids)
+            # Only the new tokens are decoded; a character split across byte tokens waits for the rest.
+            piece, *offsets = self.tokenizer.decode_incremental(req.seq.token_ids, *t.offsets, final=finished)
+            t.offsets = (offsets[0], offsets[1])
+            text = t.text + piece
             if t.params.stop:
                 # A stop string may start up to len(stop) - 1 characters before the old end.
                 longest = max(len(s) for s in t.params.stop)
@@ -324,18 +333,13 @@ class LLMEngine:
                         finished = True
             t.text = text
         reason = t.stopped or req.finish_reason
+        emit_to = len(t.text)
         if finished:
             t.done = True
             self.metrics.finished[reason_label(reason)] += 1
             self.metrics.latency_seconds.observe(now - t.arrival)
-            emit_to = len(t.text)
-        else:
-            emit_to = len(t.text)
-            if t.params.stop:  # hold back what could be the start of a stop string
-                emit_to = max(t.sent, emit_to - (max(len(s) for s in t.params.stop) - 1))
-            if t.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte token
-                emit_to = min(emit_to, len(t.text.rstrip("\ufffd")))
-            emit_to = max(emit_to, t.sent)
+        elif t.params.stop:  # hold back what could be the start of a stop string
+            emit_to = max(t.sent, emit_to - (max(len(s) for s in t.params.stop) - 1))
         new_text = t.text[t.sent:emit_to]
         t.sent = emit_to
         return RequestOutput(
