@@ -61,7 +61,7 @@ from hybridkv.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from hybridkv.engine.gguf_file import GGUFFile
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.weights import Gemma3Weights, default_model_path
-from hybridkv.scheduler import SchedulerOutput
+from hybridkv.scheduling.scheduler import SchedulerOutput
 from hybridkv.sim.cost_model import CostModel, SeqWork, fit_efficiency, load_calibration
 from hybridkv.sim.simulator import SimConfig, SimResult, simulate
 from hybridkv.sim.trace import read_trace, write_trace

@@ -25,7 +25,7 @@ from hybridkv import (
     Sequence,
     SlidingWindowSpec,
 )
-from hybridkv.retention import NoRetention
+from hybridkv.core.retention import NoRetention
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import tracemalloc
 from pathlib import Path
 
 from hybridkv import BlockHasher, FullAttentionSpec, KVCacheGroup, KVCacheLayout, KVCacheManager, Sequence
-from hybridkv.block_pool import BlockPool
+from hybridkv.core.block_pool import BlockPool
 
 
 def best(fn: object, repeat: int = 5) -> float:

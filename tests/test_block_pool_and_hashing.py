@@ -10,7 +10,7 @@ from array import array
 import pytest
 
 from hybridkv import BlockHasher, BlockPool, BlockRemoved, BlockStored, InvalidInputError, Sequence
-from hybridkv.hashing import encode_extra_keys
+from hybridkv.core.hashing import encode_extra_keys
 
 
 def test_null_block_is_never_allocated_or_counted() -> None:

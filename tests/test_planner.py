@@ -9,9 +9,9 @@ import pytest
 
 from hybridkv import KVCacheLayout, KVCacheManager, Sequence, capacity_report, plan_layout
 from hybridkv.cli import main
-from hybridkv.hardware import HARDWARE, GiB
-from hybridkv.models import PRESETS, ConfigError, get_preset, layer_specs, parse_config
-from hybridkv.planner import PlanInput, make_plan
+from hybridkv.planning import PRESETS, ConfigError, get_preset, layer_specs, parse_config
+from hybridkv.planning.hardware import HARDWARE, GiB
+from hybridkv.planning.planner import PlanInput, make_plan
 
 # ---------------------------------------------------------------------- config parsing
 

@@ -3,7 +3,7 @@
 The expected values below are literals copied from the model cards, papers and ``config.json``
 files named in each preset's ``notes``; nothing here is read back from the presets except the
 config being checked. The local/global split is computed from the config fields by the small
-helper ``_layer_kinds`` (independent of ``hybridkv.models.hf_config``).
+helper ``_layer_kinds`` (independent of ``hybridkv.planning.hf_config``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from hybridkv.models.presets import PRESETS, ModelPreset
+from hybridkv.planning.presets import PRESETS, ModelPreset
 
 
 class Published(NamedTuple):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv import KVCacheManager, Sequence, SequenceTooLongError
-from hybridkv.scheduler import Scheduler, SchedulerConfig, Status
+from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, Status
 
 from helpers import chunked, full, layout, mamba, manager, swa, tokens
 

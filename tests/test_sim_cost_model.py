@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from hybridkv.errors import InvalidInputError
-from hybridkv.hardware import get_hardware
+from hybridkv.planning.hardware import get_hardware
 from hybridkv.sim.cost_model import (
     ACTIVE_PARAMS,
     CostModel,

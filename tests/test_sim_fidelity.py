@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from hybridkv.cli import main
+from hybridkv.core.layout import plan_layout
 from hybridkv.errors import InvalidInputError
-from hybridkv.hardware import get_hardware
-from hybridkv.layout import plan_layout
-from hybridkv.models import get_preset
-from hybridkv.models.hf_config import layer_specs, parse_config
+from hybridkv.planning import get_preset
+from hybridkv.planning.hardware import get_hardware
+from hybridkv.planning.hf_config import layer_specs, parse_config
 from hybridkv.sim.cost_model import (
     DEFAULT_EFFICIENCY,
     CostModel,

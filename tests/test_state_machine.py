@@ -44,7 +44,7 @@ from hybridkv import (
     SlidingWindowSpec,
     UnknownSequenceError,
 )
-from hybridkv.hashing import encode_extra_keys
+from hybridkv.core.hashing import encode_extra_keys
 
 VOCAB = 4  # a tiny vocabulary: random suffixes collide, so prefix hits really happen
 BLOCK_SIZES = (4, 8, 16)  # they divide each other: the hit alignment is the largest one

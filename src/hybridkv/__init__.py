@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-from hybridkv.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KVCacheEvent
-from hybridkv.coordinator import CacheHit
-from hybridkv.errors import (
-    DoesNotFitError,
-    HybridKVError,
-    InvalidInputError,
-    LayoutError,
-    SequenceTooLongError,
-    UnknownSequenceError,
-)
-from hybridkv.hashing import BlockHasher
-from hybridkv.layout import CapacityReport, KVCacheGroup, KVCacheLayout, capacity_report, plan_layout
-from hybridkv.manager import KVCacheManager, KVCacheStats
-from hybridkv.retention import NoRetention, WindowRetention
-from hybridkv.sequence import Sequence
-from hybridkv.specs import (
+from hybridkv import _moved
+from hybridkv.core.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KVCacheEvent
+from hybridkv.core.hashing import BlockHasher
+from hybridkv.core.hits import CacheHit
+from hybridkv.core.layout import CapacityReport, KVCacheGroup, KVCacheLayout, capacity_report, plan_layout
+from hybridkv.core.manager import KVCacheManager, KVCacheStats
+from hybridkv.core.retention import NoRetention, WindowRetention
+from hybridkv.core.sequence import Sequence
+from hybridkv.core.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -28,8 +21,19 @@ from hybridkv.specs import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
+from hybridkv.errors import (
+    DoesNotFitError,
+    HybridKVError,
+    InvalidInputError,
+    LayoutError,
+    SequenceTooLongError,
+    UnknownSequenceError,
+)
+from hybridkv.scheduling import Scheduler, SchedulerConfig
 
 __version__ = "0.1.0"
+
+_moved.install()
 
 __all__ = [
     "AllBlocksCleared",
@@ -58,6 +62,8 @@ __all__ = [
     "MambaSpec",
     "NoRetention",
     "Sequence",
+    "Scheduler",
+    "SchedulerConfig",
     "SequenceTooLongError",
     "SlidingWindowSpec",
     "UnknownSequenceError",

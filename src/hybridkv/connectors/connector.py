@@ -30,7 +30,6 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from hybridkv.block_pool import NULL_BLOCK
 from hybridkv.connectors.base import KVTier, TierTimeout
 from hybridkv.connectors.frame import (
     FAULT_KINDS,
@@ -41,10 +40,11 @@ from hybridkv.connectors.frame import (
     namespace_id,
     tier_key,
 )
+from hybridkv.core.block_pool import NULL_BLOCK
+from hybridkv.core.kinds import KindManager
+from hybridkv.core.manager import KVCacheManager
+from hybridkv.core.sequence import Sequence
 from hybridkv.errors import InvalidInputError
-from hybridkv.manager import KVCacheManager
-from hybridkv.managers import KindManager
-from hybridkv.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import hmac
 import struct
 from typing import Literal
 
-from hybridkv.layout import KVCacheLayout
+from hybridkv.core.layout import KVCacheLayout
 
 FaultKind = Literal["error", "timeout", "short", "corrupt", "wrong_key", "missing"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("error", "timeout", "short", "corrupt", "wrong_key", "missing")

@@ -17,19 +17,19 @@ from typing import Protocol
 import torch
 
 from hybridkv.connectors import DiskTier, HostTier, KVConnector, KVTier, RedisTier
+from hybridkv.core.layout import KVCacheLayout, plan_layout
+from hybridkv.core.manager import KVCacheManager
+from hybridkv.core.sequence import Sequence
+from hybridkv.core.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from hybridkv.engine.gguf_file import GGUFFile
 from hybridkv.engine.metrics import EngineMetrics
 from hybridkv.engine.model import AttentionPart, Gemma3Model, PagedKVCache, StepInputs
 from hybridkv.engine.sampling import SamplingParams, make_generator, sample
 from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, default_model_path, parse_dtype
 from hybridkv.errors import InvalidInputError
-from hybridkv.layout import KVCacheLayout, plan_layout
-from hybridkv.manager import KVCacheManager
-from hybridkv.models.hf_config import layer_specs, parse_config
-from hybridkv.scheduler import Request, Scheduler, SchedulerConfig, Status
-from hybridkv.sequence import Sequence
+from hybridkv.planning.hf_config import layer_specs, parse_config
+from hybridkv.scheduling.scheduler import Request, Scheduler, SchedulerConfig, Status
 from hybridkv.sizes import parse_bytes
-from hybridkv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
 class Tokenizer(Protocol):

@@ -81,10 +81,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hybridkv.errors import InvalidInputError
-from hybridkv.hardware import Hardware, get_hardware
-from hybridkv.models import get_preset
-from hybridkv.models.hf_config import ModelKVConfig, parse_config, text_config
-from hybridkv.planner import DTYPE_BYTES
+from hybridkv.planning import get_preset
+from hybridkv.planning.hardware import Hardware, get_hardware
+from hybridkv.planning.hf_config import ModelKVConfig, parse_config, text_config
+from hybridkv.planning.planner import DTYPE_BYTES
 
 ACTIVE_PARAMS: dict[str, float] = {
     # OpenAI gpt-oss model card / launch post: 21B total, 3.6B active; 117B total, 5.1B active.

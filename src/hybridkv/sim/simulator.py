@@ -44,15 +44,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hybridkv.core.layout import KVCacheLayout, capacity_report, plan_layout
+from hybridkv.core.manager import KVCacheManager
+from hybridkv.core.retention import NoRetention
+from hybridkv.core.sequence import Sequence
 from hybridkv.errors import InvalidInputError
-from hybridkv.layout import KVCacheLayout, capacity_report, plan_layout
-from hybridkv.manager import KVCacheManager
-from hybridkv.models import get_preset
-from hybridkv.models.hf_config import layer_specs, parse_config
-from hybridkv.planner import DTYPE_BYTES, PlanInput, make_plan
-from hybridkv.retention import NoRetention
-from hybridkv.scheduler import Admission, Policy, Scheduler, SchedulerConfig
-from hybridkv.sequence import Sequence
+from hybridkv.planning import get_preset
+from hybridkv.planning.hf_config import layer_specs, parse_config
+from hybridkv.planning.planner import DTYPE_BYTES, PlanInput, make_plan
+from hybridkv.scheduling.scheduler import Admission, Policy, Scheduler, SchedulerConfig
 from hybridkv.sim.cost_model import CostModel, Efficiency, LMHead, SeqWork, calibrate
 from hybridkv.sim.synthetic import SyntheticSequence, TierKeyedSequence
 from hybridkv.sim.tiers import SimTiers, TierSpec

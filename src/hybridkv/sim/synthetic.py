@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from hybridkv.hashing import BlockHasher
-from hybridkv.sequence import Sequence
+from hybridkv.core.hashing import BlockHasher
+from hybridkv.core.sequence import Sequence
 
 Segments = tuple[tuple[str, int], ...]
 

@@ -53,9 +53,9 @@ from typing import Any
 from hybridkv.connectors.base import KVTier
 from hybridkv.connectors.connector import BlockTables, FetchedKV, KVConnector, ReadBlock
 from hybridkv.connectors.frame import encode_frame, tier_key
+from hybridkv.core.manager import KVCacheManager
+from hybridkv.core.sequence import Sequence as KVSequence
 from hybridkv.errors import InvalidInputError
-from hybridkv.manager import KVCacheManager
-from hybridkv.sequence import Sequence as KVSequence
 from hybridkv.sizes import parse_bytes, split_number
 
 KINDS = ("host", "disk", "net")

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.errors import InvalidInputError
-from hybridkv.specs import (
+from hybridkv.core.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
@@ -34,6 +33,7 @@ from hybridkv.specs import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
+from hybridkv.errors import InvalidInputError
 
 
 class ConfigError(InvalidInputError):

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hybridkv.errors import InvalidInputError
+
 
 @dataclass(frozen=True)
 class ModelPreset:
@@ -532,3 +534,11 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
 
 PRESETS: dict[str, ModelPreset] = {p.id: p for p in _PRESET_LIST}
 """Model presets by id."""
+
+
+def get_preset(name: str) -> ModelPreset:
+    """A preset by id; the error lists the known ids."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise InvalidInputError(f"unknown model {name!r}; known presets: {', '.join(PRESETS)}") from None

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hybridkv.block_pool import BlockPool
-from hybridkv.managers.base import KindManager
-from hybridkv.managers.kinds import (
+from hybridkv.core.block_pool import BlockPool
+from hybridkv.core.kinds.base import KindManager
+from hybridkv.core.kinds.kinds import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,
@@ -13,7 +13,7 @@ from hybridkv.managers.kinds import (
     NoCacheManager,
     SlidingWindowManager,
 )
-from hybridkv.specs import (
+from hybridkv.core.specs import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,

@@ -7,16 +7,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain, compress
 
-from hybridkv.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
-from hybridkv.coordinator import CacheHit, Coordinator
+from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
+from hybridkv.core.hashing import BlockHasher, HashAlgorithm
+from hybridkv.core.hits import CacheHit, Coordinator
+from hybridkv.core.kinds import KindManager, manager_for
+from hybridkv.core.kinds.base import NEVER
+from hybridkv.core.layout import KVCacheLayout
+from hybridkv.core.retention import NoRetention, make_policy
+from hybridkv.core.sequence import Sequence
+from hybridkv.core.specs import ChunkedLocalAttentionSpec
 from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequenceError
-from hybridkv.hashing import BlockHasher, HashAlgorithm
-from hybridkv.layout import KVCacheLayout
-from hybridkv.managers import KindManager, manager_for
-from hybridkv.managers.base import NEVER
-from hybridkv.retention import NoRetention, make_policy
-from hybridkv.sequence import Sequence
-from hybridkv.specs import ChunkedLocalAttentionSpec
 
 
 @dataclass

@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from hybridkv.block_pool import NULL_BLOCK
+from hybridkv.core.block_pool import NULL_BLOCK
+from hybridkv.core.kinds import KindManager
+from hybridkv.core.sequence import Sequence
 from hybridkv.errors import InvalidInputError
-from hybridkv.managers import KindManager
-from hybridkv.sequence import Sequence
 
 if TYPE_CHECKING:
-    from hybridkv.coordinator import CacheHit, Coordinator
+    from hybridkv.core.hits import CacheHit, Coordinator
 
 
 class NoRetention:

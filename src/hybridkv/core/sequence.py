@@ -5,8 +5,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
+from hybridkv.core.hashing import BlockHasher, encode_extra_keys
 from hybridkv.errors import InvalidInputError
-from hybridkv.hashing import BlockHasher, encode_extra_keys
 
 
 def _validated_tokens(seq_id: str, token_ids: Iterable[int], what: str) -> list[int]:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from hybridkv._util import cdiv
-from hybridkv.block_pool import NULL_BLOCK, BlockPool
-from hybridkv.managers.base import NEVER, KindManager, scan_left_to_right
-from hybridkv.sequence import Sequence
-from hybridkv.specs import ChunkedLocalAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from hybridkv.core._util import cdiv
+from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
+from hybridkv.core.kinds.base import NEVER, KindManager, scan_left_to_right
+from hybridkv.core.sequence import Sequence
+from hybridkv.core.specs import ChunkedLocalAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 
 class FullAttentionManager(KindManager):

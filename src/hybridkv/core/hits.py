@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridkv._util import gcd_all, lcm_all
-from hybridkv.block_pool import NULL_BLOCK, BlockPool
-from hybridkv.hashing import BlockHasher
-from hybridkv.managers import KindManager
-from hybridkv.sequence import Sequence
+from hybridkv.core._util import gcd_all, lcm_all
+from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
+from hybridkv.core.hashing import BlockHasher
+from hybridkv.core.kinds import KindManager
+from hybridkv.core.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)

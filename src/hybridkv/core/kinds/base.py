@@ -18,10 +18,10 @@ from __future__ import annotations
 from bisect import bisect_left
 from itertools import compress, takewhile
 
-from hybridkv._util import cdiv
-from hybridkv.block_pool import NULL_BLOCK, BlockPool
-from hybridkv.sequence import Sequence
-from hybridkv.specs import KVCacheSpec
+from hybridkv.core._util import cdiv
+from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
+from hybridkv.core.sequence import Sequence
+from hybridkv.core.specs import KVCacheSpec
 
 _NOTHING = range(0)
 

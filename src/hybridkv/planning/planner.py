@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridkv.core.layout import KVCacheLayout, capacity_report, plan_layout
+from hybridkv.core.specs import MambaMode
 from hybridkv.errors import DoesNotFitError, InvalidInputError
-from hybridkv.hardware import GiB, Hardware, get_hardware
-from hybridkv.layout import KVCacheLayout, capacity_report, plan_layout
-from hybridkv.models import get_preset
-from hybridkv.models.hf_config import layer_specs, load_config, parse_config
-from hybridkv.specs import MambaMode
+from hybridkv.planning import get_preset
+from hybridkv.planning.hardware import GiB, Hardware, get_hardware
+from hybridkv.planning.hf_config import layer_specs, load_config, parse_config
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int4": 0.5}
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from hybridkv._util import cdiv
+from hybridkv.core._util import cdiv
+from hybridkv.core.specs import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec, MambaSpec
 from hybridkv.errors import DoesNotFitError, InvalidInputError, LayoutError
-from hybridkv.specs import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec, MambaSpec
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
+from hybridkv.core.manager import KVCacheManager
+from hybridkv.core.sequence import Sequence
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
-from hybridkv.manager import KVCacheManager
-from hybridkv.sequence import Sequence
 
 if TYPE_CHECKING:
     from hybridkv.connectors import KVConnector

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hybridkv._util import cdiv
+from hybridkv.core._util import cdiv
 from hybridkv.errors import InvalidInputError
 
 MambaMode = Literal["none", "align", "all"]
