@@ -25,7 +25,7 @@ from hybridkv import (
     Sequence,
     SlidingWindowSpec,
 )
-from hybridkv.core.retention import NoRetention
+from hybridkv.core.retention import RetentionPolicy
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def make_layout(kind: str, cfg: TraceConfig) -> KVCacheLayout:
     return KVCacheLayout(num_blocks=cfg.num_blocks, groups=groups)
 
 
-def run_trace(kind: str, cfg: TraceConfig, retention: str | NoRetention = "none",
+def run_trace(kind: str, cfg: TraceConfig, retention: str | RetentionPolicy = "none",
               prompts: list[list[int]] | None = None, *, hash_outside: bool = False,
               events: list[tuple[str, str, int, bool]] | None = None) -> TraceResult:
     """Replay the trace; returns token counts, hit rate and manager time per call kind.
@@ -131,7 +131,7 @@ def run_trace(kind: str, cfg: TraceConfig, retention: str | NoRetention = "none"
     res = TraceResult(kind, name, cfg.num_blocks)
     max_tokens = cfg.decode_steps + 1
     waiting: deque[Sequence] = deque(Sequence(f"r{i}", p) for i, p in enumerate(prompts))
-    hasher, hash_bs = mgr.coordinator.hasher, mgr.coordinator.hash_block_size
+    hasher, hash_bs = mgr.hasher, mgr.hash_block_size
     if hash_outside:
         for seq in waiting:
             seq.block_hashes(hasher, hash_bs)

@@ -27,8 +27,8 @@ def chunked(chunk: int, bs: int = 16) -> ChunkedLocalAttentionSpec:
                                      attention_chunk_size=chunk)
 
 
-def mamba(bs: int = 16, mode: str = "align") -> MambaSpec:
-    return MambaSpec(block_size=bs, state_bytes=65536, mode=mode)  # type: ignore[arg-type]
+def mamba(bs: int = 16, mode: str = "align", **kw: int) -> MambaSpec:
+    return MambaSpec(block_size=bs, state_bytes=65536, mode=mode, **kw)  # type: ignore[arg-type]
 
 
 def layout(num_blocks: int, *specs: object) -> KVCacheLayout:

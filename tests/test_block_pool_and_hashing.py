@@ -11,6 +11,7 @@ import pytest
 
 from hybridkv import BlockHasher, BlockPool, BlockRemoved, BlockStored, InvalidInputError, Sequence
 from hybridkv.core.hashing import encode_extra_keys
+from hybridkv.core.retention import KeptBlocks
 
 
 def test_null_block_is_never_allocated_or_counted() -> None:
@@ -78,12 +79,19 @@ def test_groups_have_separate_hash_indexes() -> None:
     assert pool.get_cached_block(1, b"h") == y
 
 
-def test_retained_windows_are_released_with_their_anchor() -> None:
-    pool = BlockPool(6, num_groups=2)
+def keep(pool: BlockPool, blocks: list[int], anchor: int) -> None:
+    """Free ``blocks`` into the kept tier under ``anchor`` (what window retention does at a junction)."""
+    kept = pool.kept
+    assert isinstance(kept, KeptBlocks)
+    pool.free_kept(blocks, lambda b: kept.admits(b, anchor))
+
+
+def test_kept_windows_are_released_with_their_anchor() -> None:
+    pool = BlockPool(6, num_groups=2, kept_tier=KeptBlocks)
     anchor, w1, w2 = pool.allocate(3, allow_reserved=False)
     pool.cache_blocks(0, [anchor], [b"fa"])
     pool.cache_blocks(1, [w1, w2], [b"w1", b"w2"])
-    pool.free_retained([w1, w2], anchor)
+    keep(pool, [w1, w2], anchor)
     # The anchor is held: its windows are reserved, a new sequence cannot take them.
     assert pool.num_free_blocks == 4 and pool.num_admissible_blocks == 2
     pool.check_invariants()
@@ -91,17 +99,17 @@ def test_retained_windows_are_released_with_their_anchor() -> None:
     assert pool.num_admissible_blocks == 5
     # Fresh blocks first, then the anchor (LRU); evicting it releases its windows to `low`.
     assert pool.allocate(3, allow_reserved=False) == [4, 5, anchor]
-    assert pool.num_retained_blocks == 0
+    assert pool.num_kept_blocks == 0
     assert pool.allocate(2, allow_reserved=False) == [w1, w2]
     pool.check_invariants()
 
 
 def test_running_growth_may_take_reserved_windows_as_a_last_resort() -> None:
-    pool = BlockPool(4, num_groups=2)
+    pool = BlockPool(4, num_groups=2, kept_tier=KeptBlocks)
     anchor, w = pool.allocate(2, allow_reserved=False)
     pool.cache_blocks(0, [anchor], [b"fa"])
     pool.cache_blocks(1, [w], [b"w"])
-    pool.free_retained([w], anchor)
+    keep(pool, [w], anchor)
     assert pool.allocate(1, allow_reserved=False) == [3]
     assert pool.num_admissible_blocks == 0 and pool.num_free_blocks == 1
     assert pool.allocate(1, allow_reserved=True) == [w]

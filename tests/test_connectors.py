@@ -123,7 +123,7 @@ def test_missing_block_outside_the_window_does_not_shorten_the_hit() -> None:
     produce(connector([host]), TOKENS)
     conn = connector([host])
     seq = Sequence("consumer", TOKENS)
-    swa_keys = conn.keys(seq, conn.manager.groups[1])
+    swa_keys = conn.keys(seq, 1)
     host.delete(swa_keys[1])  # the window at 96 is blocks 3..5
     assert conn.num_external_tokens(seq, 0) == 96
 
@@ -133,7 +133,7 @@ def test_missing_block_inside_the_window_shortens_the_hit() -> None:
     produce(connector([host]), TOKENS)
     conn = connector([host])
     seq = Sequence("consumer", TOKENS)
-    host.delete(conn.keys(seq, conn.manager.groups[1])[4])
+    host.delete(conn.keys(seq, 1)[4])
     # 80 and 96 need block 4; at 64 the window is blocks 1..3, all stored.
     assert conn.num_external_tokens(seq, 0) == 64
 
@@ -143,7 +143,7 @@ def test_missing_mamba_state_shortens_the_hit_to_the_previous_state() -> None:
     produce(connector([host]), TOKENS)
     conn = connector([host])
     seq = Sequence("consumer", TOKENS)
-    host.delete(conn.keys(seq, conn.manager.groups[2])[5])
+    host.delete(conn.keys(seq, 2)[5])
     assert conn.num_external_tokens(seq, 0) == 80
 
 
@@ -152,14 +152,23 @@ def test_missing_full_attention_block_bounds_the_hit() -> None:
     produce(connector([host]), TOKENS)
     conn = connector([host])
     seq = Sequence("consumer", TOKENS)
-    host.delete(conn.keys(seq, conn.manager.groups[0])[3])
+    host.delete(conn.keys(seq, 0)[3])
     assert conn.num_external_tokens(seq, 0) == 48
 
 
-def test_only_the_last_mamba_state_stored_at_the_end_allows_only_that_point() -> None:
+def test_a_one_step_prefill_stores_the_mamba_state_at_the_prompts_last_boundary() -> None:
     host = HostTier(1 << 20)
     conn = connector([host])
-    produce(conn, TOKENS, chunk=96 + 4)  # one step: no block-aligned Mamba checkpoint at all
+    produce(conn, TOKENS, chunk=96 + 4)  # one step: the prompt-end checkpoint (96) is its only state
+    assert connector([host]).num_external_tokens(Sequence("c", TOKENS), 0) == 96
+    # A shorter prompt sharing the first 64 tokens cannot resume: no state at 64 was kept.
+    assert connector([host]).num_external_tokens(Sequence("d", TOKENS[:64] + [7] * 30), 0) == 0
+
+
+def test_without_checkpoint_blocks_a_one_step_prefill_stores_no_mamba_state() -> None:
+    host = HostTier(1 << 20)
+    conn = connector([host], manager(400, full(), swa(48), mamba(checkpoint_blocks=0), retention="none"))
+    produce(conn, TOKENS, chunk=96 + 4)  # one step ending at 100: not on a block boundary
     assert connector([host]).num_external_tokens(Sequence("c", TOKENS), 0) == 0
 
 
@@ -189,7 +198,7 @@ def test_a_fault_ends_the_loaded_prefix_and_is_counted(fault: str, kind: str) ->
     mgr = manager(400, full(), **mgr_kw)  # type: ignore[arg-type]
     probe = KVConnector([host], mgr, namespace="m")
     seq = Sequence("consumer", TOKENS)
-    bad = probe.keys(seq, mgr.groups[0])[4]
+    bad = probe.keys(seq, 0)[4]
     conn = KVConnector([FaultyTier(host, {bad: fault})], mgr, namespace="m", batch_blocks=2)  # type: ignore[dict-item]
     assert conn.num_external_tokens(seq, 0) == 96
     store: Store = {}
@@ -219,7 +228,7 @@ def test_a_fault_in_a_window_group_falls_back_to_the_local_hit() -> None:
     produce(connector([host]), TOKENS)
     probe = connector([host])
     seq = Sequence("consumer", TOKENS)
-    bad = probe.keys(seq, probe.manager.groups[1])[5]
+    bad = probe.keys(seq, 1)[5]
     conn = connector([FaultyTier(host, {bad: "corrupt"})])
     assert conn.fetch(seq, 0, 96).num_tokens == 0  # no window was fetched for a shorter point
     assert conn.stats.faults["corrupt"] == 1
@@ -250,7 +259,7 @@ def test_an_entry_copied_under_another_salts_key_is_rejected() -> None:
     produce(connector([host]), TOKENS, salt="tenant-a")
     conn = connector([host])
     victim, attacker = Sequence("a", TOKENS, cache_salt="tenant-a"), Sequence("b", TOKENS, cache_salt="tenant-b")
-    for g in conn.manager.groups:
+    for g in conn.manager.caching_groups:
         src = host.get_many(conn.keys(victim, g))
         host.put_many([(k, v) for k, v in zip(conn.keys(attacker, g), src) if v is not None])
     assert conn.num_external_tokens(attacker, 0) == 96  # the copies exist under the attacker's keys
@@ -388,7 +397,7 @@ def test_local_hits_at_the_eviction_head_plus_external_tokens() -> None:
     """Seed 002: local hit blocks sit first in the free queue; external allocation must not take them."""
     tiers: list[KVTier] = [HostTier(1 << 22)]
     produce(connector(tiers), TOKENS)
-    mgr = hybrid(num_blocks=15)
+    mgr = hybrid(num_blocks=16)  # warm's 8 blocks + the filler's 10 (its prompt-end checkpoint included) - 2
     conn = connector(tiers, mgr)
     device: Store = {}
     # 1. A sequence computes the first 40 tokens and finishes: its blocks are cached and free.

@@ -224,10 +224,11 @@ def test_one_phase_adoption_would_double_allocate_a_block() -> None:
     mgr, b = _hits_at_the_eviction_head(1)
     hit = mgr.lookup(b)
     mgr._seqs[b.seq_id] = b
-    for g, ids in zip(mgr.groups, hit.block_ids):  # the order seed 002 fixed: group by group
-        mgr.pool.touch(ids)
+    for g, ids in zip(mgr.groups, hit.block_ids):  # group by group: what two-phase adoption prevents
+        mgr.pool.touch(list(ids))
         g.adopt(b.seq_id, list(ids))
-        g.extend(b.seq_id, 16, 16, allow_reserved=False)  # pops the SWA group's untouched hits
+        indices = g.plan_indices(b.seq_id, [], 16, 0, 16)  # blocks for 8 external tokens
+        g.grow(b.seq_id, indices, allow_reserved=False)  # pops the SWA group's untouched hits
     with pytest.raises(AssertionError, match="tables without being cached"):
         mgr.check_invariants()
 

@@ -6,8 +6,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
-
 from hybridkv import Sequence, WindowRetention
 
 from helpers import full, manager, run_prefill, swa, tokens
@@ -47,7 +45,7 @@ def test_junction_window_is_retained_and_released_with_its_prefix() -> None:
     run_prefill(mgr, b, 64)
     mgr.free(b)
     assert mgr.stats.retention["junctions_found"] == 1
-    assert mgr.pool.num_retained_blocks == 2  # cdiv(31, 16) blocks ending at 128
+    assert mgr.pool.num_kept_blocks == 2  # cdiv(31, 16) blocks ending at 128
     # Pressure: unrelated prompts take the whole pool; the window goes only with its prefix.
     for i in range(6):
         s = Sequence(f"x{i}", tokens(10000 * (i + 2), 300))
@@ -57,7 +55,7 @@ def test_junction_window_is_retained_and_released_with_its_prefix() -> None:
     hit = mgr.lookup(Sequence("c", prefix + tokens(3000, 10)))
     assert hit.num_tokens in (0, 128)
     if hit.num_tokens == 0:
-        assert mgr.pool.num_retained_blocks == 0  # released together with the evicted prefix
+        assert mgr.pool.num_kept_blocks == 0  # released together with the evicted prefix
 
 
 def test_retention_never_stalls_a_running_sequence() -> None:
@@ -69,8 +67,14 @@ def test_retention_never_stalls_a_running_sequence() -> None:
     run_prefill(mgr, seq, 128, whole=True)
 
 
-def test_a_policy_object_serves_one_manager() -> None:
-    policy = WindowRetention()
-    manager(10, full(), swa(64), retention=policy)
-    with pytest.raises(ValueError, match="already bound"):
-        manager(10, full(), swa(64), retention=policy)
+def test_a_policy_object_is_configuration_shared_by_managers() -> None:
+    policy = WindowRetention(max_junctions=8)
+    a = manager(60, full(16), swa(32, 16), retention=policy, max_model_len=512, batch=64)
+    b = manager(60, full(16), swa(32, 16), retention=policy, max_model_len=512, batch=64)
+    prefix = tokens(0, 128)
+    for sid in ("x", "y"):
+        run_prefill(a, Sequence(sid, prefix + tokens(len(sid) * 1000 + ord(sid), 64)), 64)
+        a.free(sid)
+    assert a.stats.retention["junctions_found"] == 1
+    assert b.stats.retention["junctions_found"] == 0  # each manager keeps its own junctions
+    assert a.retention is b.retention is policy

@@ -48,7 +48,11 @@ def test_chunked_local_bound_is_seed_001_formula() -> None:
 def test_bounds_of_other_kinds() -> None:
     assert full().max_blocks_per_request(128, 1000) == 63
     assert MambaSpec(block_size=16, state_bytes=1, mode="none").max_blocks_per_request(128, 4096) == 1
-    assert MambaSpec(block_size=16, state_bytes=1, mode="align").max_blocks_per_request(128, 4096) == 2
+    # align: the state read, the state written, and up to ``checkpoint_blocks`` checkpoints of one step
+    assert MambaSpec(block_size=16, state_bytes=1, mode="align").max_blocks_per_request(128, 4096) == 3
+    assert MambaSpec(block_size=16, state_bytes=1, mode="align", checkpoint_blocks=0).max_blocks_per_request(
+        128, 4096) == 2
+    assert MambaSpec(block_size=16, state_bytes=1, mode="align").max_blocks_per_request(128, 32) == 2
     assert MambaSpec(block_size=16, state_bytes=1, mode="all").max_blocks_per_request(128, 4096) == 256
     cross = CrossAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, max_encoder_len=1500)
     assert cross.max_blocks_per_request(128, 448) == 94

@@ -34,7 +34,6 @@ from hybridkv import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
-    InvalidInputError,
     KVCacheGroup,
     KVCacheLayout,
     KVCacheManager,
@@ -45,6 +44,7 @@ from hybridkv import (
     UnknownSequenceError,
 )
 from hybridkv.core.hashing import encode_extra_keys
+from hybridkv.core.retention import KeptBlocks
 
 VOCAB = 4  # a tiny vocabulary: random suffixes collide, so prefix hits really happen
 BLOCK_SIZES = (4, 8, 16)  # they divide each other: the hit alignment is the largest one
@@ -172,6 +172,8 @@ def expected_hashes(tokens: list[int], salt: str | None, unit: int, block_size: 
 
 def pool_state(pool: BlockPool) -> tuple[Any, ...]:
     """Everything the pool's future behaviour depends on, eviction order included (white box)."""
+    kept = pool.kept
+    assert kept is None or isinstance(kept, KeptBlocks)
     return (
         tuple(pool.ref_cnt),
         tuple(pool.block_hash),
@@ -180,9 +182,9 @@ def pool_state(pool: BlockPool) -> tuple[Any, ...]:
         pool._next_fresh,
         tuple(pool._low),
         tuple(pool._lru),
-        tuple(pool._retained.items()),
-        tuple((a, tuple(w)) for a, w in pool._anchored.items()),
-        pool._num_reserved,
+        tuple(kept.kept.items()) if kept else (),
+        tuple((a, tuple(w)) for a, w in kept.by_anchor.items()) if kept else (),
+        kept.num_reserved if kept else 0,
         repr(pool.index),
         repr(pool._dups),
         pool.evictions,
@@ -224,6 +226,13 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         # content (the prefix chain for KV, the prefix a Mamba state is the state after), or None
         # while it is incomplete. A block may only be cached under the hash of what it holds.
         self.contents: dict[int, bytes | None] = {}
+        # Window retention's anchor group (the first cached full-attention group) and the junctions
+        # it remembers (anchor hashes), and each sequence's planned Mamba checkpoints (position, rank).
+        self.anchor = next((gi for gi, g in enumerate(self.groups) if g.kind == "full" and cfg.caching), None)
+        self.junctions: set[bytes] = set()
+        self.plans: dict[str, list[tuple[int, int]]] = {}
+        self.checkpoint_blocks = min((g.spec().checkpoint_blocks for g in self.groups  # type: ignore[attr-defined]
+                                      if g.kind == "mamba_align"), default=0)
 
     # ------------------------------------------------------------------ helpers
     def _hashes(self, seq: Sequence) -> list[list[bytes]]:
@@ -284,12 +293,38 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
                 want = tuple(self.pool.get_cached_block(gi, h) for h in hashes[gi][: n // g.block_size])
                 assert ids == want, f"full group {gi}: hit {ids} but the cached chain is {want}"
 
+    def _chosen(self, plan: list[tuple[int, int]], start: int, end: int) -> list[int]:
+        """The planned Mamba checkpoints a step over ``[start, end)`` writes: strictly inside, at most
+        ``checkpoint_blocks``, junctions (rank 0) before the prompt's end (rank 1), latest first."""
+        inside = sorted((rank, -p) for p, rank in plan if start < p < end)[: self.checkpoint_blocks]
+        return sorted(-q for _, q in inside)
+
+    def _mamba_plan(self, seq: Sequence, hit: CacheHit, hashes: list[list[bytes]], start: int) -> list[tuple[int, int]]:
+        """Checkpoints an admitted sequence plans: junctions (the lookup's, remembered ones) and the
+        prompt's last aligned boundary, in ``(start, prompt end]``."""
+        if not self.cfg.caching or not any(g.kind == "mamba_align" for g in self.groups):
+            return []
+        end = (seq.num_prompt_tokens - 1) // self.align * self.align
+        if end <= start:
+            return []
+        ranks = {end: 1}
+        if self.anchor is not None and self.cfg.retention == "window":
+            bs = self.groups[self.anchor].block_size
+            h = hashes[self.anchor]
+            for i in range(start // bs, min(end // bs, len(h))):
+                if h[i] in self.junctions and (i + 1) * bs % self.align == 0:
+                    ranks[(i + 1) * bs] = 0
+        if start < hit.full_hit_tokens <= end:
+            ranks[hit.full_hit_tokens] = 0
+        return sorted(ranks.items())
+
     def _new_count(self, gi: int, length: int, computed: int, total: int, first_alloc: bool, enc: int,
-                   external_end: int = 0) -> int:
+                   external_end: int = 0, known: int = 0, plan: list[tuple[int, int]] = ()) -> int:  # type: ignore[assignment]
         """Fresh blocks group ``gi`` needs to hold ``total`` slots (table of ``length`` entries).
 
         ``external_end`` (> 0 when external tokens are loaded) is where the external tokens end:
-        a Mamba "align" group then needs a state for it as well as one for the step's end.
+        a Mamba "align" group then needs a state for it as well as one for the step's end (at
+        ``known``: lookahead tokens get no state) and one per planned checkpoint the step writes.
         """
         g = self.groups[gi]
         bs = g.block_size
@@ -298,29 +333,28 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         if g.kind == "mamba_none":
             return 1 if length == 0 else 0
         if g.kind == "mamba_align":
-            count = 0
+            out: list[int] = []
             if external_end:
-                count = int(cdiv(external_end, bs) > length)
+                out.append(cdiv(external_end, bs) - 1)
                 length = max(length, cdiv(external_end, bs))
-            return count + int(cdiv(total, bs) > length)
+            out += [p // bs - 1 for p in self._chosen(plan, computed, known) if p // bs > length]
+            end = cdiv(known, bs)
+            if end > length and (not out or out[-1] < end - 1):
+                out.append(end - 1)
+            return len(out)
         return max(0, cdiv(total, bs) - max(length, g.skip_blocks(computed)))
 
     def _whole_blocks(self, gi: int, num_tokens: int) -> int:
-        g = self.groups[gi]
-        if g.kind == "cross":
-            return 0
-        if g.kind == "mamba_none":
-            return 1
-        if g.kind == "mamba_align":
-            return self.bounds[gi]
-        return min(cdiv(num_tokens, g.block_size), self.bounds[gi])
+        """The admission bound: the spec's own per-request peak, as pool sizing counts it."""
+        return self.groups[gi].spec().blocks_for_tokens(num_tokens, self.mnbt, self.mml)
 
-    def _length(self, gi: int, length: int, total: int, actual: int) -> int:
-        """Table length once ``total`` slots are allocated (cross / no-cache Mamba: checked by shape)."""
+    def _length(self, gi: int, length: int, total: int, actual: int, known: int) -> int:
+        """Table length once ``total`` slots (``known`` tokens) are allocated (cross / no-cache Mamba:
+        checked by shape; a Mamba state holds no lookahead slots)."""
         g = self.groups[gi]
         if g.kind in ("cross", "mamba_none"):
             return actual
-        return max(length, cdiv(total, g.block_size))
+        return max(length, cdiv(known if g.kind == "mamba_align" else total, g.block_size))
 
     def _check_table(self, gi: int, table: tuple[int, ...], computed: int, length: int, enc: int) -> None:
         """Shape of group ``gi``'s table once ``computed`` tokens are in and ``length`` entries exist."""
@@ -347,7 +381,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             )
 
     def _record_contents(self, seq: Sequence, tables: tuple[tuple[int, ...], ...], result: tuple[list[int], ...],
-                         known: int, external_end: int) -> None:
+                         known: int, external_end: int, checkpoints: list[int] = ()) -> None:  # type: ignore[assignment]
         """What the step wrote: KV of the first ``known`` tokens, Mamba states at the phase ends."""
         for b in (b for got in result for b in got):
             self.contents.pop(b, None)  # reused: its old content is gone
@@ -362,7 +396,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
                         self.contents[b] = hashes[gi][i] if (i + 1) * bs <= known else None
             elif g.kind == "mamba_align":
                 # A state is the checkpoint of a boundary only if it is the state after exactly it.
-                for end in ((external_end, known) if external_end else (known,)):
+                for end in ([external_end] if external_end else []) + list(checkpoints) + [known]:
                     self.contents[table[cdiv(end, bs) - 1]] = hashes[gi][end // bs - 1] if end % bs == 0 else None
             else:
                 self.contents.update((b, None) for b in table if b != NULL)
@@ -419,13 +453,14 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         enc = seq.num_encoder_tokens
 
         # The model: what adoption keeps, what the step needs, what it may cost.
+        plan = self._mamba_plan(seq, hit, hashes, computed)
         adopted: list[tuple[int, ...]] = []
         for g, ids in zip(self.groups, hit.block_ids):
             skip = min(g.skip_blocks(computed), len(ids))
             adopted.append((NULL,) * skip + tuple(ids[skip:]))
         ref_before = before[0]
-        counts = [self._new_count(gi, len(adopted[gi]), computed, total, True, enc, computed if ext else 0)
-                  for gi in range(len(self.groups))]
+        counts = [self._new_count(gi, len(adopted[gi]), computed, total, True, enc, computed if ext else 0,
+                                  n_hit + ext + new, plan) for gi in range(len(self.groups))]
         need = 0
         for gi, ids in enumerate(adopted):
             step = counts[gi]
@@ -436,15 +471,22 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         free_hits = {b for ids in adopted for b in ids if b != NULL and ref_before[b] == 0}
         tables_before = self._tables()
         free_before = mgr.num_free_blocks
+        # Kept blocks whose anchor is held are reserved (not admissible); adopting a free hit costs
+        # one admissible block, unless it is reserved already, and a free anchor that becomes held
+        # turns its kept blocks that are not among the hits into reserved ones.
+        kept_before, by_anchor = dict(before[7]), {a: set(w) for a, w in before[8]}
+        reserved = sum(1 for a in kept_before.values() if ref_before[a] > 0)
+        assert mgr.num_admissible_blocks == free_before - reserved, "admissible blocks"
+        cost = sum(1 for b in free_hits if kept_before.get(b) is None or ref_before[kept_before[b]] == 0)
+        cost += sum(1 for b in free_hits for w in by_anchor.get(b, ()) if w not in free_hits)
 
         result = mgr.allocate(seq, new, hit=hit, num_external_tokens=ext, whole_sequence_must_fit=whole)
 
-        if self.cfg.retention == "none":  # no reserved blocks: admission is decided by the free count
-            fits = need + len(free_hits) <= free_before
-            assert (result is not None) == fits, (
-                f"allocate returned {result} with {need} blocks needed + {len(free_hits)} free hit "
-                f"blocks and {free_before} free"
-            )
+        fits = need + cost <= free_before - reserved
+        assert (result is not None) == fits, (
+            f"allocate returned {result} with {need} blocks needed + {cost} for the hit, "
+            f"{free_before} free of which {reserved} reserved"
+        )
         assert self._tables() == tables_before, "admission changed a running sequence's blocks"
         if result is None:
             self.expected_stats["allocation_failures"] += 1
@@ -452,6 +494,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             with pytest.raises(UnknownSequenceError):
                 mgr.block_table(sid)
             assert mgr.lookup(seq) == hit, "a failed admission changed the hit"
+            for g in mgr.groups:  # nothing noted for a sequence that holds no blocks
+                assert sid not in getattr(g, "plans", {}) and sid not in getattr(g, "encoder_tokens", {})
             self.waiting[sid] = seq
             self._check_stats()
             return
@@ -461,7 +505,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert len(result) == len(self.groups)
         for gi, (table, ids, got) in enumerate(zip(tables, adopted, result)):
             assert table[: len(ids)] == ids, f"group {gi}: table {table} does not start with the hit {ids}"
-            self._check_table(gi, table, computed, self._length(gi, len(ids), total, len(table)), enc)
+            length = self._length(gi, len(ids), total, len(table), n_hit + ext + new)
+            self._check_table(gi, table, computed, length, enc)
             fresh = [b for b in table[len(ids):] if b != NULL]
             assert got == fresh, f"group {gi}: allocate returned {got}, the table gained {fresh}"
             assert len(got) == counts[gi], f"group {gi}: {len(got)} new blocks, expected {counts[gi]}"
@@ -471,7 +516,13 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             assert ref_before[b] == 0, f"block {b} was held (ref {ref_before[b]}) when allocated"
             assert self.pool.ref_cnt[b] == 1
         assert mgr.num_free_blocks == free_before - len(new_blocks) - len(free_hits), "free-block accounting"
-        self._record_contents(seq, tables, result, total, computed if ext else 0)
+        self._record_contents(seq, tables, result, n_hit + ext + new, computed if ext else 0,
+                              self._chosen(plan, computed, n_hit + ext + new))
+        self.plans[sid] = [(p, r) for p, r in plan if p > n_hit + ext + new]
+        if (self.cfg.retention == "window" and self.anchor is not None
+                and 0 < hit.full_hit_tokens < hit.max_hit_tokens):
+            a = self.groups[self.anchor]
+            self.junctions.add(hashes[self.anchor][hit.full_hit_tokens // a.block_size - 1])
         seq.num_computed_tokens = total
         for key, value in (("admissions", 1), ("queried_tokens", seq.num_tokens), ("hit_tokens", n_hit),
                            ("external_tokens", ext)):
@@ -499,7 +550,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             dropped.update(b for b in table[:skip] if b != NULL)
             after_drop.append((NULL,) * skip + table[skip:])
         freed = sum(1 for b in dropped if ref_before[b] == 1)
-        counts = [self._new_count(gi, len(own[gi]), computed, total, False, seq.num_encoder_tokens)
+        plan = self.plans.get(sid, [])
+        counts = [self._new_count(gi, len(own[gi]), computed, total, False, seq.num_encoder_tokens, 0, known, plan)
                   for gi in range(len(self.groups))]
         need = sum(counts)
 
@@ -523,7 +575,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             return
         assert need <= free_before + freed
         for gi, (table, kept, got) in enumerate(zip(tables, after_drop, result)):
-            length = self._length(gi, len(kept), total, len(table))
+            length = self._length(gi, len(kept), total, len(table), known)
             self._check_table(gi, table, computed, length, seq.num_encoder_tokens)
             fresh = [b for b in table[len(kept):] if b != NULL]
             assert got == fresh, f"group {gi}: allocate returned {got}, the table gained {fresh}"
@@ -533,7 +585,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         for b in new_blocks:
             assert ref_before[b] == 0 or (b in dropped and ref_before[b] == 1), f"block {b} was held when allocated"
         assert mgr.num_free_blocks == free_before + freed - len(new_blocks), "free-block accounting"
-        self._record_contents(seq, tables, result, known, 0)
+        self._record_contents(seq, tables, result, known, 0, self._chosen(plan, computed, known))
+        self.plans[sid] = [(p, r) for p, r in plan if p > known]
         seq.num_computed_tokens = known
         self._check_stats()
 
@@ -544,7 +597,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
 
     def _lookahead(self, data: st.DataObject, seq: Sequence, n: int) -> int:
         room = min(self.mnbt - n, self.mml - seq.num_computed_tokens - n, 3)
-        if room <= 0 or any(g.kind == "mamba_align" for g in self.groups):
+        if room <= 0:
             return 0
         return data.draw(st.integers(0, room), label="lookahead")
 
@@ -572,6 +625,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         mgr = self.mgr
         assert mgr is not None
         seq = self.running.pop(sid)
+        self.plans.pop(sid, None)
         ref_before = list(self.pool.ref_cnt)
         own = mgr.block_table(sid)
         others = self._tables()
@@ -608,6 +662,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         done = mgr.reset_prefix_cache()
         assert done == (not self.running), f"reset_prefix_cache returned {done} with {len(self.running)} running"
         if done:
+            self.junctions.clear()
             assert self.pool.num_cached_blocks == 0
             assert mgr.num_free_blocks == self.cfg.num_blocks - 1
         else:
@@ -666,16 +721,16 @@ HASHES = tuple(bytes([i]) * 4 for i in range(6))  # few hashes: several blocks s
 
 
 class BlockPoolMachine(RuleBasedStateMachine):
-    """``BlockPool`` against a full model of its tiers, ref counts, hash index and events.
+    """``BlockPool`` against a full model of its tiers, ref counts, hash index and events, with
+    window retention's kept tier (``KeptBlocks``) as its last free tier.
 
-    As in the manager, anchors are cached blocks of group 0 and only group-1 (window) blocks are
-    retained.
+    As in the manager, anchors are cached blocks of group 0 and only group-1 (window) blocks are kept.
     """
 
     @initialize(num_blocks=st.integers(2, 16))
     def build(self, num_blocks: int) -> None:
         self.n = num_blocks
-        self.pool = BlockPool(num_blocks, 2, enable_events=True)
+        self.pool = BlockPool(num_blocks, 2, enable_events=True, kept_tier=KeptBlocks)
         self.ref = [0] * num_blocks
         self.hash: list[bytes | None] = [None] * num_blocks
         self.group = [0] * num_blocks
@@ -683,7 +738,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.next_fresh = 1
         self.low: OrderedDict[int, None] = OrderedDict()
         self.lru: OrderedDict[int, None] = OrderedDict()
-        self.retained: OrderedDict[int, int] = OrderedDict()  # window -> anchor
+        self.kept: OrderedDict[int, int] = OrderedDict()  # window -> anchor
         self.index: dict[tuple[int, bytes], list[int]] = {}
         self.events: list[Any] = []
 
@@ -695,7 +750,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         return self.n - 1 - len(self.held())
 
     def num_reserved(self) -> int:
-        return sum(1 for a in self.retained.values() if self.ref[a] > 0)
+        return sum(1 for a in self.kept.values() if self.ref[a] > 0)
 
     def anchors(self) -> list[int]:
         return [b for b in range(1, self.n) if self.hash[b] is not None and self.group[b] == ANCHOR_GROUP]
@@ -710,8 +765,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
             del self.index[key]
         self.hash[b] = None
         self.events.append(BlockRemoved(self.group[b], (h,)))
-        for w in [w for w, a in self.retained.items() if a == b]:
-            del self.retained[w]
+        for w in [w for w, a in self.kept.items() if a == b]:
+            del self.kept[w]
             self.low[w] = None
 
     def _release(self, b: int, cached_tier: str, anchor: int = NULL) -> None:
@@ -722,8 +777,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.uncached.append(b)
         elif cached_tier == "low":
             self.low[b] = None
-        elif cached_tier == "retained":
-            self.retained[b] = anchor
+        elif cached_tier == "kept" and self._admits(b, anchor):
+            self.kept[b] = anchor
         else:
             self.lru[b] = None
 
@@ -748,9 +803,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 b = self.lru.popitem(last=False)[0]
                 self._evict(b)
             else:
-                assert allow_reserved and self.retained, "the model ran out of blocks"
-                b = next(iter(self.retained))
-                del self.retained[b]
+                assert allow_reserved and self.kept, "the model ran out of blocks"
+                b = next(iter(self.kept))
+                del self.kept[b]
                 self._evict(b)
             self.ref[b] = 1
             expected.append(b)
@@ -758,8 +813,17 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert got == expected, f"allocate({k}, allow_reserved={allow_reserved}) gave {got}, expected {expected}"
 
     def windows(self) -> list[int]:
-        """Held blocks that may be retained: never anchors (as in the manager, only group 1 is retained)."""
+        """Held blocks that may be kept: never anchors (as in the manager, only group 1 is kept)."""
         return [b for b in self.held() if self.hash[b] is None or self.group[b] == WINDOW_GROUP]
+
+    def _admits(self, b: int, anchor: int) -> bool:
+        """Retention is one level deep: an anchor is never kept, a kept block anchors nothing."""
+        return anchor not in self.kept and b not in self.kept and b not in self.kept.values()
+
+    def _admit(self, anchor: int) -> Any:
+        kept = self.pool.kept
+        assert isinstance(kept, KeptBlocks)
+        return lambda b: kept.admits(b, anchor)
 
     def free(self, data: st.DataObject) -> None:
         blocks = data.draw(st.lists(st.sampled_from(self.held()), min_size=1, max_size=4, unique=True))
@@ -773,35 +837,34 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self._release(b, "low")
         self.pool.free_low(blocks)
 
-    def free_retained(self, data: st.DataObject) -> None:
+    def free_kept(self, data: st.DataObject) -> None:
+        anchors = [a for a in self.anchors() if a not in self.kept]
+        if not anchors:
+            return
         candidates = self.windows()
         blocks = data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=4, unique=True))
-        anchor = data.draw(st.sampled_from([NULL, *self.anchors(), *candidates]), label="anchor")
-        if anchor in blocks or (anchor != NULL and self.hash[anchor] is not None
-                                and self.group[anchor] != ANCHOR_GROUP):
-            anchor = NULL  # anchors are group-0 blocks, never among the windows
-        retain = anchor != NULL and self.hash[anchor] is not None
+        anchor = data.draw(st.sampled_from(anchors), label="anchor")
         for b in blocks:
-            self._release(b, "retained" if retain else "lru", anchor)
-        self.pool.free_retained(blocks, anchor)
+            self._release(b, "kept", anchor)
+        self.pool.free_kept(blocks, self._admit(anchor))
 
-    def retain_free(self, data: st.DataObject) -> None:
+    def keep_free(self, data: st.DataObject) -> None:
         free_windows = [b for b in [*self.low, *self.lru] if self.group[b] == WINDOW_GROUP]
         anchors = self.anchors()
         if not free_windows or not anchors:
             return
-        # Blocks that are not in the low or lru tier (held, retained) must be left alone.
-        blocks = data.draw(st.lists(st.sampled_from([*free_windows, *self.retained, *self.held()]),
+        # Blocks that are not in the low or lru tier (held, kept) must be left alone.
+        blocks = data.draw(st.lists(st.sampled_from([*free_windows, *self.kept, *self.held()]),
                                     min_size=1, max_size=4, unique=True))
         anchor = data.draw(st.sampled_from(anchors), label="anchor")
         moved = 0
         for b in blocks:
-            if b in self.low or b in self.lru:
+            if (b in self.low or b in self.lru) and self._admits(b, anchor):
                 self.low.pop(b, None)
                 self.lru.pop(b, None)
-                self.retained[b] = anchor
+                self.kept[b] = anchor
                 moved += 1
-        assert self.pool.retain_free(blocks, anchor) == moved
+        assert self.pool.keep_free(blocks, self._admit(anchor)) == moved
 
     def touch(self, data: st.DataObject) -> None:
         # Blocks of both groups (an anchor with its windows) and a block listed twice are allowed.
@@ -811,7 +874,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             if self.ref[b] == 0:
                 self.low.pop(b, None)
                 self.lru.pop(b, None)
-                self.retained.pop(b, None)
+                self.kept.pop(b, None)
             self.ref[b] += 1
         self.pool.touch(blocks)
 
@@ -830,7 +893,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self, data: st.DataObject) -> None:
         ok = not self.held()
         if ok:
-            for tier in (self.low, self.lru, self.retained):
+            self.uncached.extend(self.kept)  # the kept tier empties first, then low and lru
+            self.kept.clear()
+            for tier in (self.low, self.lru):
                 self.uncached.extend(tier)
                 tier.clear()
             self.index.clear()
@@ -845,9 +910,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if self.held():
             actions += ["free", "free", "free_low"]
         if self.windows():
-            actions += ["free_retained"] * 2
+            actions += ["free_kept"] * 2
         if self.low or self.lru:
-            actions += ["retain_free"]
+            actions += ["keep_free"]
         if any(h is not None for h in self.hash):
             actions += ["touch"] * 2
         if any(self.ref[b] > 0 and self.hash[b] is None for b in range(1, self.n)):
@@ -862,7 +927,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert pool.ref_cnt == self.ref
         assert pool.num_free_blocks == self.n - 1 - len(self.held())
         assert pool.num_admissible_blocks == pool.num_free_blocks - self.num_reserved()
-        assert pool.num_retained_blocks == len(self.retained)
+        assert pool.num_kept_blocks == len(self.kept)
         assert pool.block_hash == self.hash, "a cached block lost its hash before being reused"
         for (group, h), ids in self.index.items():
             assert pool.get_cached_block(group, h) in ids, f"hash {h!r} of group {group} not found"
@@ -929,12 +994,18 @@ def _two_groups(num_blocks: int, second: KVCacheSpec) -> KVCacheLayout:
     return KVCacheLayout(num_blocks=num_blocks, groups=(KVCacheGroup(FULL16, ("full",)), KVCacheGroup(second, ("x",))))
 
 
+def _keep(pool: BlockPool, blocks: list[int], anchor: int) -> None:
+    kept = pool.kept
+    assert isinstance(kept, KeptBlocks)
+    pool.free_kept(blocks, lambda b: kept.admits(b, anchor))
+
+
 def test_free_low_of_an_anchor_releases_its_reservation() -> None:
-    pool = BlockPool(4, 2)
+    pool = BlockPool(4, 2, kept_tier=KeptBlocks)
     anchor, window = pool.allocate(2, allow_reserved=False)
     pool.cache_blocks(0, [anchor], [b"anchor"])
     pool.cache_blocks(1, [window], [b"window"])
-    pool.free_retained([window], anchor)  # retained under a held anchor: reserved
+    _keep(pool, [window], anchor)  # kept under a held anchor: reserved
     assert pool.num_admissible_blocks == pool.num_free_blocks - 1
     pool.free_low([anchor])  # nothing is held any more: nothing is reserved
     assert pool.num_admissible_blocks == pool.num_free_blocks == 3
@@ -977,12 +1048,12 @@ def test_mamba_align_checkpoints_only_where_a_step_ended() -> None:
 
 
 def test_touch_of_an_anchor_and_its_window_at_once() -> None:
-    pool = BlockPool(4, 2)
+    pool = BlockPool(4, 2, kept_tier=KeptBlocks)
     anchor, window = pool.allocate(2, allow_reserved=False)
     pool.cache_blocks(0, [anchor], [b"anchor"])
     pool.cache_blocks(1, [window], [b"window"])
     pool.free([anchor])
-    pool.free_retained([window], anchor)  # retained under a free anchor: not reserved
+    _keep(pool, [window], anchor)  # kept under a free anchor: not reserved
     pool.touch([anchor, window])  # both held again: nothing retained, nothing reserved
     assert pool.num_admissible_blocks == pool.num_free_blocks == 1
     pool.check_invariants()
@@ -1009,17 +1080,14 @@ def test_free_drops_one_reference_per_listed_block() -> None:
 
 
 def test_admissible_blocks_stay_reachable_when_an_anchor_is_retained() -> None:
-    pool = BlockPool(5, 2)
+    pool = BlockPool(5, 2, kept_tier=KeptBlocks)
     a, b, w = pool.allocate(3, allow_reserved=False)
     pool.cache_blocks(0, [a], [b"a"])
     pool.cache_blocks(1, [b, w], [b"b", b"w"])
-    pool.free_retained([w], a)  # w retained under a
-    try:
-        pool.free_retained([a], b)  # a (a block of another group than b) retained under b
-    except InvalidInputError:
-        return  # refusing to retain an anchor is a fix too
+    _keep(pool, [w], a)  # w kept under a
+    _keep(pool, [a], b)  # a anchors w: it is never kept itself (it joins the LRU)
     pool.check_invariants()
-    admissible = pool.num_admissible_blocks  # a is not retained (one level deep): a, w and block 4
+    admissible = pool.num_admissible_blocks  # a is not kept (one level deep): a, w and block 4
     assert admissible == 3
     assert len(pool.allocate(admissible, allow_reserved=False)) == admissible  # every one is reachable
     pool.check_invariants()

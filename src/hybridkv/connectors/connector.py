@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from bisect import bisect_left
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -41,7 +40,6 @@ from hybridkv.connectors.frame import (
     tier_key,
 )
 from hybridkv.core.block_pool import NULL_BLOCK
-from hybridkv.core.kinds import KindManager
 from hybridkv.core.manager import KVCacheManager
 from hybridkv.core.sequence import Sequence
 from hybridkv.errors import InvalidInputError
@@ -110,7 +108,7 @@ class KVConnector:
             raise InvalidInputError("namespace must name the model (e.g. 'gemma-3-270m/bf16')")
         if batch_blocks <= 0:
             raise InvalidInputError(f"batch_blocks must be positive, got {batch_blocks!r}")
-        hasher = manager.coordinator.hasher
+        hasher = manager.hasher
         shared = [t.name for t in tiers if t.shared]
         if shared and not hasher.cryptographic:
             raise InvalidInputError(
@@ -126,37 +124,22 @@ class KVConnector:
         self.auth_key = auth_key
         self.batch_blocks = batch_blocks
         self.stats = ConnectorStats()
-        self._align = manager.coordinator.alignment
-        self._groups = [g for g in manager.groups if g.caching]
-        # A group that constrains hits but keeps no cache (Mamba without checkpoints, caching off)
-        # can never resume from an external prefix.
-        self._possible = bool(self._groups) and all(g.caching for g in manager.groups if g.constrains_hits)
+        self._align = manager.hit_alignment
+        self._groups = manager.caching_groups
+        self._block_size = {g: manager.group_block_size(g) for g in self._groups}
+        # A group that bounds hits but keeps no cache (Mamba without checkpoints, caching off) can
+        # never resume from an external prefix.
+        self._possible = manager.hits_possible
 
     # ------------------------------------------------------------------ keys and windows
-    def keys(self, seq: Sequence, group: KindManager) -> list[bytes]:
-        """Tier keys of every full block of ``seq`` in ``group``."""
-        hashes = self.manager.coordinator.hashes(seq, group)
-        return [tier_key(self.namespace_id, group.group, h) for h in hashes]
+    def keys(self, seq: Sequence, group: int) -> list[bytes]:
+        """Tier keys of every full block of ``seq`` in ``group`` (an index into the layout's groups)."""
+        return [tier_key(self.namespace_id, group, h) for h in self.manager.block_hashes(seq, group)]
 
-    @staticmethod
-    def _needed(g: KindManager, start: int, end: int) -> range:
-        """Table indices group ``g`` must get from a tier to resume at ``end`` after a hit of ``start``."""
-        return range(max(start, g.skipped_tokens(end)) // g.block_size, end // g.block_size)
-
-    def _longest(self, start: int, end: int, missing: dict[int, list[int]]) -> int:
-        """Largest aligned ``P`` in ``[start, end]`` with no missing index in any group's needs."""
-        for p in range(end, start, -self._align):
-            ok = True
-            for g in self._groups:
-                miss = missing.get(g.group, [])
-                need = self._needed(g, start, p)
-                i = bisect_left(miss, need.start)
-                if i < len(miss) and miss[i] < need.stop:
-                    ok = False
-                    break
-            if ok:
-                return p
-        return start
+    def _needed(self, group: int, start: int, end: int) -> range:
+        """Table indices ``group`` must get from a tier to resume at ``end`` after a local hit of ``start``."""
+        span = self.manager.hit_span(group, end)
+        return range(max(span.start, start // self._block_size[group]), span.stop)
 
     def _check_range(self, seq: Sequence, start: int, num_tokens: int) -> int:
         if not isinstance(seq, Sequence):
@@ -175,7 +158,8 @@ class KVConnector:
     def num_external_tokens(self, seq: Sequence, local_hit_tokens: int, max_tokens: int | None = None) -> int:
         """Tokens past ``local_hit_tokens`` the tiers can supply for every group (aligned, capped).
 
-        Never covers the last token nor more than ``max_tokens``; checks existence only.
+        Never covers the last token nor more than ``max_tokens``; checks existence only. The hit is
+        the manager's own rule (``KVCacheManager.external_hit``) over what the tiers hold.
         """
         self._check_range(seq, local_hit_tokens, 0)
         self.stats.lookups += 1
@@ -185,26 +169,28 @@ class KVConnector:
             cap = min(cap, start + max_tokens // self._align * self._align)
         if not self._possible or cap <= start:
             return 0
-        # Downward-closed groups (full attention) first: their first miss bounds everything.
-        closed = {g.group: range(start // g.block_size, cap // g.block_size) for g in self._groups if g.downward_closed}
-        missing = self._missing(seq, closed)
-        end = self._longest(start, cap, missing)
-        rest = [g for g in self._groups if not g.downward_closed]
+        # Growing groups first (full attention): their first miss bounds what the others need.
+        growing = [g for g in self._groups if self.manager.layout.groups[g].spec.grows_with_sequence]
+        wanted = {g: range(start // self._block_size[g], cap // self._block_size[g]) for g in growing}
+        present = self._present(seq, wanted)
+        end = cap
+        for g in growing:  # the chain held from ``start`` on, up to its first miss
+            hashes = self.manager.block_hashes(seq, g)
+            run = next((i for i in wanted[g] if hashes[i] not in present[g]), wanted[g].stop)
+            end = min(end, run * self._block_size[g] // self._align * self._align)
+        rest = [g for g in self._groups if g not in growing]
         if end > start and rest:
-            # Windows at the bound usually suffice; on a miss, look at every block below it.
-            at_end = self._missing(seq, {g.group: self._needed(g, start, end) for g in rest})
-            if any(at_end.values()):
-                wide = {g.group: range(self._needed(g, start, start + self._align).start, end // g.block_size)
-                        for g in rest}
-                missing.update(self._missing(seq, wide))
-                end = self._longest(start, end, missing)
+            present.update(self._present(seq, {g: range(start // self._block_size[g], end // self._block_size[g])
+                                               for g in rest}))
+        end = self.manager.external_hit(seq, present, start=start, limit=end) if end > start else start
         self.stats.external_hit_tokens += end - start
         return end - start
 
-    def _missing(self, seq: Sequence, wanted: dict[int, range]) -> dict[int, list[int]]:
-        """Per group, the sorted table indices in ``wanted`` that no tier holds."""
-        items = [(g, i) for g in self._groups if g.group in wanted for i in wanted[g.group]]
-        keys = self._keys_for(seq, items)
+    def _present(self, seq: Sequence, wanted: dict[int, range]) -> dict[int, set[bytes]]:
+        """Per group, the block hashes among the ``wanted`` table indices that some tier holds."""
+        items = [(g, i) for g, indices in wanted.items() for i in indices]
+        hashes = {g: self.manager.block_hashes(seq, g) for g in wanted}
+        keys = [tier_key(self.namespace_id, g, hashes[g][i]) for g, i in items]
         found = [False] * len(keys)
         pending = list(range(len(keys)))
         for tier in self.tiers:
@@ -216,15 +202,11 @@ class KVConnector:
             for j, ok in zip(pending, answer):
                 found[j] = bool(ok)
             pending = [j for j in pending if not found[j]]
-        out: dict[int, list[int]] = {g: [] for g in wanted}
-        for j in pending:
-            g, i = items[j]
-            out[g.group].append(i)
+        out: dict[int, set[bytes]] = {g: set() for g in wanted}
+        for (g, i), ok in zip(items, found):
+            if ok:
+                out[g].add(hashes[g][i])
         return out
-
-    def _keys_for(self, seq: Sequence, items: list[tuple[KindManager, int]]) -> list[bytes]:
-        hashes = {g.group: self.manager.coordinator.hashes(seq, g) for g, _ in items}
-        return [tier_key(self.namespace_id, g.group, hashes[g.group][i]) for g, i in items]
 
     # ------------------------------------------------------------------ load
     def fetch(self, seq: Sequence, start_token: int, num_tokens: int) -> FetchedKV:
@@ -235,21 +217,23 @@ class KVConnector:
         """
         end = self._check_range(seq, start_token, num_tokens)
         payloads: dict[tuple[int, int], bytes] = {}
+        stop = start_token
         if num_tokens and self._possible:
+            bs = self._block_size
             items = [(g, i) for g in self._groups for i in self._needed(g, start_token, end)]
-            items.sort(key=lambda it: ((it[1] + 1) * it[0].block_size, it[0].group))  # token order
-            keys = self._keys_for(seq, items)
+            items.sort(key=lambda it: ((it[1] + 1) * bs[it[0]], it[0]))  # token order
+            hashes = {g: self.manager.block_hashes(seq, g) for g in self._groups}
+            keys = [tier_key(self.namespace_id, g, hashes[g][i]) for g, i in items]
             for lo in range(0, len(items), self.batch_blocks):
                 got = self._get(keys[lo : lo + self.batch_blocks])
                 for (g, i), payload in zip(items[lo : lo + self.batch_blocks], got):
                     if payload is not None:
-                        payloads[(g.group, i)] = payload
+                        payloads[(g, i)] = payload
                 if None in got:
                     break
-        missing = {g.group: [i for i in range(start_token // g.block_size, end // g.block_size)
-                             if (g.group, i) not in payloads] for g in self._groups}
-        stop = self._longest(start_token, end, missing) if self._possible else start_token
-        keep = {(g.group, i) for g in self._groups for i in self._needed(g, start_token, stop)}
+            present = {g: {hashes[g][i] for gg, i in payloads if gg == g} for g in self._groups}
+            stop = self.manager.external_hit(seq, present, start=start_token, limit=end)
+        keep = {(g, i) for g in self._groups for i in self._needed(g, start_token, stop)}
         payloads = {k: v for k, v in payloads.items() if k in keep}
         self.stats.fetched_tokens += stop - start_token
         return FetchedKV(seq.seq_id, start_token, stop - start_token, payloads)
@@ -324,7 +308,8 @@ class KVConnector:
         engine calls this right after a forward pass, with the range that pass computed). A block
         is offered when the device cache has it registered under the sequence's hash (so
         superseded Mamba states are never stored); a tier that already holds it is skipped.
-        ``read_block(group, block_id)`` returns the payload.
+        ``read_block(group, block_id)`` returns the payload. ``block_tables`` is accepted for
+        compatibility; the blocks are the manager's own for the sequence (it must be running).
         """
         if (not isinstance(num_tokens, int) or not isinstance(start_token, int)
                 or not 0 <= start_token <= num_tokens <= seq.num_tokens):
@@ -332,15 +317,10 @@ class KVConnector:
                 f"sequence {seq.seq_id!r}: need 0 <= start_token ({start_token!r}) <= num_tokens "
                 f"({num_tokens!r}) <= its {seq.num_tokens} tokens"
             )
-        block_hash = self.manager.pool.block_hash
         offers: list[tuple[int, int, bytes]] = []  # (group, block id, key)
         for g in self._groups:
-            table = block_tables[g.group]
-            hashes = self.manager.coordinator.hashes(seq, g)
-            for i in range(start_token // g.block_size, min(num_tokens // g.block_size, len(hashes), len(table))):
-                b = table[i]
-                if b != NULL_BLOCK and block_hash[b] == hashes[i]:
-                    offers.append((g.group, b, tier_key(self.namespace_id, g.group, hashes[i])))
+            for _, b, h in self.manager.registered_blocks(seq, g, start_token, num_tokens):
+                offers.append((g, b, tier_key(self.namespace_id, g, h)))
         stored: set[bytes] = set()
         targets = self.tiers if self.write_through else self.tiers[:1]
         for lo in range(0, len(offers), self.batch_blocks):

@@ -9,38 +9,38 @@ non-empty tier, so the tiers *are* the eviction order:
 
 1. ``uncached`` -- freed blocks without a hash (nothing to lose), last freed first;
 2. ``fresh``    -- never-used blocks ``next_fresh .. num_blocks - 1`` (a counter, no memory);
-3. ``low``      -- cached blocks that can serve no hit (window blocks dropped mid-sequence,
-   windows released with their prefix), oldest first;
+3. ``low``      -- cached blocks that can serve no hit, oldest first;
 4. ``lru``      -- cached blocks, least recently freed first (the reference engine's LRU);
-5. ``retained`` -- window/state blocks a future hit needs (seed 004), each tied to an
-   *anchor*: the full-attention block whose prefix the window completes. Evicting the anchor
-   releases its windows into ``low``. Retained blocks whose anchor is held by a running
-   sequence are *reserved*: an admission cannot take them, a running sequence's growth can
-   (oldest first), so retention never stalls a sequence that is already running.
+5. ``kept``     -- cached blocks a retention policy keeps longest. The tier is an object the
+   policy owns (``KeptTier``, see ``retention.py``): the pool takes from it last, tells it which
+   blocks become held or free, and which cached blocks lose their hash (a kept block may depend on
+   another block's prefix; when that one is evicted the kept block can serve nothing and the tier
+   hands it back, to ``low``). Kept blocks the tier calls *reserved* are not admissible: only a
+   running sequence's growth may take them.
 
 Eviction is lazy: a cached block keeps its hash (and can still be hit) until it is reused.
-Tiers 1, 3, 4 and 5 are O(1) for insert, remove and pop (a list and ordered dicts).
+Every tier is O(1) for insert, remove and pop (a list, a counter and ordered dicts).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from hybridkv.errors import InvalidInputError
 
 NULL_BLOCK = 0
 
 # Tier tags, one byte per block.
-_HELD = 0
-_UNCACHED = 1
-_FRESH = 2
-_LOW = 3
-_LRU = 4
-_RETAINED = 5
-_TIER_NAMES = {_HELD: "held", _UNCACHED: "uncached", _FRESH: "fresh", _LOW: "low", _LRU: "lru",
-               _RETAINED: "retained"}
+HELD = 0
+UNCACHED = 1
+FRESH = 2
+LOW = 3
+LRU = 4
+KEPT = 5
+TIER_NAMES = {HELD: "held", UNCACHED: "uncached", FRESH: "fresh", LOW: "low", LRU: "lru", KEPT: "kept"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,38 @@ class AllBlocksCleared:
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+class KeptTier(Protocol):
+    """The last free tier, owned by a retention policy (``retention.KeptBlocks`` implements it)."""
+
+    num_reserved: int
+    """Kept blocks an admission may not take."""
+
+    def __len__(self) -> int:
+        """Blocks in the tier."""
+        ...
+
+    def take(self, block: int) -> None:
+        """``block`` leaves the tier: a sequence adopts it."""
+        ...
+
+    def pop(self, allow_reserved: bool) -> int | None:
+        """The next block to evict (it leaves the tier), or None when only reserved ones are left
+        and ``allow_reserved`` is false."""
+        ...
+
+    def on_evicted(self, block: int) -> list[int]:
+        """``block`` lost its hash: the kept blocks that depended on it leave the tier (returned)."""
+        ...
+
+    def on_held(self, blocks: list[int]) -> None:
+        """``blocks`` went from free to held."""
+        ...
+
+    def on_freed(self, blocks: list[int]) -> None:
+        """``blocks`` went from held to free."""
+        ...
+
+
 # Hot loops below are plain ``for`` loops and comprehensions over lists of ints: on CPython 3.11+
 # they run specialised list bytecodes and beat ``map``/``compress`` chains of slot wrappers.
 
@@ -82,16 +114,14 @@ class BlockPool:
         "enable_events",
         "ref_cnt",
         "block_hash",
-        "_block_group",
+        "block_group",
         "_tier",
         "index",
         "_uncached",
         "_next_fresh",
         "_low",
         "_lru",
-        "_retained",
-        "_anchored",
-        "_num_reserved",
+        "kept",
         "_events",
         "evictions",
         "_dups",
@@ -104,7 +134,10 @@ class BlockPool:
         *,
         enable_caching: bool = True,
         enable_events: bool = False,
+        kept_tier: Callable[[list[int]], KeptTier] | None = None,
     ) -> None:
+        """``kept_tier``, when given, builds the last free tier from the pool's reference counts
+        (``retention.KeptBlocks``; a retention policy that keeps no blocks passes None)."""
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise InvalidInputError(
                 f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}"
@@ -117,9 +150,10 @@ class BlockPool:
         self.enable_events = enable_events
         self.ref_cnt: list[int] = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
-        self._block_group = bytearray(num_blocks)
-        self._tier = bytearray([_FRESH]) * num_blocks
-        self._tier[NULL_BLOCK] = _HELD
+        self.block_group = bytearray(num_blocks)
+        """The group a cached block is indexed under (meaningless while it has no hash)."""
+        self._tier = bytearray([FRESH]) * num_blocks
+        self._tier[NULL_BLOCK] = HELD
         # Per group: hash -> the block that serves it; further blocks with the same hash (two
         # sequences computed one prefix at once) wait in `_dups` and take over on eviction.
         self.index: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
@@ -128,9 +162,7 @@ class BlockPool:
         self._next_fresh = 1
         self._low: OrderedDict[int, None] = OrderedDict()
         self._lru: OrderedDict[int, None] = OrderedDict()
-        self._retained: OrderedDict[int, int] = OrderedDict()  # window block -> anchor block
-        self._anchored: dict[int, dict[int, None]] = {}  # anchor block -> its retained windows
-        self._num_reserved = 0  # retained blocks whose anchor has ref_cnt > 0
+        self.kept = kept_tier(self.ref_cnt) if kept_tier is not None else None
         self._events: list[KVCacheEvent] = []
         self.evictions = 0  # hashes dropped so far: a hit looked up at the same count is still valid
 
@@ -138,23 +170,19 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks a running sequence's allocation could take now (every free tier)."""
-        return (
-            len(self._uncached)
-            + (self.num_blocks - self._next_fresh)
-            + len(self._low)
-            + len(self._lru)
-            + len(self._retained)
-        )
+        free = len(self._uncached) + (self.num_blocks - self._next_fresh) + len(self._low) + len(self._lru)
+        return free + len(self.kept) if self.kept is not None else free
 
     @property
     def num_admissible_blocks(self) -> int:
-        """Blocks a new sequence's allocation could take now (reserved windows excluded)."""
-        return self.num_free_blocks - self._num_reserved
+        """Blocks a new sequence's allocation could take now (reserved kept blocks excluded)."""
+        free = self.num_free_blocks
+        return free - self.kept.num_reserved if self.kept is not None else free
 
     @property
-    def num_retained_blocks(self) -> int:
-        """Blocks kept in the retained tier."""
-        return len(self._retained)
+    def num_kept_blocks(self) -> int:
+        """Blocks in the kept tier (a retention policy's)."""
+        return len(self.kept) if self.kept is not None else 0
 
     @property
     def num_cached_blocks(self) -> int:
@@ -166,86 +194,51 @@ class BlockPool:
         """Fraction of usable blocks held by sequences."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
+    def tier_of(self, block: int) -> str:
+        """The name of the tier ``block`` sits in (``held`` when referenced)."""
+        return TIER_NAMES[self._tier[block]]
+
     # ------------------------------------------------------------------ lookup
     def get_cached_block(self, group: int, block_hash: bytes) -> int | None:
         """A block of ``group`` holding ``block_hash``, or None."""
         return self.index[group].get(block_hash)
 
-    # ------------------------------------------------------------------ allocate
+    # ------------------------------------------------------------------ take references
     def unreferenced(self, block_ids: list[int]) -> list[int]:
         """The blocks of ``block_ids`` (null entries skipped) that no sequence references."""
         ref = self.ref_cnt
         return [b for b in block_ids if not ref[b] and b != NULL_BLOCK]
 
-    def admission_cost(self, hit_blocks: Iterable[int], free: list[int] | None = None) -> int:
-        """Admissible free blocks that adopting ``hit_blocks`` (a touch) would consume.
-
-        A free hit block leaves its tier; a free anchor that becomes held turns its retained
-        windows (those not among the hits) into reserved blocks. ``free`` may pass
-        ``unreferenced(hit_blocks)`` when the caller has it already.
-        """
-        ref = self.ref_cnt
-        if free is None:
-            free = self.unreferenced(list(hit_blocks))
-        if not self._retained or not free:
-            return len(free)
-        hits = set(free)
-        cost = 0
-        for b in hits:
-            anchor = self._retained.get(b)
-            if anchor is None or ref[anchor] == 0:
-                cost += 1
-            windows = self._anchored.get(b)
-            if windows:
-                cost += sum(1 for w in windows if w not in hits)
-        return cost
-
-    def touch(self, block_ids: Iterable[int], free: list[int] | None = None) -> None:
+    def touch(self, block_ids: list[int], free: list[int] | None = None) -> None:
         """Take one more reference on each (cached) block, removing free ones from their tier.
 
         ``free`` may pass ``unreferenced(block_ids)`` when the caller has it already.
         """
         ref = self.ref_cnt
-        blocks = block_ids if isinstance(block_ids, list) else list(block_ids)
-        tier = self._tier
         if free is None:
-            free = self.unreferenced(blocks)
-        if self._anchored:
-            # Free blocks leave their tier one by one, each counted at once so that an anchor and
-            # its window touched together keep the reservation count right.
+            free = self.unreferenced(block_ids)
+        if free:
+            tier = self._tier
             taken: list[int] = []
             for b in free:
-                if tier[b] != _HELD:  # skips a block listed twice
-                    self._take_free(b)
-                    ref[b] += 1
-                    taken.append(b)
-                    windows = self._anchored.get(b)
-                    if windows:
-                        self._num_reserved += len(windows)
-            for b in blocks:
-                ref[b] += 1
-            for b in taken:  # counted twice above
-                ref[b] -= 1
-        else:  # no retained windows: no reservations to keep
-            for b in free:
-                if tier[b] != _HELD:
-                    self._take_free(b)
-            for b in blocks:
-                ref[b] += 1
+                t = tier[b]
+                if t == LRU:
+                    del self._lru[b]
+                elif t == LOW:
+                    del self._low[b]
+                elif t == KEPT:
+                    self.kept.take(b)  # type: ignore[union-attr]
+                elif t == HELD:  # listed twice
+                    continue
+                else:
+                    raise AssertionError(f"touch of block {b} in tier {TIER_NAMES[t]}: not cached")
+                tier[b] = HELD
+                taken.append(b)
+            if self.kept is not None:
+                self.kept.on_held(taken)
+        for b in block_ids:
+            ref[b] += 1
         ref[NULL_BLOCK] = 0  # null entries were counted above; the null block has no count
-
-    def _take_free(self, b: int) -> None:
-        """Take the free cached block ``b`` out of its tier (it becomes held)."""
-        t = self._tier[b]
-        if t == _LRU:
-            del self._lru[b]
-        elif t == _LOW:
-            del self._low[b]
-        elif t == _RETAINED:
-            self._unretain(b)
-        else:
-            raise AssertionError(f"touch of block {b} in tier {_TIER_NAMES[t]}: not cached")
-        self._tier[b] = _HELD
 
     def allocate(self, num_blocks: int, *, allow_reserved: bool) -> list[int]:
         """Take ``num_blocks`` free blocks (reference count 1 each), evicting cached ones lazily.
@@ -269,41 +262,27 @@ class BlockPool:
         tier = self._tier
         for b in out:
             ref[b] = 1
-            tier[b] = _HELD
+            tier[b] = HELD
         return out
 
     def _evict_into(self, out: list[int], num_blocks: int, allow_reserved: bool) -> None:
-        """Fill ``out`` up to ``num_blocks`` from the cached tiers (``low``, ``lru``, then ``retained``)."""
+        """Fill ``out`` up to ``num_blocks`` from the cached tiers (``low``, ``lru``, then ``kept``)."""
         low, lru = self._low, self._lru
-        if not self._anchored:
-            # No retained windows: an eviction releases none into ``low``, so each tier is drained
-            # in turn, the common case of ``_evict`` inline.
-            hashes, groups, index = self.block_hash, self._block_group, self.index
-            for od in (low, lru):
-                while od and len(out) < num_blocks:
-                    b = od.popitem(last=False)[0]
-                    group, h = groups[b], hashes[b]
-                    if h in self._dups[group] or self.enable_events:
-                        self._evict(b)
-                    else:  # the only block holding h
-                        del index[group][h]  # type: ignore[arg-type]
-                        hashes[b] = None
-                        self.evictions += 1
-                    out.append(b)
+        kept = self.kept
         while len(out) < num_blocks:
             if low:
                 b = low.popitem(last=False)[0]
             elif lru:
                 b = lru.popitem(last=False)[0]
-            elif self._retained and allow_reserved:
-                b = next(iter(self._retained))
-                self._unretain(b)
             else:
-                self._give_back(out)
-                raise AssertionError(
-                    f"allocate({num_blocks}) ran out of blocks after {len(out)}: the caller must "
-                    f"check num_free_blocks first"
-                )
+                got = kept.pop(allow_reserved) if kept is not None and len(kept) else None
+                if got is None:
+                    self._give_back(out)
+                    raise AssertionError(
+                        f"allocate({num_blocks}) ran out of blocks after {len(out)}: the caller must "
+                        f"check num_free_blocks first"
+                    )
+                b = got
             self._evict(b)
             out.append(b)
 
@@ -311,15 +290,15 @@ class BlockPool:
         """Undo a partial ``allocate``: the taken blocks become free and uncached."""
         for b in blocks:
             self.ref_cnt[b] = 0
-            self._tier[b] = _UNCACHED
+            self._tier[b] = UNCACHED
             self._uncached.append(b)
 
     def _evict(self, b: int) -> None:
-        """Drop ``b``'s hash from the cache (it is being reused) and release its windows."""
+        """Drop ``b``'s hash from the cache (it is reused or proved stale); blocks kept on it go to ``low``."""
         h = self.block_hash[b]
         if h is None:
             return
-        group = self._block_group[b]
+        group = self.block_group[b]
         idx = self.index[group]
         dups = self._dups[group]
         if not dups:  # the common case: no duplicates in the group, so ``b`` serves ``h``
@@ -341,26 +320,15 @@ class BlockPool:
         self.evictions += 1
         if self.enable_events:
             self._events.append(BlockRemoved(group, (h,)))
-        windows = self._anchored.pop(b, None) if self._anchored else None
-        if windows:
-            # The prefix these windows complete is gone: they can serve no hit any more.
-            for w in windows:
-                del self._retained[w]
-                self._tier[w] = _LOW
+        if self.kept is not None:
+            for w in self.kept.on_evicted(b):
+                self._tier[w] = LOW
                 self._low[w] = None
 
-    def _unretain(self, w: int) -> None:
-        anchor = self._retained.pop(w)
-        windows = self._anchored[anchor]
-        del windows[w]
-        if not windows:
-            del self._anchored[anchor]
-        if self.ref_cnt[anchor] > 0:
-            self._num_reserved -= 1
-
-    # ------------------------------------------------------------------ free
-    def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference on each block; the first listed is reused first.
+    # ------------------------------------------------------------------ release references
+    def free(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop one reference on each block; the first listed is reused first. Returns the blocks
+        that became free.
 
         Blocks reaching zero go to ``uncached`` without a hash, to the ``lru`` tail with one.
         """
@@ -379,37 +347,43 @@ class BlockPool:
         lru = self._lru
         for b in released:
             if hashes[b] is None:
-                tier[b] = _UNCACHED
+                tier[b] = UNCACHED
                 self._uncached.append(b)
             else:
-                tier[b] = _LRU
+                tier[b] = LRU
                 lru[b] = None
-        anchored = self._anchored
-        if anchored:
-            for b in released:
-                windows = anchored.get(b)
-                if windows:
-                    self._num_reserved -= len(windows)
+        if self.kept is not None:
+            self.kept.on_freed(released)
+        return released
 
     def free_low(self, block_ids: Iterable[int]) -> None:
         """Like ``free``, but cached blocks reaching zero go to the ``low`` tier."""
-        self._free_to(block_ids, _LOW, NULL_BLOCK)
+        for b in self._release(block_ids):
+            if self.block_hash[b] is None:
+                self._tier[b] = UNCACHED
+                self._uncached.append(b)
+            else:
+                self._tier[b] = LOW
+                self._low[b] = None
 
-    def free_retained(self, block_ids: Iterable[int], anchor: int) -> None:
-        """Like ``free``, but cached blocks reaching zero are retained, tied to ``anchor``.
+    def free_kept(self, block_ids: Iterable[int], admit: Callable[[int], bool]) -> None:
+        """Like ``free``, but cached blocks reaching zero go to the kept tier when ``admit(block)``
+        (which enters them into the tier's own structures) says so, else to the ``lru`` tail."""
+        for b in self._release(block_ids):
+            if self.block_hash[b] is None:
+                self._tier[b] = UNCACHED
+                self._uncached.append(b)
+            elif admit(b):
+                self._tier[b] = KEPT
+            else:
+                self._tier[b] = LRU
+                self._lru[b] = None
 
-        ``anchor`` must be a cached block of another group; when it is evicted the windows go
-        to ``low``. Without a cached anchor this is a plain ``free``; a block that anchors windows
-        itself, or an anchor that is retained, is never retained (one level deep).
-        """
-        if anchor == NULL_BLOCK or self.block_hash[anchor] is None:
-            self.free(block_ids)
-        else:
-            self._free_to(block_ids, _RETAINED, anchor)
-
-    def _free_to(self, block_ids: Iterable[int], tag: int, anchor: int) -> None:
-        """``free`` with cached blocks that reach zero sent to tier ``tag`` (``low`` or ``retained``)."""
+    def _release(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop one reference on each non-null block; return those that reached zero (told to the
+        kept tier before they join a tier, so a block becoming free is counted once)."""
         ref = self.ref_cnt
+        released: list[int] = []
         for b in block_ids:
             if b == NULL_BLOCK:
                 continue
@@ -417,61 +391,42 @@ class BlockPool:
             if r < 0:
                 raise AssertionError(f"block {b} freed more often than referenced")
             ref[b] = r
-            if r:
-                continue
-            if self.block_hash[b] is None:
-                self._tier[b] = _UNCACHED
-                self._uncached.append(b)
-            elif tag == _LOW:
-                self._tier[b] = _LOW
-                self._low[b] = None
-            elif b in self._anchored or self._tier[anchor] == _RETAINED:
-                # Retention is one level deep: an anchor is never retained itself (its windows would
-                # count as admissible yet sit behind it), so such a block joins the LRU instead.
-                self._tier[b] = _LRU
-                self._lru[b] = None
-            else:
-                self._tier[b] = _RETAINED
-                self._retained[b] = anchor
-                self._anchored.setdefault(anchor, {})[b] = None
-                if ref[anchor] > 0:
-                    self._num_reserved += 1
-            windows = self._anchored.get(b)
-            if windows:
-                self._num_reserved -= len(windows)
+            if not r:
+                released.append(b)
+        if released and self.kept is not None:
+            self.kept.on_freed(released)
+        return released
 
-    def retain_free(self, block_ids: Iterable[int], anchor: int) -> int:
-        """Move free cached blocks (``low`` or ``lru``) into the retained tier under ``anchor``.
-
-        Used when a junction is discovered after its window was already freed. Returns how
-        many blocks moved.
-        """
-        if anchor == NULL_BLOCK or self.block_hash[anchor] is None or self._tier[anchor] == _RETAINED:
-            return 0
+    def keep_free(self, block_ids: Iterable[int], admit: Callable[[int], bool]) -> int:
+        """Move free cached blocks (``low`` or ``lru``) into the kept tier where ``admit(block)``
+        says so. Returns how many moved."""
         moved = 0
-        anchor_held = self.ref_cnt[anchor] > 0
+        tier = self._tier
         for b in block_ids:
-            t = self._tier[b]
-            if b == NULL_BLOCK or t not in (_LOW, _LRU) or b in self._anchored:
+            t = tier[b]
+            if b == NULL_BLOCK or t not in (LOW, LRU) or not admit(b):
                 continue
-            if t == _LOW:
+            if t == LOW:
                 del self._low[b]
             else:
                 del self._lru[b]
-            self._tier[b] = _RETAINED
-            self._retained[b] = anchor
-            self._anchored.setdefault(anchor, {})[b] = None
-            if anchor_held:
-                self._num_reserved += 1
+            tier[b] = KEPT
             moved += 1
         return moved
+
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Drop the hashes of held blocks whose content was never computed (the step that was to
+        compute them did not run): they must never serve a hit."""
+        for b in block_ids:
+            if b != NULL_BLOCK and self.block_hash[b] is not None:
+                self._evict(b)
 
     # ------------------------------------------------------------------ cache
     def cache_blocks(self, group: int, block_ids: list[int], block_hashes: list[bytes]) -> None:
         """Enter full, held blocks of ``group`` into the prefix cache under their hashes."""
         idx = self.index[group]
         hashes = self.block_hash
-        gid = self._block_group
+        gid = self.block_group
         for b, h in zip(block_ids, block_hashes):
             hashes[b] = h
             gid[b] = group
@@ -484,13 +439,16 @@ class BlockPool:
         """Forget every hash. Refused (False) while any block is held."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
-        for tier in (self._low, self._lru, self._retained):
-            for b in tier:
-                self._tier[b] = _UNCACHED
-                self._uncached.append(b)
+        kept = self.kept
+        while kept is not None and len(kept):
+            b = kept.pop(True)
+            assert b is not None
+            self._uncached.append(b)
+        for tier in (self._low, self._lru):
+            self._uncached.extend(tier)
             tier.clear()
-        self._anchored.clear()
-        self._num_reserved = 0
+        for b in self._uncached:
+            self._tier[b] = UNCACHED
         self.evictions += 1
         for idx in self.index:
             idx.clear()
@@ -511,46 +469,37 @@ class BlockPool:
         """Verify every structural invariant of the pool; raise AssertionError naming the first broken."""
         n = self.num_blocks
         ref, tier = self.ref_cnt, self._tier
-        assert ref[NULL_BLOCK] == 0 and tier[NULL_BLOCK] == _HELD, "null block must never be counted"
+        assert ref[NULL_BLOCK] == 0 and tier[NULL_BLOCK] == HELD, "null block must never be counted"
         assert 1 <= self._next_fresh <= n, f"next_fresh {self._next_fresh} outside 1..{n}"
-        counts = {t: 0 for t in _TIER_NAMES}
+        counts = dict.fromkeys(TIER_NAMES, 0)
         for b in range(1, n):
             t = tier[b]
             counts[t] += 1
-            if t == _HELD:
+            if t == HELD:
                 assert ref[b] > 0, f"block {b} is held with ref_cnt {ref[b]}"
             else:
-                assert ref[b] == 0, f"block {b} is free ({_TIER_NAMES[t]}) with ref_cnt {ref[b]}"
-            if t == _FRESH:
+                assert ref[b] == 0, f"block {b} is free ({TIER_NAMES[t]}) with ref_cnt {ref[b]}"
+            if t == FRESH:
                 assert b >= self._next_fresh, f"fresh block {b} below next_fresh {self._next_fresh}"
-            if t in (_UNCACHED, _FRESH):
-                assert self.block_hash[b] is None, f"{_TIER_NAMES[t]} block {b} has a hash"
-            if t in (_LOW, _LRU, _RETAINED):
-                assert self.block_hash[b] is not None, f"{_TIER_NAMES[t]} block {b} has no hash"
-        assert counts[_FRESH] == n - self._next_fresh, "fresh counter disagrees with tier tags"
-        assert counts[_UNCACHED] == len(self._uncached) == len(set(self._uncached)), "uncached list"
-        for name, tag, od in (("low", _LOW, self._low), ("lru", _LRU, self._lru),
-                              ("retained", _RETAINED, self._retained)):
+            if t in (UNCACHED, FRESH):
+                assert self.block_hash[b] is None, f"{TIER_NAMES[t]} block {b} has a hash"
+            if t in (LOW, LRU, KEPT):
+                assert self.block_hash[b] is not None, f"{TIER_NAMES[t]} block {b} has no hash"
+        assert counts[FRESH] == n - self._next_fresh, "fresh counter disagrees with tier tags"
+        assert counts[UNCACHED] == len(self._uncached) == len(set(self._uncached)), "uncached list"
+        for name, tag, od in (("low", LOW, self._low), ("lru", LRU, self._lru)):
             assert counts[tag] == len(od), f"{name} tier holds {len(od)}, tags say {counts[tag]}"
             for b in od:
-                assert tier[b] == tag, f"block {b} in {name} tier tagged {_TIER_NAMES[tier[b]]}"
-        assert self.num_free_blocks == n - 1 - counts[_HELD], "free count not conserved"
-        reserved = 0
-        for anchor, windows in self._anchored.items():
-            assert windows, f"anchor {anchor} has an empty window set"
-            assert self.block_hash[anchor] is not None, f"anchor {anchor} is not cached"
-            for w in windows:
-                assert self._retained.get(w) == anchor, f"window {w} not retained under {anchor}"
-            if ref[anchor] > 0:
-                reserved += len(windows)
-        assert sum(len(w) for w in self._anchored.values()) == len(self._retained), "retained tier"
-        assert reserved == self._num_reserved, f"reserved count {self._num_reserved} != {reserved}"
+                assert tier[b] == tag, f"block {b} in {name} tier tagged {TIER_NAMES[tier[b]]}"
+        kept = len(self.kept) if self.kept is not None else 0
+        assert counts[KEPT] == kept, f"kept tier holds {kept}, tags say {counts[KEPT]}"
+        assert self.num_free_blocks == n - 1 - counts[HELD], "free count not conserved"
         for group, (idx, dups) in enumerate(zip(self.index, self._dups)):
             for h, others in dups.items():
                 assert others and h in idx, f"group {group}: duplicates of a hash no block serves"
             for h, first in idx.items():
                 for b in (first, *dups.get(h, ())):
                     assert self.block_hash[b] == h, f"index of group {group} maps a hash to block {b}"
-                    assert self._block_group[b] == group, f"block {b} indexed in the wrong group"
+                    assert self.block_group[b] == group, f"block {b} indexed in the wrong group"
         indexed = sum(len(idx) for idx in self.index) + sum(len(o) for d in self._dups for o in d.values())
         assert indexed == self.num_cached_blocks, "hashed blocks missing from the index"

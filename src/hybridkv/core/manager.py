@@ -1,21 +1,36 @@
-"""The engine-facing KV-cache manager (the stable API of ARCHITECTURE.md)."""
+"""The engine-facing KV-cache manager: lookup, allocate, free.
+
+The life of one request::
+
+    hit = mgr.lookup(seq)                    # the prefix every group can serve (no side effects)
+    mgr.allocate(seq, n, hit=hit)            # admission: verify the hit, count, adopt, allocate
+    seq.num_computed_tokens += n             # the caller ran the step
+    mgr.allocate(seq, 1)                     # decode steps (most return at once: nothing to do)
+    mgr.free(seq)                            # finished or preempted
+
+``allocate`` is one path for new and running sequences: *validate* everything (a bad argument or
+a hit that does not hold the sequence's prefix raises before anything changes), *plan* (per group,
+the table indices that need a fresh block, checked against the free blocks), then *apply* (adopt
+the hit in every group, then allocate: two-phase adoption). A short guard at the top returns at
+once when the step of a running sequence has nothing to allocate, register or drop.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from itertools import chain, compress
+from itertools import chain
 
+from hybridkv.core._util import cdiv, gcd_all, lcm_all
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
 from hybridkv.core.hashing import BlockHasher, HashAlgorithm
-from hybridkv.core.hits import CacheHit, Coordinator
-from hybridkv.core.kinds import KindManager, manager_for
-from hybridkv.core.kinds.base import NEVER
+from hybridkv.core.hits import CacheHit, agreed_hit
+from hybridkv.core.kinds import NEVER, KindManager, MambaManager, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
-from hybridkv.core.retention import NoRetention, make_policy
+from hybridkv.core.retention import RetentionPolicy, make_policy
 from hybridkv.core.sequence import Sequence
-from hybridkv.core.specs import ChunkedLocalAttentionSpec
+from hybridkv.core.specs import ChunkedLocalAttentionSpec, MambaSpec
 from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequenceError
 
 
@@ -48,8 +63,9 @@ def _empty_lists(n: int) -> Callable[[], tuple[list[int], ...]]:
     return literals.get(n) or (lambda: tuple([] for _ in range(n)))
 
 
-def _check_count(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+def _count(name: str, value: object) -> int:
+    """``value`` if it is a non-negative int, else an ``InvalidInputError`` naming it."""
+    if type(value) is not int or value < 0:  # bool is a subclass of int, not an int here
         raise InvalidInputError(f"{name} must be a non-negative integer, got {value!r}")
     return value
 
@@ -68,19 +84,17 @@ class KVCacheManager:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         *,
-        retention: str | NoRetention = "window",
+        retention: str | RetentionPolicy = "window",
         hash_algorithm: HashAlgorithm = "sha256",
         enable_events: bool = False,
     ) -> None:
         if not isinstance(layout, KVCacheLayout):
             raise InvalidInputError(f"layout must be a KVCacheLayout, got {type(layout).__name__}")
-        self.max_model_len = _check_count("max_model_len", max_model_len)
-        if max_model_len == 0:
+        if _count("max_model_len", max_model_len) == 0:
             raise InvalidInputError("max_model_len must be positive")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max_model_len
-        self.max_num_batched_tokens = _check_count("max_num_batched_tokens", max_num_batched_tokens)
-        if max_num_batched_tokens == 0:
+        if _count("max_num_batched_tokens", max_num_batched_tokens) == 0:
             raise InvalidInputError("max_num_batched_tokens must be positive")
         for i, g in enumerate(layout.groups):
             spec = g.spec
@@ -90,20 +104,28 @@ class KVCacheManager:
                     f"of block_size={spec.block_size}"
                 )
         self.layout = layout
-        self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(layout.num_blocks, len(layout.groups), enable_caching=enable_prefix_caching,
-                              enable_events=enable_events)
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.policy = make_policy(retention)
+        self.hasher = BlockHasher(hash_algorithm)
+        self.pool = BlockPool(layout.num_blocks, len(layout.groups), enable_caching=self.enable_prefix_caching,
+                              enable_events=enable_events, kept_tier=self.policy.kept_tier)
         self.groups: list[KindManager] = [
-            manager_for(
-                g.spec, i, self.pool,
-                bound=g.spec.max_blocks_per_request(self.max_num_batched_tokens, max_model_len),
-                enable_caching=enable_prefix_caching,
-            )
+            kind_manager_for(g.spec, i, self.pool, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len, enable_caching=self.enable_prefix_caching)
             for i, g in enumerate(layout.groups)
         ]
-        self.coordinator = Coordinator(self.pool, self.groups, BlockHasher(hash_algorithm))
-        self.retention = make_policy(retention)
-        self.retention.bind(self.coordinator)
+        caching = [g for g in self.groups if g.caching]
+        self.hash_block_size = gcd_all([g.block_size for g in caching]) or 1
+        """Granularity of the sequence's block hashes (every caching group's block size is a multiple)."""
+        self.hit_alignment = lcm_all([g.block_size for g in self.groups if g.constrains_hits])
+        """Every hit, local or external, is a multiple of this many tokens."""
+        self.retainer = self.policy.build(self.pool, self.groups, self.block_hashes, self.hit_alignment)
+        self._caching = caching
+        self._droppers = [g for g in self.groups if type(g).skipped_tokens is not KindManager.skipped_tokens]
+        self._deferred = [g for g in caching if g.registers_when_computed]
+        self._checkpointing = [g for g in self._deferred if isinstance(g, MambaManager) and g.align]
         self._seqs: dict[str, Sequence] = {}
         # Per running Sequence object (keyed by identity): the slot count up to which a step has
         # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
@@ -111,8 +133,7 @@ class KVCacheManager:
         self._idle_until: dict[Sequence, int] = {}
         self._no_new_blocks = _empty_lists(len(self.groups))
         self._stats = KVCacheStats()
-        # Groups whose kind drops tokens behind a window (the others never free mid-sequence).
-        self._droppers = [g for g in self.groups if type(g).skipped_tokens is not KindManager.skipped_tokens]
+        self._token = object()  # the identity hits found here carry
 
     # ------------------------------------------------------------------ queries
     @property
@@ -122,7 +143,7 @@ class KVCacheManager:
 
     @property
     def num_admissible_blocks(self) -> int:
-        """Blocks a *new* sequence could take now (windows reserved for running prefixes excluded)."""
+        """Blocks a *new* sequence could take now (kept blocks reserved for running prefixes excluded)."""
         return self.pool.num_admissible_blocks
 
     @property
@@ -133,17 +154,34 @@ class KVCacheManager:
     @property
     def stats(self) -> KVCacheStats:
         """Queried / hit prompt tokens and other counters since start."""
-        self._stats.retention = self.retention.stats()
+        self._stats.retention = self.retainer.stats()
         return self._stats
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        """The retention policy (a configuration object)."""
+        return self.policy
 
     @property
     def num_sequences(self) -> int:
         """Sequences currently holding blocks."""
         return len(self._seqs)
 
+    @property
+    def hash_algorithm(self) -> str:
+        """The block hash (``sha256`` unless the opt-in non-cryptographic one was chosen)."""
+        return self.hasher.algorithm
+
+    @property
+    def caching_groups(self) -> list[int]:
+        """Indices of the groups that keep a prefix cache."""
+        return [g.group for g in self._caching]
+
     def blocks_needed_when_empty(self, num_tokens: int) -> int:
-        """Blocks one sequence of ``num_tokens`` tokens holds at its peak (seed-001 bounds)."""
-        return sum(g.whole_sequence_blocks(num_tokens) for g in self.groups)
+        """Blocks one sequence of ``num_tokens`` tokens holds at its peak: the admission bound,
+        ``sum(spec.blocks_for_tokens(...))`` over the groups, as pool sizing and the capacity report count it."""
+        mnbt, mml = self.max_num_batched_tokens, self.max_model_len
+        return sum(g.spec.blocks_for_tokens(num_tokens, mnbt, mml) for g in self.groups)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` tokens fits in the empty pool."""
@@ -153,16 +191,106 @@ class KVCacheManager:
 
     def block_table(self, seq_id: str) -> tuple[tuple[int, ...], ...]:
         """The sequence's block ids, one tuple per group (0 = null block)."""
-        if seq_id not in self._seqs:
+        if not isinstance(seq_id, str) or seq_id not in self._seqs:
             raise UnknownSequenceError(f"sequence {seq_id!r} holds no blocks")
         return tuple(tuple(g.tables.get(seq_id, ())) for g in self.groups)
 
+    def num_held_blocks(self, seq_id: str) -> int:
+        """Non-null blocks the sequence holds, over all groups (0 for one that holds none)."""
+        return sum(g.held_blocks(seq_id) for g in self.groups) if seq_id in self._seqs else 0
+
+    def block_hashes(self, seq: Sequence, group: KindManager | int) -> list[bytes]:
+        """The sequence's full-block hashes at ``group``'s block size (empty for a group that keeps
+        no prefix cache). The list is cached on the sequence: do not mutate it."""
+        g = group if isinstance(group, KindManager) else self.groups[group]
+        if not g.caching:
+            return []
+        base = seq.block_hashes(self.hasher, self.hash_block_size)
+        k = g.block_size // self.hash_block_size
+        # Chained hashes: the hash at the last sub-block fingerprints the whole larger block.
+        return base if k == 1 else base[k - 1 :: k]
+
+    def hit_span(self, group: int, num_tokens: int) -> range:
+        """Table indices of ``group`` a hit ending at token ``num_tokens`` must hold: all of them for
+        full attention, the window for a sliding window, the current chunk for chunked-local
+        attention, the state there for a recurrent group, none for a group that keeps no cache."""
+        g = self.groups[group]
+        first, end = g.hit_span(num_tokens) if g.caching or not g.constrains_hits else (0, 0)
+        return range(first, end)
+
+    def registered_blocks(self, seq: Sequence, group: int, start_token: int, end_token: int
+                          ) -> list[tuple[int, int, bytes]]:
+        """``(index, block id, hash)`` of the sequence's blocks in ``group`` whose tokens end in
+        ``(start_token, end_token]`` and that the prefix cache holds under the sequence's own hash
+        (what an external tier may store: superseded or never-computed blocks are excluded).
+        Recurrent checkpoints whose tokens the sequence reports computed are registered first."""
+        if self._deferred and self._seqs.get(seq.seq_id) is seq:
+            self._register_computed(seq)
+        g = self.groups[group]
+        table = g.tables.get(seq.seq_id, [])
+        hashes = self.block_hashes(seq, g)
+        block_hash = self.pool.block_hash
+        out = []
+        for i in range(start_token // g.block_size, min(end_token // g.block_size, len(hashes), len(table))):
+            b = table[i]
+            if b != NULL_BLOCK and block_hash[b] == hashes[i]:
+                out.append((i, b, hashes[i]))
+        return out
+
+    @property
+    def hits_possible(self) -> bool:
+        """Whether any hit can be longer than 0 tokens: prefix caching is on and every group that
+        bounds hits keeps a cache (a recurrent group without checkpoints never resumes)."""
+        return bool(self._caching) and all(g.caching for g in self.groups if g.constrains_hits)
+
+    def group_block_size(self, group: int) -> int:
+        """Tokens one block of ``group`` covers."""
+        return self.groups[group].block_size
+
+    def external_hit(self, seq: Sequence, present: Mapping[int, Collection[bytes]], *, start: int = 0,
+                     limit: int | None = None) -> int:
+        """The longest hit of ``seq`` (tokens, at most ``limit``) every group can serve when its first
+        ``start`` tokens are a hit already and group ``g`` can also draw on the block hashes in
+        ``present[g]`` (an external tier's contents, another replica's cache). The same rules as
+        ``lookup``: full attention needs the whole chain, a window its blocks before the hit point, a
+        recurrent group the state there."""
+        self._check_sequence(seq)
+        align = self.hit_alignment
+        cap = (seq.num_tokens - 1) // align * align
+        if limit is not None:
+            cap = min(cap, limit // align * align)
+        if cap <= start or not self.hits_possible:
+            return start
+
+        def cached(g: KindManager) -> Mapping[bytes, int]:
+            held = dict.fromkeys(self.block_hashes(seq, g)[: start // g.block_size], 1)
+            held.update(dict.fromkeys(present.get(g.group, ()), 1))
+            return held
+
+        tokens, _, _ = agreed_hit(self.groups, lambda g: self.block_hashes(seq, g), cached, cap, align)
+        return max(tokens, start)
+
+    # ------------------------------------------------------------------ lookup
     def lookup(self, seq: Sequence) -> CacheHit:
         """The longest prefix every group can serve from the cache. No side effects."""
         self._check_sequence(seq)
         if not self.enable_prefix_caching or seq.seq_id in self._seqs:
-            return CacheHit(seq.seq_id, 0, tuple(() for _ in self.groups))
-        return self.coordinator.find_hit(seq)
+            return CacheHit(seq.seq_id, 0, tuple(() for _ in self.groups), owner=self._token,
+                            epoch=self.pool.evictions)
+        align = self.hit_alignment
+        max_hit = (seq.num_tokens - 1) // align * align
+        index = self.pool.index
+        tokens, full_hit, blocks = agreed_hit(
+            self.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group], max_hit, align
+        )
+        return CacheHit(seq.seq_id, tokens, tuple(map(tuple, blocks)), full_hit, max_hit, self.pool.evictions,
+                        self._token, self._content(seq, tokens))
+
+    def _content(self, seq: Sequence, num_tokens: int) -> bytes | None:
+        """The hash fingerprinting the sequence's first ``num_tokens`` tokens (and its salt)."""
+        if not num_tokens or not self._caching:
+            return None
+        return seq.block_hashes(self.hasher, self.hash_block_size)[num_tokens // self.hash_block_size - 1]
 
     # ------------------------------------------------------------------ allocate
     def allocate(
@@ -177,47 +305,43 @@ class KVCacheManager:
     ) -> tuple[list[int], ...] | None:
         """Blocks for the next step of ``seq``: new block ids per group, or None if they do not fit.
 
-        In order: free blocks the windows no longer need, count the blocks needed, check them
-        against the free blocks, adopt the hit in every group (two-phase), allocate for the
-        external and the new tokens, register the full blocks this step computes.
+        In order: validate (the hit is verified against the sequence), free the blocks the windows
+        no longer need, count the blocks needed per group and check them against the free blocks,
+        adopt the hit in every group (two-phase adoption), allocate for the external and the new
+        tokens, register the full blocks this step computes.
         """
         try:
             idle = self._idle_until.get(seq)  # set only while this very object is running
         except TypeError:  # unhashable: not a Sequence, the checks below say so
             idle = None
-        if idle is not None and hit is None and not num_external_tokens and not whole_sequence_must_fit:
-            return self._grow(seq, idle, num_new_tokens, num_lookahead_tokens)
+        if (idle is not None and hit is None and not num_external_tokens and not whole_sequence_must_fit
+                and type(num_new_tokens) is int and type(num_lookahead_tokens) is int and num_new_tokens > 0
+                and num_lookahead_tokens >= 0 and num_new_tokens + num_lookahead_tokens <= self.max_num_batched_tokens):
+            computed = seq.num_computed_tokens
+            if (type(computed) is int and computed >= 0 and computed + num_new_tokens + num_lookahead_tokens <= idle
+                    and computed + num_new_tokens <= seq.num_tokens <= self.max_model_len):
+                return self._no_new_blocks()
+
+        # 1. Validate.
         self._check_sequence(seq)
-        for name, count in (("num_new_tokens", num_new_tokens), ("num_external_tokens", num_external_tokens),
-                            ("num_lookahead_tokens", num_lookahead_tokens)):
-            if type(count) is not int or count < 0:
-                _check_count(name, count)
+        _count("num_new_tokens", num_new_tokens)
+        _count("num_external_tokens", num_external_tokens)
+        _count("num_lookahead_tokens", num_lookahead_tokens)
         sid = seq.seq_id
         running = sid in self._seqs
         if running:
-            if self._seqs[sid] is not seq:
-                raise InvalidInputError(f"another Sequence object with id {sid!r} is already running")
-            if hit is not None and (hit.num_tokens or any(hit.block_ids)):
-                raise InvalidInputError(
-                    f"sequence {sid!r} is running: a cache hit can only be passed at its first allocation"
-                )
-            if num_external_tokens:
-                raise InvalidInputError(
-                    f"sequence {sid!r} is running: external tokens can only be loaded at its first allocation"
-                )
+            hit_blocks = self._check_running(seq, hit, num_external_tokens)
             computed = seq.num_computed_tokens
-            hit_blocks: list[list[int]] = [[] for _ in self.groups]
+            adopted = None
         else:
-            if seq.num_computed_tokens:
-                raise InvalidInputError(
-                    f"sequence {sid!r} holds no blocks but num_computed_tokens={seq.num_computed_tokens}; "
-                    f"reset it to 0 after a free or preemption"
-                )
-            if hit is None:
-                hit = CacheHit(sid, 0, tuple(() for _ in self.groups))
-            self._check_hit(seq, hit)
-            computed = hit.num_tokens
-            hit_blocks = [list(ids) for ids in hit.block_ids]
+            adopted = self._verified_hit(seq, hit)
+            computed = adopted.num_tokens
+            hit_blocks = [list(ids) for ids in adopted.block_ids]
+        if num_new_tokens + num_lookahead_tokens > self.max_num_batched_tokens:
+            raise InvalidInputError(
+                f"sequence {sid!r}: {num_new_tokens} new + {num_lookahead_tokens} lookahead tokens in one step "
+                f"exceed max_num_batched_tokens={self.max_num_batched_tokens}, which the per-request bounds assume"
+            )
         known = computed + num_external_tokens + num_new_tokens
         if known > seq.num_tokens:
             raise InvalidInputError(
@@ -228,101 +352,88 @@ class KVCacheManager:
         groups = self.groups
         pool = self.pool
 
-        # 1. Free what the windows no longer need (before counting: it is what makes room).
+        # 2. Plan: make room (what the windows no longer need), then count per group and check.
         if running:
+            self._register_computed(seq)
             self._drop_windows(seq, computed)
         else:
-            hit_blocks = [g.adoptable(blocks, computed + num_external_tokens) if blocks else blocks
-                          for g, blocks in zip(groups, hit_blocks)]
+            start = computed + num_external_tokens
+            hit_blocks = [g.adoptable(blocks, start) if blocks else blocks for g, blocks in zip(groups, hit_blocks)]
+            assert adopted is not None
             for g in groups:
-                g.prepare(seq)
-
-        # 2. Count. 3. Check.
-        need = 0
-        for g, blocks in zip(groups, hit_blocks):
-            step = g.num_new_blocks(sid, blocks, computed, num_external_tokens, total)
-            if whole_sequence_must_fit:
-                held = g.held_blocks(sid) if running else len(blocks) - blocks.count(NULL_BLOCK)
-                step = max(step, g.whole_sequence_blocks(seq.num_tokens + num_lookahead_tokens) - held)
-            need += step
+                g.prepare(seq, self._checkpoints(seq, g, adopted, start))
+        plans = [g.plan_indices(sid, blocks, computed, num_external_tokens, total if g.holds_lookahead else known)
+                 for g, blocks in zip(groups, hit_blocks)]
+        need = sum(map(len, plans))
+        if whole_sequence_must_fit:
+            need = self._whole_sequence_need(seq, plans, hit_blocks, running, num_lookahead_tokens)
         if running:
             available = pool.num_free_blocks
         else:
             # Null entries lead a hit (window hits are mostly null): a list without one is kept as is.
-            live = [blocks if not blocks or blocks[0] else list(filter(None, blocks)) for blocks in hit_blocks]
-            free = [pool.unreferenced(blocks) for blocks in live]
-            if len(live) == 1:
-                need += pool.admission_cost(live[0], free[0])
-            else:
-                need += pool.admission_cost(list(chain.from_iterable(live)), list(chain.from_iterable(free)))
+            live = list(chain.from_iterable(b if not b or b[0] else filter(None, b) for b in hit_blocks))
+            free = pool.unreferenced(live)
+            need += self.retainer.admission_cost(free)
             available = pool.num_admissible_blocks
         if need > available:
             self._stats.allocation_failures += 1
+            if not running:
+                for g in groups:
+                    g.pop_table(sid)  # forget what ``prepare`` noted
             return None
 
-        # 4. Adopt the hit in every group before any group allocates (seed 002).
+        # 3. Apply: adopt the hit in every group before any group allocates (two-phase adoption).
         if not running:
-            self.coordinator.adopt(seq, hit_blocks, live, free)
+            pool.touch(live, free)
+            for g, blocks in zip(groups, hit_blocks):
+                g.adopt(sid, blocks)
             self._seqs[sid] = seq
-        # 5. Allocate: external tokens first (phase 2), then new tokens.
-        allow_reserved = running
-        new_blocks: tuple[list[int], ...]
-        if num_external_tokens:
-            new_blocks = tuple(
-                g.extend(sid, computed + num_external_tokens, computed + num_external_tokens,
-                         allow_reserved=allow_reserved)
-                for g in groups
-            )
-            for out, g in zip(new_blocks, groups):
-                out.extend(g.extend(sid, computed + num_external_tokens, total, allow_reserved=allow_reserved))
-        else:
-            new_blocks = tuple(g.extend(sid, computed, total, allow_reserved=allow_reserved) for g in groups)
-        # 6. Register the full blocks this step computes.
-        self._register(seq, known)
+        new_blocks = tuple([g.grow(sid, indices, allow_reserved=running) for g, indices in zip(groups, plans)])
+        self._register(seq, computed, num_external_tokens, known)
         self._idle_until[seq] = self._idle_limit(sid)
-        if not running:
+        if adopted is not None:
             st = self._stats
             st.admissions += 1
             st.queried_tokens += seq.num_tokens
             st.hit_tokens += computed
             st.external_tokens += num_external_tokens
-            assert hit is not None
-            self.retention.on_admit(seq, hit)
+            self.retainer.on_admit(seq, adopted)
         return new_blocks
 
-    def _grow(self, seq: Sequence, idle: int, num_new_tokens: int,
-              num_lookahead_tokens: int) -> tuple[list[int], ...] | None:
-        """``allocate`` for a running sequence whose steps are idle up to ``idle`` slots: the per-step
-        path (decodes, prefill chunks), kept lean."""
-        if (type(num_new_tokens) is not int or num_new_tokens < 0
-                or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0):
-            _check_count("num_new_tokens", num_new_tokens)
-            _check_count("num_lookahead_tokens", num_lookahead_tokens)
-        sid = seq.seq_id
-        computed = seq.num_computed_tokens
-        known = computed + num_new_tokens
-        num_tokens = seq.num_tokens
-        if known > num_tokens or not computed >= 0 or num_tokens > self.max_model_len:
-            self._check_sequence(seq)
-            raise InvalidInputError(
-                f"sequence {sid!r}: {computed} computed + {num_new_tokens} new tokens exceed its "
-                f"{num_tokens} tokens"
-            )
-        total = known + num_lookahead_tokens
-        if total <= idle and num_new_tokens:
-            return self._no_new_blocks()
-        if self._droppers:
-            self._drop_windows(seq, computed)
-        # Count every group's need before any group allocates (a failed step allocates nothing).
-        grow = [g.grow_range(sid, computed, total) for g in self.groups]
-        need = sum(map(len, grow))
-        if need and need > self.pool.num_free_blocks:
-            self._stats.allocation_failures += 1
-            return None
-        new_blocks = tuple([g.grow(sid, indices, allow_reserved=True) for g, indices in zip(self.groups, grow)])
-        self._register(seq, known)
-        self._idle_until[seq] = self._idle_limit(sid)
-        return new_blocks
+    def _whole_sequence_need(self, seq: Sequence, plans: list[range | list[int]], hit_blocks: list[list[int]],
+                             running: bool, num_lookahead_tokens: int) -> int:
+        """Blocks the admission bound asks for: per group, the step's blocks or the sequence's peak
+        (``spec.blocks_for_tokens``) less what it holds, whichever is more."""
+        n = seq.num_tokens + num_lookahead_tokens
+        mnbt, mml = self.max_num_batched_tokens, self.max_model_len
+        need = 0
+        for g, indices, blocks in zip(self.groups, plans, hit_blocks):
+            held = g.held_blocks(seq.seq_id) if running else len(blocks) - blocks.count(NULL_BLOCK)
+            need += max(len(indices), g.spec.blocks_for_tokens(n, mnbt, mml) - held)
+        return need
+
+    def _checkpoints(self, seq: Sequence, group: KindManager, hit: CacheHit, start: int) -> list[tuple[int, int]]:
+        """``(position, rank)`` in ``(start, prompt end]`` where ``group`` (recurrent, align mode)
+        should leave a state checkpoint: junctions (the lookup's, remembered ones; rank 0), the
+        prompt's last aligned boundary (1), every ``checkpoint_interval`` tokens when set (2)."""
+        if group not in self._checkpointing:
+            return []
+        align = self.hit_alignment
+        end = (seq.num_prompt_tokens - 1) // align * align
+        if end <= start:
+            return []
+        ranks: dict[int, int] = {}
+        spec = group.spec
+        assert isinstance(spec, MambaSpec)
+        if spec.checkpoint_interval:
+            step = cdiv(spec.checkpoint_interval, align) * align
+            ranks.update(dict.fromkeys(range((start // step + 1) * step, end + 1, step), 2))
+        ranks[end] = 1
+        for p in self.retainer.junctions(seq, start, end):
+            ranks[p] = 0
+        if start < hit.full_hit_tokens <= end:
+            ranks[hit.full_hit_tokens] = 0
+        return sorted(ranks.items())
 
     def _idle_limit(self, sid: str) -> int:
         """Slot count up to which the next steps of ``sid`` have nothing to do in any group."""
@@ -337,34 +448,56 @@ class KVCacheManager:
         for g in self._droppers:
             freed = g.remove_skipped(seq.seq_id, computed)
             if freed:
-                self.retention.release_dropped(g, seq, freed)
+                self.retainer.release_dropped(g, seq, freed)
 
-    def _register(self, seq: Sequence, known: int) -> None:
-        """Enter into the prefix cache the full blocks of the first ``known`` tokens."""
-        if not self.enable_prefix_caching:
-            return
+    def _register(self, seq: Sequence, computed: int, external: int, known: int) -> None:
+        """Enter into the prefix cache the full blocks of the first ``known`` tokens (recurrent
+        groups: note the checkpoints this step writes; they enter once computed)."""
         sid = seq.seq_id
-        for g in self.groups:
-            # Hashes are only fetched when the step completes a block (a decode rarely does).
-            if g.caching and known // g.block_size > g.num_cached[sid]:
-                g.cache_full_blocks(sid, self.coordinator.hashes(seq, g), known)
+        for g in self._caching:
+            if g.registers_when_computed:
+                g.note_step(sid, computed, external, known)  # type: ignore[attr-defined]
+            elif known // g.block_size > g.num_cached[sid]:  # hashes only when the step completes a block
+                g.register(sid, self.block_hashes(seq, g), computed, known)
+
+    def _register_computed(self, seq: Sequence) -> None:
+        """Enter the recurrent checkpoints whose tokens the caller reports computed."""
+        for g in self._deferred:
+            g.register(seq.seq_id, self.block_hashes(seq, g), seq.num_computed_tokens, 0)
 
     # ------------------------------------------------------------------ free
     def free(self, seq: Sequence | str) -> None:
-        """Release every block of the sequence (finished or preempted). Idempotent."""
-        sid = seq if isinstance(seq, str) else seq.seq_id
+        """Release every block of the sequence (finished or preempted). Idempotent.
+
+        Blocks registered for tokens the sequence never computed (a step allocated but not run)
+        leave the prefix cache first: they must never serve a hit.
+        """
+        if isinstance(seq, Sequence):
+            sid = seq.seq_id
+        elif isinstance(seq, str):
+            sid = seq
+        else:
+            raise InvalidInputError(f"free takes a hybridkv.Sequence or a sequence id, got {type(seq).__name__}")
         stored = self._seqs.pop(sid, None)
-        if stored is not None:
-            self._idle_until.pop(stored, None)
+        if stored is None:
+            return
+        self._idle_until.pop(stored, None)
+        computed = stored.num_computed_tokens
+        if type(computed) is int and computed >= 0:
+            self._register_computed(stored)
+            ref = self.pool.ref_cnt
+            for g in self._caching:
+                stale = [b for b in g.uncomputed_blocks(sid, computed) if ref[b] == 1]
+                if stale:
+                    self.pool.uncache(stale)
         tables = [g.pop_table(sid) for g in self.groups]
-        if stored is not None:
-            self.retention.release_sequence(stored, tables)
+        self.retainer.release_sequence(stored, tables)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (and nothing changes) while any sequence holds blocks."""
         if self._seqs or not self.pool.reset_prefix_cache():
             return False
-        self.retention.reset()
+        self.retainer.reset()
         return True
 
     def reset_stats(self) -> None:
@@ -383,39 +516,108 @@ class KVCacheManager:
             raise SequenceTooLongError(
                 f"sequence {seq.seq_id!r} has {seq.num_tokens} tokens; max_model_len is {self.max_model_len}"
             )
-        if not 0 <= seq.num_computed_tokens <= seq.num_tokens:
+        computed = seq.num_computed_tokens
+        if type(computed) is not int or not 0 <= computed <= seq.num_tokens:
             raise InvalidInputError(
-                f"sequence {seq.seq_id!r}: num_computed_tokens={seq.num_computed_tokens} is outside "
+                f"sequence {seq.seq_id!r}: num_computed_tokens={computed!r} must be an integer in "
                 f"0..{seq.num_tokens}"
             )
 
-    def _check_hit(self, seq: Sequence, hit: CacheHit) -> None:
+    def _check_running(self, seq: Sequence, hit: CacheHit | None, num_external_tokens: int) -> list[list[int]]:
+        sid = seq.seq_id
+        if self._seqs[sid] is not seq:
+            raise InvalidInputError(f"another Sequence object with id {sid!r} is already running")
+        if hit is not None and (not isinstance(hit, CacheHit) or hit.num_tokens or any(hit.block_ids)):
+            raise InvalidInputError(
+                f"sequence {sid!r} is running: a cache hit can only be passed at its first allocation"
+            )
+        if num_external_tokens:
+            raise InvalidInputError(
+                f"sequence {sid!r} is running: external tokens can only be loaded at its first allocation"
+            )
+        return [[] for _ in self.groups]
+
+    def _verified_hit(self, seq: Sequence, hit: CacheHit | None) -> CacheHit:
+        """The hit to adopt for a new sequence, checked against the sequence before anything changes.
+
+        A hit this manager found for this content, with nothing evicted since, is accepted as is;
+        any other (from another manager, hand-built, stale) is verified block by block: every block
+        the hit's groups need must be cached here under the sequence's own hash.
+        """
+        sid = seq.seq_id
+        if seq.num_computed_tokens:
+            raise InvalidInputError(
+                f"sequence {sid!r} holds no blocks but num_computed_tokens={seq.num_computed_tokens}; "
+                f"reset it to 0 after a free or preemption"
+            )
+        empty = CacheHit(sid, 0, tuple(() for _ in self.groups))
+        if hit is None:
+            return empty
         if not isinstance(hit, CacheHit):
             raise InvalidInputError(f"hit must be a CacheHit from lookup(), got {type(hit).__name__}")
-        if hit.seq_id != seq.seq_id:
-            raise InvalidInputError(f"the hit was looked up for {hit.seq_id!r}, not {seq.seq_id!r}")
-        if hit.num_tokens and (hit.num_tokens >= seq.num_tokens or len(hit.block_ids) != len(self.groups)):
+        if hit.seq_id != sid:
+            raise InvalidInputError(f"the hit was looked up for {hit.seq_id!r}, not {sid!r}")
+        n = hit.num_tokens
+        align = self.hit_alignment
+        if (type(n) is not int or not 0 <= n < seq.num_tokens or n % align
+                or not isinstance(hit.block_ids, tuple) or len(hit.block_ids) != len(self.groups)):
             raise InvalidInputError(
-                f"hit of {hit.num_tokens} tokens does not fit sequence {seq.seq_id!r} of {seq.num_tokens} tokens"
+                f"hit of {n!r} tokens does not fit sequence {sid!r} of {seq.num_tokens} tokens "
+                f"({len(self.groups)} groups, hits are multiples of {align} tokens)"
             )
-        if hit.epoch == self.pool.evictions:
-            return  # nothing was evicted since the lookup: the hit blocks still hold their prefix
+        if n and not self.enable_prefix_caching:
+            raise InvalidInputError("prefix caching is off: a hit of more than 0 tokens cannot be adopted")
+        if (hit.owner is self._token and hit.epoch == self.pool.evictions
+                and hit.content == self._content(seq, n)):
+            return hit  # found here for this very content, nothing evicted since
         for g, ids in zip(self.groups, hit.block_ids):
-            if not ids:
-                continue
-            hashes = self.coordinator.hashes(seq, g)
-            # C-speed comparison of the non-null hit blocks' hashes with the sequence's.
-            held = list(map(self.pool.block_hash.__getitem__, filter(None, ids)))
-            if len(ids) > len(hashes) or held != list(compress(hashes, ids)):
-                raise InvalidInputError(
-                    f"hit blocks of group {g.group} no longer hold this prefix (evicted since the lookup): "
-                    f"look the sequence up again"
-                )
+            self._verify_group_hit(seq, g, ids, n)
+        max_hit = (seq.num_tokens - 1) // align * align
+        full = hit.full_hit_tokens if type(hit.full_hit_tokens) is int and n <= hit.full_hit_tokens <= max_hit else n
+        return CacheHit(sid, n, tuple(tuple(ids) for ids in hit.block_ids), full, max_hit, self.pool.evictions,
+                        self._token, self._content(seq, n))
+
+    def _verify_group_hit(self, seq: Sequence, g: KindManager, ids: object, n: int) -> None:
+        """Raise unless ``ids`` is what group ``g`` needs for a hit of ``n`` tokens, and holds it."""
+        where = f"hit of {n} tokens for sequence {seq.seq_id!r}, group {g.group}"
+        if not isinstance(ids, tuple) or any(type(b) is not int for b in ids):
+            raise InvalidInputError(f"{where}: block ids must be a tuple of integers")
+        if not n or not g.constrains_hits:
+            if any(ids):
+                raise InvalidInputError(f"{where}: the group adopts no blocks, got {ids}")
+            return
+        first, end = g.hit_span(n)
+        if len(ids) != n // g.block_size:
+            raise InvalidInputError(f"{where}: {len(ids)} block ids, the hit needs {n // g.block_size}")
+        if any(ids[:first]):
+            raise InvalidInputError(f"{where}: blocks before index {first} are outside what a hit reads")
+        span = ids[first:end]
+        if not all(0 < b < self.pool.num_blocks for b in span):
+            raise InvalidInputError(f"{where}: block ids {span} must all be in 1..{self.pool.num_blocks - 1}")
+        hashes = self.block_hashes(seq, g)[first:end]
+        held = [self.pool.block_hash[b] for b in span]
+        groups_ok = all(self.pool.block_group[b] == g.group for b in span)
+        if held != hashes or not groups_ok:
+            raise InvalidInputError(
+                f"{where}: the blocks do not hold this sequence's prefix (evicted since the lookup, "
+                f"found for other tokens, or by another manager): look the sequence up again"
+            )
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """Raise AssertionError with a precise message on any broken invariant."""
+        """Raise AssertionError with a precise message on any broken invariant.
+
+        Verified: the pool's structure (every block in exactly one tier, free counts, the hash
+        index); the retention policy's (kept blocks, anchors, reservations); every table belongs to
+        a sequence holding blocks and lists a block at most once; each block's reference count equals
+        the tables listing it; a block in two tables is cached; every registered table block holds the
+        sequence's own hash; each group's per-kind rules (at most the per-request bound held, dropped
+        entries null, a recurrent group's running state present); the idle limits are not above what
+        the tables allow.
+        """
         self.pool.check_invariants()
+        self.retainer.check_invariants()
+        pool = self.pool
         refs: Counter[int] = Counter()
         for g in self.groups:
             assert set(g.tables) <= set(self._seqs), f"group {g.group} has tables of unknown sequences"
@@ -423,31 +625,30 @@ class KVCacheManager:
                 live = [b for b in table if b != NULL_BLOCK]
                 assert len(live) == len(set(live)), f"sequence {sid!r} has a block twice in group {g.group}"
                 refs.update(live)
-                for b in live:
-                    h = self.pool.block_hash[b]
-                    if h is not None:
-                        assert self.pool._block_group[b] == g.group, (
-                            f"block {b} of group {g.group} is cached under group {self.pool._block_group[b]}"
-                        )
-                assert g.num_cached.get(sid, 0) <= len(table), f"{sid!r}: num_cached past the table"
                 seq = self._seqs[sid]
+                g.check_table(sid, seq.num_computed_tokens)
+                for b in live:
+                    if pool.block_hash[b] is not None:
+                        assert pool.block_group[b] == g.group, (
+                            f"block {b} of group {g.group} is cached under group {pool.block_group[b]}"
+                        )
                 if g.caching:
-                    hashes = self.coordinator.hashes(seq, g)
-                    for i in range(min(g.num_cached.get(sid, 0), len(hashes))):
-                        b = table[i]
-                        h = self.pool.block_hash[b] if b != NULL_BLOCK else None
-                        assert b == NULL_BLOCK or h is None or h == hashes[i], (
+                    hashes = self.block_hashes(seq, g)
+                    for i, b in enumerate(table):
+                        if b == NULL_BLOCK or i >= len(hashes):
+                            continue
+                        h = pool.block_hash[b]
+                        assert h is None or h == hashes[i], (
                             f"sequence {sid!r} group {g.group} block {b} at index {i} holds another prefix"
                         )
-        for b in range(1, self.pool.num_blocks):
-            r = self.pool.ref_cnt[b]
+        for b in range(1, pool.num_blocks):
+            r = pool.ref_cnt[b]
             assert r == refs.get(b, 0), f"block {b}: ref_cnt {r} but {refs.get(b, 0)} table references"
-            assert r <= 1 or self.pool.block_hash[b] is not None, (
+            assert r <= 1 or pool.block_hash[b] is not None, (
                 f"block {b} is in {r} tables without being cached (only hits may share blocks)"
             )
-        for sid in self._seqs:
+        for sid, seq in self._seqs.items():
             assert any(sid in g.tables for g in self.groups) or not self.groups, f"{sid!r} has no tables"
-            seq = self._seqs[sid]
             assert self._idle_until.get(seq, NEVER) <= self._idle_limit(sid), f"{sid!r}: idle limit too high"
         assert len(self._idle_until) <= len(self._seqs) and all(
             self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
@@ -456,5 +657,5 @@ class KVCacheManager:
     def __repr__(self) -> str:
         return (
             f"KVCacheManager(num_blocks={self.layout.num_blocks}, groups={len(self.groups)}, "
-            f"free={self.num_free_blocks}, sequences={len(self._seqs)}, retention={self.retention.name!r})"
+            f"free={self.num_free_blocks}, sequences={len(self._seqs)}, retention={self.policy.name!r})"
         )

@@ -1,205 +1,208 @@
-"""Retention policies: where freed blocks go in the pool's eviction order (seed 004).
+"""Retention: which freed blocks are kept longer, and for how long (window retention).
 
-A prefix hit in a hybrid model needs every group: the full-attention chain of the whole
-prefix *and* the window (or state) blocks just before the hit point. Window blocks are freed
-as the window moves, long before the chain they complete, so under plain LRU they are
-evicted first and hybrid hit rates collapse. A policy decides, for every block a sequence
-releases, which free tier it joins:
+A prefix hit in a hybrid model needs every group: the full-attention chain of the whole prefix
+*and* the window (or state) blocks just before the hit point. Window blocks are freed as the
+window moves, long before the chain they complete, so under plain LRU they are evicted first and
+hybrid hit rates collapse. A policy decides, for every block a sequence releases, which free tier
+of the pool it joins.
+
+Two policies (configuration objects; each manager builds its own ``Retainer`` from one):
 
 * ``NoRetention`` (``"none"``) -- the reference engine's behaviour: cached blocks join the LRU
   tail, uncached ones are reused first.
-* ``WindowRetention`` (``"window"``) -- windows ending at shared-prefix *junctions* (where a
-  lookup found the full-attention chain matching further than the rest of the prompt) are
-  retained for exactly as long as the full-attention block at the junction stays cached;
-  windows dropped mid-sequence that end at no junction and no replay boundary can serve no
-  hit and are evicted before every other cached block. Junctions are remembered (by the
-  chain's hash), so a prefix recomputed after eviction keeps its window too.
+* ``WindowRetention`` (``"window"``) -- windows and recurrent states ending at shared-prefix
+  *junctions* (where a lookup found the full-attention chain matching further than the rest of
+  the prompt) are kept for exactly as long as the full-attention block at the junction -- their
+  *anchor* -- stays cached; window blocks dropped mid-sequence that end at no junction and at no
+  replay boundary can serve no hit and are evicted before every other cached block. Junctions
+  are remembered (by the anchor's hash), so a prefix recomputed after eviction keeps its window
+  too, and a recurrent group checkpoints its state there inside the prefill.
 
-Retention never stalls admission: a retained window is released with its chain, and a running
-sequence's growth may take retained blocks as a last resort (see ``block_pool``).
+Window retention never stalls admission. Kept blocks form the pool's last free tier
+(``KeptBlocks``). A kept block whose anchor is free sits behind that anchor in the eviction order
+(evicting the anchor releases it); a kept block whose anchor is held by a running sequence is
+*reserved*: an admission cannot take it, a running sequence's growth can, as a last resort. A
+kept block is never an anchor itself (retention is one level deep), so every unreserved kept
+block is reachable through its anchor.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
-from hybridkv.core.block_pool import NULL_BLOCK
+from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
+from hybridkv.core.hits import CacheHit
 from hybridkv.core.kinds import KindManager
 from hybridkv.core.sequence import Sequence
 from hybridkv.errors import InvalidInputError
 
-if TYPE_CHECKING:
-    from hybridkv.core.hits import CacheHit, Coordinator
+HashesOf = Callable[[Sequence, KindManager], list[bytes]]
 
 
-class NoRetention:
+class KeptBlocks:
+    """The pool's last free tier: kept blocks, each tied to the anchor block whose prefix it completes.
+
+    Implements ``block_pool.KeptTier``. ``ref_cnt`` is the pool's reference-count list (read only).
+    """
+
+    __slots__ = ("kept", "by_anchor", "num_reserved", "ref_cnt")
+
+    def __init__(self, ref_cnt: list[int]) -> None:
+        self.kept: OrderedDict[int, int] = OrderedDict()
+        """Kept block -> its anchor, oldest first."""
+        self.by_anchor: dict[int, dict[int, None]] = {}
+        """Anchor -> the blocks kept on it."""
+        self.num_reserved = 0
+        """Kept blocks whose anchor is held."""
+        self.ref_cnt = ref_cnt
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def admits(self, block: int, anchor: int) -> bool:
+        """Enter ``block`` (free and cached) under ``anchor`` unless that would nest retention: an
+        anchor is never kept itself, and a kept block never anchors others. True if it entered."""
+        if block in self.by_anchor or anchor in self.kept or block in self.kept:
+            return False
+        self.kept[block] = anchor
+        self.by_anchor.setdefault(anchor, {})[block] = None
+        if self.ref_cnt[anchor] > 0:
+            self.num_reserved += 1
+        return True
+
+    def take(self, block: int) -> None:
+        anchor = self.kept.pop(block)
+        windows = self.by_anchor[anchor]
+        del windows[block]
+        if not windows:
+            del self.by_anchor[anchor]
+        if self.ref_cnt[anchor] > 0:
+            self.num_reserved -= 1
+
+    def pop(self, allow_reserved: bool) -> int | None:
+        # An admission never needs a kept block: the unreserved ones are reached through their
+        # anchors (free, hence in ``low`` or ``lru``), whose eviction releases them to ``low``.
+        if not allow_reserved or not self.kept:
+            return None
+        block = next(iter(self.kept))
+        self.take(block)
+        return block
+
+    def on_evicted(self, block: int) -> list[int]:
+        windows = self.by_anchor.pop(block, None) if self.by_anchor else None
+        if not windows:
+            return []
+        held = self.ref_cnt[block] > 0
+        for w in windows:
+            del self.kept[w]
+        if held:
+            self.num_reserved -= len(windows)
+        return list(windows)
+
+    def on_held(self, blocks: list[int]) -> None:
+        by_anchor = self.by_anchor
+        if by_anchor:
+            for b in blocks:
+                windows = by_anchor.get(b)
+                if windows:
+                    self.num_reserved += len(windows)
+
+    def on_freed(self, blocks: list[int]) -> None:
+        by_anchor = self.by_anchor
+        if by_anchor:
+            for b in blocks:
+                windows = by_anchor.get(b)
+                if windows:
+                    self.num_reserved -= len(windows)
+
+    def admission_cost(self, free_hits: list[int]) -> int:
+        """Admissible free blocks a new sequence consumes by adopting the free blocks ``free_hits``.
+
+        A free hit block leaves its tier (a reserved kept block was not admissible anyway); a free
+        anchor that becomes held turns its kept blocks that are not among the hits into reserved ones.
+        """
+        if not self.kept:
+            return len(free_hits)
+        kept, by_anchor, ref = self.kept, self.by_anchor, self.ref_cnt
+        hits = set(free_hits)
+        cost = 0
+        for b in hits:
+            anchor = kept.get(b)
+            if anchor is None or ref[anchor] == 0:
+                cost += 1
+            windows = by_anchor.get(b)
+            if windows:
+                cost += sum(1 for w in windows if w not in hits)
+        return cost
+
+    def check_invariants(self) -> None:
+        """Every kept block is tied to exactly one non-kept anchor; the reserved count is exact."""
+        reserved = 0
+        for anchor, windows in self.by_anchor.items():
+            assert windows, f"anchor {anchor} has an empty set of kept blocks"
+            assert anchor not in self.kept, f"anchor {anchor} is kept itself (retention is one level deep)"
+            for w in windows:
+                assert self.kept.get(w) == anchor, f"kept block {w} not tied to anchor {anchor}"
+                assert w not in self.by_anchor, f"kept block {w} anchors others"
+            if self.ref_cnt[anchor] > 0:
+                reserved += len(windows)
+        assert sum(len(w) for w in self.by_anchor.values()) == len(self.kept), "kept blocks without an anchor"
+        assert reserved == self.num_reserved, f"reserved count {self.num_reserved} != {reserved}"
+
+
+# ---------------------------------------------------------------------- policies
+class RetentionPolicy:
+    """A retention policy: configuration shared by any number of managers, each building its own
+    ``Retainer``."""
+
+    name: ClassVar[str] = "base"
+    kept_tier: ClassVar[type[KeptBlocks] | None] = None
+    """The pool's last free tier the policy needs (None: it keeps no blocks)."""
+
+    def build(self, pool: BlockPool, groups: list[KindManager], hashes: HashesOf, alignment: int) -> Retainer:
+        """The per-manager runtime of the policy."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class NoRetention(RetentionPolicy):
     """Plain LRU: the reference engine's eviction order."""
 
-    name = "none"
+    name: ClassVar[str] = "none"
 
-    def __init__(self) -> None:
-        self.coord: Coordinator | None = None
-
-    def bind(self, coord: Coordinator) -> None:
-        """Attach to one manager's coordinator (a policy object serves one manager)."""
-        if self.coord is not None and self.coord is not coord:
-            raise InvalidInputError(f"retention policy {self.name!r} is already bound to another manager")
-        self.coord = coord
-
-    def on_admit(self, seq: Sequence, hit: CacheHit) -> None:
-        """A new sequence adopted ``hit``."""
-
-    def release_dropped(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]]) -> None:
-        """Release blocks a window dropped; ``freed`` is ``(index, block)``, last index first."""
-        assert self.coord is not None
-        self.coord.pool.free([b for _, b in freed])
-
-    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]]) -> None:
-        """Release all of a sequence's blocks (finished or preempted), group by group.
-
-        ``tables[g]`` is ``(offset, entries)``: group ``g``'s table from index ``offset`` on
-        (earlier entries were dropped). Within a group the last block goes first, so a
-        sequence's tail is evicted before the prefix it shares with others.
-        """
-        assert self.coord is not None
-        for _, entries in tables:
-            self.coord.pool.free(entries[::-1])
-
-    def reset(self) -> None:
-        """The prefix cache was cleared."""
-
-    def stats(self) -> dict[str, int]:
-        """Counters for reports."""
-        return {}
+    def build(self, pool: BlockPool, groups: list[KindManager], hashes: HashesOf, alignment: int) -> Retainer:
+        return Retainer(pool, groups)
 
 
-class WindowRetention(NoRetention):
-    """Keep the window/state blocks future prefix hits need, tied to the chain they complete."""
+@dataclass(frozen=True)
+class WindowRetention(RetentionPolicy):
+    """Keep the window/state blocks future prefix hits need, tied to the chain they complete.
 
-    name = "window"
+    ``max_junctions``: junctions remembered (least recently seen forgotten first).
+    ``retain_at_lookup``: when an admission finds a junction whose window is already free, take
+    it out of the eviction order at once.
+    """
 
-    def __init__(self, *, max_junctions: int = 1 << 16, retain_at_lookup: bool = True) -> None:
-        super().__init__()
-        if max_junctions <= 0:
-            raise InvalidInputError(f"max_junctions must be positive, got {max_junctions}")
-        self.max_junctions = max_junctions
-        self.retain_at_lookup = retain_at_lookup
-        self._junctions: OrderedDict[bytes, None] = OrderedDict()  # anchor hash at the junction
-        self._counters = {"junctions_found": 0, "retained": 0, "released_low": 0, "retained_late": 0}
+    name: ClassVar[str] = "window"
+    kept_tier: ClassVar[type[KeptBlocks] | None] = KeptBlocks
+    max_junctions: int = 1 << 16
+    retain_at_lookup: bool = True
 
-    # ------------------------------------------------------------------ junctions
-    def on_admit(self, seq: Sequence, hit: CacheHit) -> None:
-        coord = self.coord
-        assert coord is not None
-        anchor = coord.anchor
-        junction = hit.full_hit_tokens
-        if anchor is None or not 0 < junction < hit.max_hit_tokens:
-            return
-        anchor_hashes = coord.hashes(seq, anchor)
-        key = anchor_hashes[junction // anchor.block_size - 1]
-        if key in self._junctions:
-            self._junctions.move_to_end(key)
-        else:
-            self._junctions[key] = None
-            self._counters["junctions_found"] += 1
-            if len(self._junctions) > self.max_junctions:
-                self._junctions.popitem(last=False)
-        if not self.retain_at_lookup:
-            return
-        # The window at the junction may already be free (dropped by the sequence that computed
-        # the prefix): take it out of the eviction order now.
-        anchor_block = coord.pool.get_cached_block(anchor.group, key)
-        if anchor_block is None:
-            return
-        for g in self._window_groups():
-            first, end = g.hit_window(junction)
-            hashes = coord.hashes(seq, g)
-            ids = [coord.pool.get_cached_block(g.group, hashes[i]) for i in range(first, min(end, len(hashes)))]
-            self._counters["retained_late"] += coord.pool.retain_free([b for b in ids if b], anchor_block)
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_junctions, int) or self.max_junctions <= 0:
+            raise InvalidInputError(f"max_junctions must be a positive integer, got {self.max_junctions!r}")
 
-    def _window_groups(self) -> list[KindManager]:
-        assert self.coord is not None
-        return [g for g in self.coord.groups if g.caching and not g.downward_closed]
-
-    def _junction_anchors(self, seq: Sequence, group: KindManager, lo: int, hi: int) -> list[tuple[int, int]]:
-        """Junctions ``(boundary, anchor block)`` whose window in ``group`` meets blocks ``lo..hi``."""
-        coord = self.coord
-        assert coord is not None and coord.anchor is not None
-        anchor = coord.anchor
-        align = coord.alignment
-        hashes = coord.hashes(seq, anchor)
-        table = anchor.tables.get(seq.seq_id, [])
-        span = group.hit_window(1 << 40)
-        span_tokens = (span[1] - span[0]) * group.block_size
-        start = (lo * group.block_size // align + 1) * align
-        stop = min((hi + 1) * group.block_size + span_tokens, len(hashes) * anchor.block_size)
-        out: list[tuple[int, int]] = []
-        for boundary in range(start, stop + 1, align):
-            i = boundary // anchor.block_size - 1
-            if hashes[i] in self._junctions:
-                b = table[i] if i < len(table) else NULL_BLOCK
-                if b == NULL_BLOCK or coord.pool.block_hash[b] is None:
-                    b = coord.pool.get_cached_block(anchor.group, hashes[i]) or NULL_BLOCK
-                if b != NULL_BLOCK:
-                    out.append((boundary, b))
-        return out
-
-    def _classify(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]],
-                  dropped: bool) -> None:
-        pool = self.coord.pool  # type: ignore[union-attr]
-        idxs = [i for i, _ in freed]
-        junctions = self._junction_anchors(seq, group, min(idxs), max(idxs)) if freed else []
-        windows = [(group.hit_window(boundary), a) for boundary, a in junctions]
-        align = self.coord.alignment  # type: ignore[union-attr]
-        replay = group.hit_window((seq.num_prompt_tokens - 1) // align * align)
-        for i, b in freed:
-            anchor = next((a for (first, end), a in windows if first <= i < end), None)
-            if anchor is not None:
-                pool.free_retained((b,), anchor)
-                self._counters["retained"] += 1
-            elif dropped and not replay[0] <= i < replay[1]:
-                pool.free_low((b,))
-                self._counters["released_low"] += 1
-            else:
-                pool.free((b,))
-
-    def release_dropped(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]]) -> None:
-        coord = self.coord
-        assert coord is not None
-        if coord.anchor is None or not group.caching:
-            super().release_dropped(group, seq, freed)
-            return
-        self._classify(group, seq, freed, dropped=True)
-
-    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]]) -> None:
-        coord = self.coord
-        assert coord is not None
-        if coord.anchor is None:
-            super().release_sequence(seq, tables)
-            return
-        # Windows first, so that their anchors (still held) are known; anchors are freed after.
-        order = sorted(range(len(tables)), key=lambda k: coord.groups[k].downward_closed)
-        for k in order:
-            g = coord.groups[k]
-            offset, entries = tables[k]
-            if g.caching and not g.downward_closed:
-                freed = [(offset + i, entries[i]) for i in range(len(entries) - 1, -1, -1) if entries[i]]
-                # The sequence's own anchor table is gone already: look blocks up by hash.
-                self._classify(g, seq, freed, dropped=False)
-            else:
-                coord.pool.free(entries[::-1])
-
-    def reset(self) -> None:
-        self._junctions.clear()
-
-    def stats(self) -> dict[str, int]:
-        return {**self._counters, "junctions_known": len(self._junctions)}
+    def build(self, pool: BlockPool, groups: list[KindManager], hashes: HashesOf, alignment: int) -> Retainer:
+        assert isinstance(pool.kept, KeptBlocks), "window retention needs the pool's kept tier"
+        return WindowRetainer(self, pool, pool.kept, groups, hashes, alignment)
 
 
-def make_policy(retention: str | NoRetention) -> NoRetention:
-    """A policy object from a name (``"none"``, ``"window"``) or a policy instance."""
-    if isinstance(retention, NoRetention):
+def make_policy(retention: str | RetentionPolicy) -> RetentionPolicy:
+    """A policy from a name (``"none"``, ``"window"``) or a policy object."""
+    if isinstance(retention, RetentionPolicy):
         return retention
     if retention == "none":
         return NoRetention()
@@ -208,3 +211,199 @@ def make_policy(retention: str | NoRetention) -> NoRetention:
     raise InvalidInputError(
         f"unknown retention policy {retention!r}; choose 'none' or 'window' or pass a policy object"
     )
+
+
+# ---------------------------------------------------------------------- runtimes
+class Retainer:
+    """The runtime of ``NoRetention``: released blocks go to the pool's ordinary tiers."""
+
+    __slots__ = ("pool", "groups")
+
+    def __init__(self, pool: BlockPool, groups: list[KindManager]) -> None:
+        self.pool = pool
+        self.groups = groups
+
+    def on_admit(self, seq: Sequence, hit: CacheHit) -> None:
+        """A new sequence adopted ``hit``."""
+
+    def junctions(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Remembered junctions of ``seq`` in ``(start, end]``, ascending token positions."""
+        return []
+
+    def admission_cost(self, free_hits: list[int]) -> int:
+        """Admissible free blocks that adopting the free hit blocks ``free_hits`` consumes."""
+        return len(free_hits)
+
+    def release_dropped(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]]) -> None:
+        """Release blocks a window dropped; ``freed`` is ``(index, block)``, last index first."""
+        self.pool.free([b for _, b in freed])
+
+    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]]) -> None:
+        """Release all of a sequence's blocks (finished or preempted), group by group.
+
+        ``tables[g]`` is ``(offset, entries)``: group ``g``'s table from index ``offset`` on
+        (earlier entries were dropped). Within a group the last block goes first, so a
+        sequence's tail is evicted before the prefix it shares with others.
+        """
+        free = self.pool.free
+        for _, entries in tables:
+            free(entries[::-1])
+
+    def reset(self) -> None:
+        """The prefix cache was cleared."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters for reports."""
+        return {}
+
+    def check_invariants(self) -> None:
+        """The policy's own invariants (AssertionError naming the broken one)."""
+
+
+class WindowRetainer(Retainer):
+    """The runtime of ``WindowRetention`` for one manager."""
+
+    __slots__ = ("policy", "kept", "hashes", "alignment", "anchor", "window_groups", "_junctions", "_counters")
+
+    def __init__(self, policy: WindowRetention, pool: BlockPool, kept: KeptBlocks, groups: list[KindManager],
+                 hashes: HashesOf, alignment: int) -> None:
+        super().__init__(pool, groups)
+        self.policy = policy
+        self.kept = kept
+        self.hashes = hashes
+        self.alignment = alignment
+        # The anchor group: the first growing, cached, downward-closed group (full attention).
+        self.anchor: KindManager | None = next(
+            (g for g in groups if g.caching and g.spec.grows_with_sequence and g.downward_closed), None
+        )
+        self.window_groups = [g for g in groups if g.caching and not g.downward_closed]
+        self._junctions: OrderedDict[bytes, None] = OrderedDict()  # anchor hash at the junction
+        self._counters = {"junctions_found": 0, "retained": 0, "released_low": 0, "retained_late": 0}
+
+    # ------------------------------------------------------------------ junctions
+    def on_admit(self, seq: Sequence, hit: CacheHit) -> None:
+        anchor = self.anchor
+        junction = hit.full_hit_tokens
+        if anchor is None or not 0 < junction < hit.max_hit_tokens:
+            return
+        key = self.hashes(seq, anchor)[junction // anchor.block_size - 1]
+        if key in self._junctions:
+            self._junctions.move_to_end(key)
+        else:
+            self._junctions[key] = None
+            self._counters["junctions_found"] += 1
+            if len(self._junctions) > self.policy.max_junctions:
+                self._junctions.popitem(last=False)
+        if not self.policy.retain_at_lookup:
+            return
+        # The window at the junction may already be free (dropped by the sequence that computed
+        # the prefix): take it out of the eviction order now.
+        pool = self.pool
+        anchor_block = pool.get_cached_block(anchor.group, key)
+        if anchor_block is None:
+            return
+        admit = self._admit_under(anchor_block)
+        for g in self.window_groups:
+            first, end = g.hit_span(junction)
+            hashes = self.hashes(seq, g)
+            index = pool.index[g.group]
+            ids = [index.get(hashes[i]) for i in range(first, min(end, len(hashes)))]
+            self._counters["retained_late"] += pool.keep_free([b for b in ids if b], admit)
+
+    def junctions(self, seq: Sequence, start: int, end: int) -> list[int]:
+        anchor = self.anchor
+        if anchor is None or not self._junctions:
+            return []
+        bs, align, known = anchor.block_size, self.alignment, self._junctions
+        hashes = self.hashes(seq, anchor)
+        first = start // bs
+        last = min(end // bs, len(hashes))
+        return [(i + 1) * bs for i in range(first, last) if hashes[i] in known and (i + 1) * bs % align == 0]
+
+    def _admit_under(self, anchor_block: int) -> Callable[[int], bool]:
+        admits = self.kept.admits
+        return lambda b: admits(b, anchor_block)
+
+    def _junction_anchors(self, seq: Sequence, group: KindManager, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Junctions ``(boundary, anchor block)`` whose window in ``group`` meets blocks ``lo..hi``."""
+        anchor = self.anchor
+        assert anchor is not None
+        align = self.alignment
+        hashes = self.hashes(seq, anchor)
+        table = anchor.tables.get(seq.seq_id, [])
+        pool = self.pool
+        span = group.hit_span(1 << 40)
+        span_tokens = (span[1] - span[0]) * group.block_size
+        start = (lo * group.block_size // align + 1) * align
+        stop = min((hi + 1) * group.block_size + span_tokens, len(hashes) * anchor.block_size)
+        known = self._junctions
+        out: list[tuple[int, int]] = []
+        for boundary in range(start, stop + 1, align):
+            i = boundary // anchor.block_size - 1
+            if hashes[i] in known:
+                b = table[i] if i < len(table) else NULL_BLOCK
+                if b == NULL_BLOCK or pool.block_hash[b] is None:
+                    b = pool.get_cached_block(anchor.group, hashes[i]) or NULL_BLOCK
+                if b != NULL_BLOCK:
+                    out.append((boundary, b))
+        return out
+
+    def _classify(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]], dropped: bool) -> None:
+        pool = self.pool
+        idxs = [i for i, _ in freed]
+        junctions = self._junction_anchors(seq, group, min(idxs), max(idxs)) if freed and self._junctions else []
+        windows = [(group.hit_span(boundary), a) for boundary, a in junctions]
+        align = self.alignment
+        replay = group.hit_span((seq.num_prompt_tokens - 1) // align * align)
+        for i, b in freed:
+            anchor = next((a for (first, end), a in windows if first <= i < end), None)
+            if anchor is not None:
+                pool.free_kept((b,), self._admit_under(anchor))
+                self._counters["retained"] += 1
+            elif dropped and not replay[0] <= i < replay[1]:
+                pool.free_low((b,))
+                self._counters["released_low"] += 1
+            else:
+                pool.free((b,))
+
+    # ------------------------------------------------------------------ release
+    def admission_cost(self, free_hits: list[int]) -> int:
+        return self.kept.admission_cost(free_hits)
+
+    def release_dropped(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]]) -> None:
+        if self.anchor is None or not group.caching:
+            super().release_dropped(group, seq, freed)
+            return
+        self._classify(group, seq, freed, dropped=True)
+
+    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]]) -> None:
+        if self.anchor is None:
+            super().release_sequence(seq, tables)
+            return
+        # Windows first, while their anchors are still held (the reservation count moves with
+        # them); anchors after.
+        groups = self.groups
+        order = sorted(range(len(tables)), key=lambda k: groups[k].downward_closed)
+        for k in order:
+            g = groups[k]
+            offset, entries = tables[k]
+            if g.caching and not g.downward_closed:
+                freed = [(offset + i, entries[i]) for i in range(len(entries) - 1, -1, -1) if entries[i]]
+                # The sequence's own anchor table is gone already: blocks are looked up by hash.
+                self._classify(g, seq, freed, dropped=False)
+            else:
+                self.pool.free(entries[::-1])
+
+    def reset(self) -> None:
+        self._junctions.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {**self._counters, "junctions_known": len(self._junctions)}
+
+    def check_invariants(self) -> None:
+        self.kept.check_invariants()
+        pool = self.pool
+        for w, anchor in self.kept.kept.items():
+            assert pool.tier_of(w) == "kept", f"kept block {w} sits in tier {pool.tier_of(w)}"
+            assert pool.block_hash[anchor] is not None, f"anchor {anchor} of kept block {w} is not cached"
+            assert pool.tier_of(anchor) != "kept", f"anchor {anchor} is kept"

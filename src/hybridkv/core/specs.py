@@ -74,7 +74,12 @@ class KVCacheSpec:
         raise NotImplementedError
 
     def blocks_for_tokens(self, num_tokens: int, max_num_batched_tokens: int, max_model_len: int) -> int:
-        """Blocks one request of ``num_tokens`` tokens holds at its peak (bound applied)."""
+        """Blocks one request of ``num_tokens`` tokens holds at its peak: the admission bound.
+
+        Pool sizing, the capacity report and the manager's admission all use this one method: a
+        request never holds more than one block per ``block_size`` tokens nor more than
+        ``max_blocks_per_request``.
+        """
         return min(cdiv(num_tokens, self.block_size),
                    self.max_blocks_per_request(max_num_batched_tokens, max_model_len))
 
@@ -197,9 +202,11 @@ class MambaSpec(KVCacheSpec):
     ``state_bytes`` is the bytes of one layer's whole state (conv + SSM). ``mode``:
 
     * ``"none"`` -- one state per request, updated in place; never prefix-cached;
-    * ``"align"`` -- a state checkpoint at block boundaries where a step ends, so a prefix can
-      resume from the latest cached checkpoint; a request holds at most two states
-      (the one it reads and the one it writes);
+    * ``"align"`` -- state checkpoints at block boundaries: where a step ends on one, and inside a
+      prefill at the positions later requests are known or likely to resume from (a shared-prefix
+      junction, the prompt's end, every ``checkpoint_interval`` tokens), at most
+      ``checkpoint_blocks`` per step; a request holds at most ``2 + checkpoint_blocks`` states at
+      once (the one it reads, the checkpoints of the step, the one it writes);
     * ``"all"`` -- a checkpoint at every block boundary; memory grows with the sequence.
 
     ``block_size`` is the checkpoint granularity in tokens.
@@ -207,9 +214,18 @@ class MambaSpec(KVCacheSpec):
 
     state_bytes: int
     mode: MambaMode = "align"
+    checkpoint_blocks: int = 1
+    """Mode ``align``: most checkpoints one step writes inside a prefill (0: only where steps end).
+    Junctions go first, then the prompt's end, then interval checkpoints."""
+    checkpoint_interval: int = 0
+    """Mode ``align``: also checkpoint every this many tokens (0: off; rounded to the hit alignment)."""
 
     def __post_init__(self) -> None:
         _require_positive(type(self).__name__, state_bytes=self.state_bytes)
+        for name in ("checkpoint_blocks", "checkpoint_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInputError(f"MambaSpec.{name} must be a non-negative integer, got {value!r}")
         if self.mode not in ("none", "align", "all"):
             raise InvalidInputError(
                 f"MambaSpec.mode must be 'none', 'align' or 'all', got {self.mode!r}"
@@ -236,7 +252,10 @@ class MambaSpec(KVCacheSpec):
         if self.mode == "none":
             return 1
         if self.mode == "align":
-            return min(2, cdiv(max_model_len, self.block_size))
+            # The state a step reads, its checkpoints and the state it writes: every index from the
+            # read state's to the written state's, so never more than one step's tokens span + 1.
+            return min(2 + self.checkpoint_blocks, cdiv(max_num_batched_tokens, self.block_size) + 1,
+                       cdiv(max_model_len, self.block_size))
         return cdiv(max_model_len, self.block_size)
 
 

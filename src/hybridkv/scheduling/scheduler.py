@@ -297,7 +297,7 @@ class Scheduler:
         mgr = self.manager
         need = mgr.blocks_needed_when_empty(req.final_len) - hit_blocks
         for r in self.running:
-            held = sum(g.held_blocks(r.seq_id) for g in mgr.groups)
+            held = mgr.num_held_blocks(r.seq_id)
             need += max(0, mgr.blocks_needed_when_empty(r.final_len) - held)
         return need <= mgr.num_admissible_blocks
 

@@ -46,7 +46,7 @@ from typing import Any
 
 from hybridkv.core.layout import KVCacheLayout, capacity_report, plan_layout
 from hybridkv.core.manager import KVCacheManager
-from hybridkv.core.retention import NoRetention
+from hybridkv.core.retention import RetentionPolicy
 from hybridkv.core.sequence import Sequence
 from hybridkv.errors import InvalidInputError
 from hybridkv.planning import get_preset
@@ -158,7 +158,7 @@ def build_manager(cfg: SimConfig) -> tuple[KVCacheManager, dict[str, Any]]:
         growing = [g for g in layout.groups if g.spec.grows_with_sequence] or list(layout.groups)
         blocks = sum(-(-cfg.kv_cache_tokens // g.spec.block_size) for g in growing) + 1
         layout = replace(layout, num_blocks=blocks)
-    retention: str | NoRetention = cfg.retention
+    retention: str | RetentionPolicy = cfg.retention
     mgr = KVCacheManager(layout, plan.max_model_len, min(cfg.max_num_batched_tokens, plan.max_model_len),
                          cfg.enable_prefix_caching, retention=retention)
     return mgr, plan.report

@@ -281,18 +281,9 @@ class SimConnector(KVConnector):
 
     def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables,
               read_block: ReadBlock = _no_payload, start_token: int = 0) -> int:
-        block_hash = self.manager.pool.block_hash
-        hashes_of = self.manager.coordinator.hashes
         ns = self.namespace_id
-        keys: list[bytes] = []
-        for g in self._groups:
-            table = block_tables[g.group]
-            hashes = hashes_of(seq, g)
-            group = g.group
-            for i in range(start_token // g.block_size, min(num_tokens // g.block_size, len(hashes), len(table))):
-                b = table[i]
-                if b and block_hash[b] == hashes[i]:  # block 0 is the null block
-                    keys.append(tier_key(ns, group, hashes[i]))
+        keys = [tier_key(ns, g, h) for g in self._groups
+                for _, _, h in self.manager.registered_blocks(seq, g, start_token, num_tokens)]
         stored: set[bytes] = set()
         targets = self.tiers if self.write_through else self.tiers[:1]
         for lo in range(0, len(keys), self.batch_blocks):
@@ -320,7 +311,7 @@ class SimTiers:
         self.tiers = [SimTier(s, i, self.block_bytes) for i, s in enumerate(specs)]
         cls = KVConnector if framed_store else SimConnector
         self.connector = cls(self.tiers, manager, namespace=namespace)
-        self.hash_block_size = manager.coordinator.hash_block_size
+        self.hash_block_size = manager.hash_block_size
         n = len(self.tiers)
         self.loaded_blocks = [0] * n
         """Blocks each tier served to admitted sequences."""

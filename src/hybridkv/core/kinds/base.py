@@ -1,8 +1,14 @@
-"""The per-group manager interface and the behaviour most kinds share.
+"""The per-group interface every kind implements, and the table bookkeeping most kinds share.
 
-One manager per KV-cache group. It owns the group's block tables and answers four questions
-for its kind: the longest cache hit, which tokens the attention no longer needs, how many
-blocks an allocation takes, and which blocks a hit at a given position needs (for retention).
+One ``KindManager`` per KV-cache group. It owns the group's block tables (one per sequence that
+holds blocks) and answers, for its kind of layer:
+
+* ``find_longest_cache_hit`` -- the longest hit it can serve, given which hashes are cached (the
+  device pool's index, or any other mapping: an external tier's contents, a replica's index);
+* ``hit_span`` -- the table indices a hit ending at a token must hold (what the next token reads);
+* ``skipped_tokens`` / ``drop_point`` -- the leading tokens its attention no longer reads;
+* ``plan_indices`` -- which table indices an allocation must give a fresh block;
+* ``register`` -- which full blocks enter the prefix cache, and when.
 
 Token layout of one allocation, left to right::
 
@@ -16,6 +22,7 @@ Token layout of one allocation, left to right::
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Mapping
 from itertools import compress, takewhile
 
 from hybridkv.core._util import cdiv
@@ -23,45 +30,63 @@ from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.sequence import Sequence
 from hybridkv.core.specs import KVCacheSpec
 
-_NOTHING = range(0)
+NOTHING = range(0)
 
 NEVER = 1 << 62
 """A token count no sequence reaches: the limit of a group that never has work to do."""
 
+Indices = range | list[int]
+"""Table indices, ascending."""
+
 
 class KindManager:
-    """Block tables of one group. Subclasses override the kind-specific hooks."""
+    """Block tables of one group. Subclasses override the kind-specific rules."""
 
-    # Does the group's hit constrain the hit all groups agree on?
     constrains_hits = True
-    # Is the hit downward-closed (a hit at L means a hit at every shorter aligned length)?
+    """Does the group's hit bound the hit all groups agree on?"""
     downward_closed = False
+    """Is a hit at L also a hit at every shorter aligned length (full attention)?"""
+    registers_when_computed = False
+    """Are blocks entered into the prefix cache only once the caller reports their tokens computed
+    (recurrent state: a state is an input of the step that computes it, so no sequence admitted in
+    the same step may resume from it), instead of when the step that computes them is allocated
+    (attention: a step writes every layer's KV before any token of the step reads it)?"""
+
+    holds_lookahead = True
+    """Do lookahead (speculative) tokens get slots in this group? Recurrent state does not: the
+    state is written at the step's end, and draft tokens that are rejected would corrupt it."""
 
     __slots__ = ("spec", "group", "pool", "block_size", "bound", "caching", "tables", "num_cached", "num_dropped")
 
-    def __init__(
-        self, spec: KVCacheSpec, group: int, pool: BlockPool, *, bound: int, enable_caching: bool
-    ) -> None:
+    def __init__(self, spec: KVCacheSpec, group: int, pool: BlockPool | None, *, bound: int,
+                 enable_caching: bool) -> None:
         self.spec = spec
         self.group = group
-        self.pool = pool
+        self.pool = pool  # None for a rules-only instance (hits against another index)
         self.block_size = spec.block_size
-        self.bound = bound  # spec.max_blocks_per_request(...): the seed-001 per-request bound
+        self.bound = bound
+        """``spec.max_blocks_per_request``: the most blocks a sequence holds here at once."""
         self.caching = enable_caching and spec.prefix_cacheable
         self.tables: dict[str, list[int]] = {}
-        self.num_cached: dict[str, int] = {}  # leading table entries already registered
-        self.num_dropped: dict[str, int] = {}  # leading table entries already dropped (all null)
+        self.num_cached: dict[str, int] = {}
+        """Per sequence, the leading table entries whose registration is settled."""
+        self.num_dropped: dict[str, int] = {}
+        """Per sequence, the leading table entries already dropped (all null)."""
 
-    # ------------------------------------------------------------------ hits
-    def find_longest_cache_hit(self, hashes: list[bytes], max_tokens: int) -> tuple[int, list[int]]:
-        """Longest hit of at most ``max_tokens`` tokens: (tokens, block ids with 0 for null)."""
+    # ------------------------------------------------------------------ hit rules
+    def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
+                               max_tokens: int) -> tuple[int, list[int]]:
+        """Longest hit of at most ``max_tokens`` tokens: (tokens, block ids with 0 for null).
+
+        ``hashes`` are the sequence's block hashes at this group's block size; ``cached`` maps a
+        hash to the (non-zero) block holding it.
+        """
         raise NotImplementedError
 
-    def hit_window(self, boundary: int) -> tuple[int, int]:
-        """Block indices ``[first, end)`` whose KV a hit ending at token ``boundary`` reads."""
+    def hit_span(self, boundary: int) -> tuple[int, int]:
+        """Block indices ``[first, end)`` whose content a hit ending at token ``boundary`` reads."""
         return 0, boundary // self.block_size
 
-    # ------------------------------------------------------------------ windows
     def skipped_tokens(self, num_computed: int) -> int:
         """Leading tokens the attention of the next token no longer reads."""
         return 0
@@ -69,6 +94,63 @@ class KindManager:
     def drop_point(self, index: int) -> int:
         """Fewest computed tokens at which table entry ``index`` is skipped (``NEVER`` if never)."""
         return NEVER
+
+    # ------------------------------------------------------------------ tables
+    def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
+        """Note what the kind needs before a sequence's first allocation: its encoder tokens, and
+        the ``(token position, rank)`` where a recurrent group should leave a state checkpoint."""
+
+    def held_blocks(self, seq_id: str) -> int:
+        """Non-null blocks the sequence holds in this group."""
+        table = self.tables.get(seq_id, [])
+        return len(table) - table.count(NULL_BLOCK)
+
+    def adoptable(self, hit_blocks: list[int], num_computed: int) -> list[int]:
+        """The hit blocks a new sequence keeps once ``num_computed`` tokens (hit + external) are in."""
+        skipped = min(self.skipped_tokens(num_computed) // self.block_size, len(hit_blocks))
+        return [NULL_BLOCK] * skipped + hit_blocks[skipped:] if skipped else hit_blocks
+
+    def plan_indices(self, seq_id: str, hit_blocks: list[int], num_computed: int, num_external: int,
+                     num_tokens: int) -> Indices:
+        """Table indices that need a fresh block for the table to hold ``num_tokens`` slots.
+
+        For a new sequence ``hit_blocks`` is its adopted hit and ``num_computed`` the hit length;
+        for a running one ``hit_blocks`` is empty and ``num_external`` 0.
+        """
+        table = self.tables.get(seq_id)
+        if table is None:
+            return self._new_indices(len(hit_blocks), num_computed + num_external, num_tokens)
+        if -(-num_tokens // self.block_size) <= len(table):
+            return NOTHING  # the table already covers the step (most steps)
+        return self._new_indices(len(table), num_computed, num_tokens)
+
+    def _new_indices(self, length: int, num_computed: int, num_tokens: int) -> Indices:
+        """Indices past ``length`` that need a real block to hold ``num_tokens`` slots."""
+        first = max(length, self.skipped_tokens(num_computed) // self.block_size)
+        return range(first, cdiv(num_tokens, self.block_size))
+
+    def adopt(self, seq_id: str, blocks: list[int]) -> None:
+        """Start a table from adopted hit blocks (the caller has touched them)."""
+        self.tables[seq_id] = list(blocks)
+        self.num_cached[seq_id] = len(blocks)
+        self.num_dropped[seq_id] = _leading_nulls(blocks)
+
+    def grow(self, seq_id: str, indices: Indices, *, allow_reserved: bool) -> list[int]:
+        """Give ``indices`` (from ``plan_indices``) fresh blocks, null entries in the gaps; return them."""
+        table = self.tables[seq_id]
+        if not indices:
+            return []
+        pool = self.pool
+        assert pool is not None
+        new = pool.allocate(len(indices), allow_reserved=allow_reserved)
+        if isinstance(indices, range):
+            table.extend([NULL_BLOCK] * (indices.start - len(table)))
+            table.extend(new)
+        else:
+            for i, b in zip(indices, new):
+                table.extend([NULL_BLOCK] * (i - len(table)))
+                table.append(b)
+        return new
 
     def remove_skipped(self, seq_id: str, num_computed: int) -> list[tuple[int, int]]:
         """Null out wholly skipped blocks; return ``(index, block)`` pairs, last index first.
@@ -94,77 +176,6 @@ class KindManager:
                 table[i] = NULL_BLOCK
         return freed
 
-    # ------------------------------------------------------------------ allocation
-    def prepare(self, seq: Sequence) -> None:
-        """Note what the kind needs to know about a sequence before its first allocation."""
-
-    def held_blocks(self, seq_id: str) -> int:
-        """Non-null blocks the sequence holds in this group."""
-        table = self.tables.get(seq_id, [])
-        return len(table) - table.count(NULL_BLOCK)
-
-    def adoptable(self, hit_blocks: list[int], num_computed: int) -> list[int]:
-        """The hit blocks a new sequence keeps once ``num_computed`` tokens (hit + external) are in."""
-        skipped = min(self.skipped_tokens(num_computed) // self.block_size, len(hit_blocks))
-        return [NULL_BLOCK] * skipped + hit_blocks[skipped:] if skipped else hit_blocks
-
-    def num_new_blocks(self, seq_id: str, hit_blocks: list[int], num_computed: int,
-                       num_external: int, num_tokens: int) -> int:
-        """Fresh blocks an allocation up to ``num_tokens`` slots needs (hit blocks excluded).
-
-        For a new sequence ``hit_blocks`` is its adopted hit and ``num_computed`` the hit length;
-        for a running one ``hit_blocks`` is empty.
-        """
-        if seq_id in self.tables:
-            return len(self.grow_range(seq_id, num_computed, num_tokens))
-        length = len(hit_blocks)
-        computed = num_computed + num_external
-        count = 0
-        if num_external:  # allocated in a phase of its own (see ``extend``), so counted apart
-            ext = self._new_indices(length, computed, computed)
-            count = len(ext)
-            length = max(length, ext.stop)
-        return count + len(self._new_indices(length, computed, num_tokens))
-
-    def _new_indices(self, length: int, num_computed: int, num_tokens: int) -> range:
-        """Indices past ``length`` that need a real block to hold ``num_tokens`` slots."""
-        first = max(length, self.skipped_tokens(num_computed) // self.block_size)
-        return range(first, cdiv(num_tokens, self.block_size))
-
-    def whole_sequence_blocks(self, num_tokens: int) -> int:
-        """Blocks held at the peak for a sequence of ``num_tokens`` tokens (seed-001 bound)."""
-        return min(cdiv(num_tokens, self.block_size), self.bound)
-
-    def adopt(self, seq_id: str, blocks: list[int]) -> None:
-        """Start a table from adopted hit blocks (the caller has touched them)."""
-        self.tables[seq_id] = list(blocks)
-        self.num_cached[seq_id] = len(blocks)
-        self.num_dropped[seq_id] = _leading_nulls(blocks)
-
-    def extend(self, seq_id: str, num_computed: int, num_tokens: int, *, allow_reserved: bool) -> list[int]:
-        """Grow the table to hold ``num_tokens`` slots; return the fresh block ids."""
-        if seq_id not in self.tables:
-            self.tables[seq_id] = []
-            self.num_cached[seq_id] = 0
-        return self.grow(seq_id, self.grow_range(seq_id, num_computed, num_tokens), allow_reserved=allow_reserved)
-
-    def grow_range(self, seq_id: str, num_computed: int, num_tokens: int) -> range:
-        """Table indices that need a fresh block for the table to hold ``num_tokens`` slots."""
-        table = self.tables[seq_id]
-        if -(-num_tokens // self.block_size) <= len(table):
-            return _NOTHING  # the table already covers the step (most steps)
-        return self._new_indices(len(table), num_computed, num_tokens)
-
-    def grow(self, seq_id: str, indices: range, *, allow_reserved: bool) -> list[int]:
-        """Give ``indices`` (from ``grow_range``) fresh blocks, null entries before them; return the blocks."""
-        table = self.tables[seq_id]
-        if indices.stop <= len(table):
-            return []
-        new = self.pool.allocate(len(indices), allow_reserved=allow_reserved) if indices else []
-        table.extend([NULL_BLOCK] * (indices.start - len(table)))
-        table.extend(new)
-        return new
-
     def idle_limit(self, seq_id: str) -> int:
         """Most slots (computed + new + lookahead tokens) a running sequence's step can reach, with at
         least one new token, while this group has no block to allocate, register or drop."""
@@ -177,8 +188,9 @@ class KindManager:
         dropped = self.drop_point(self.num_dropped.get(seq_id, 0))
         return dropped if dropped < limit else limit
 
-    def cache_full_blocks(self, seq_id: str, hashes: list[bytes], num_tokens: int) -> None:
-        """Register the non-null full blocks covering the first ``num_tokens`` tokens."""
+    def register(self, seq_id: str, hashes: list[bytes], num_computed: int, num_tokens: int) -> None:
+        """Enter into the prefix cache the full blocks of the first ``num_tokens`` tokens (those the
+        step being allocated will compute: ``num_computed`` is what is computed already)."""
         if not self.caching:
             return
         table = self.tables[seq_id]
@@ -188,13 +200,23 @@ class KindManager:
             return
         ids = table[start:end]
         hs = hashes[start:end]
-        block_hash = self.pool.block_hash
+        pool = self.pool
+        assert pool is not None
+        block_hash = pool.block_hash
         new = [b != NULL_BLOCK and block_hash[b] is None for b in ids]
         if not all(new):  # null entries and blocks cached already (adopted hits) stay as they are
             ids = list(compress(ids, new))
             hs = list(compress(hs, new))
-        self.pool.cache_blocks(self.group, ids, hs)
+        pool.cache_blocks(self.group, ids, hs)
         self.num_cached[seq_id] = end
+
+    def uncomputed_blocks(self, seq_id: str, num_computed: int) -> list[int]:
+        """Registered blocks whose tokens are not computed (their step never ran): to uncache at free."""
+        end = self.num_cached.get(seq_id, 0)
+        first = num_computed // self.block_size
+        if end <= first or self.registers_when_computed:
+            return []
+        return [b for b in self.tables[seq_id][first:end] if b != NULL_BLOCK]
 
     def pop_table(self, seq_id: str) -> tuple[int, list[int]]:
         """Forget the sequence; return ``(offset, entries)``: its table from the first entry not
@@ -203,6 +225,18 @@ class KindManager:
         offset = self.num_dropped.pop(seq_id, 0)
         table = self.tables.pop(seq_id, [])
         return offset, table[offset:]
+
+    def check_table(self, seq_id: str, num_computed: int) -> None:
+        """Kind-specific invariants of one table (AssertionError naming the broken one)."""
+        table = self.tables[seq_id]
+        held = len(table) - table.count(NULL_BLOCK)
+        assert held <= self.bound, (
+            f"sequence {seq_id!r} holds {held} blocks in group {self.group}; the per-request bound is {self.bound}"
+        )
+        dropped = self.num_dropped.get(seq_id, 0)
+        assert all(b == NULL_BLOCK for b in table[:dropped]), (
+            f"sequence {seq_id!r} group {self.group}: a dropped entry still holds a block"
+        )
 
 
 def _leading_nulls(blocks: list[int]) -> int:
@@ -214,8 +248,8 @@ def _leading_nulls(blocks: list[int]) -> int:
     return bisect_left(blocks, True, key=bool)
 
 
-def scan_left_to_right(pool: BlockPool, group: int, hashes: list[bytes], start: int, end: int) -> list[int]:
+def scan_left_to_right(cached: Mapping[bytes, int], hashes: list[bytes], start: int, end: int) -> list[int]:
     """Cached blocks for ``hashes[start:end]`` up to the first miss."""
     # takewhile(bool, ...) stops at the first miss (cached block ids are never 0), so the chain
     # costs one C-speed dict lookup per block and nothing past its end.
-    return list(takewhile(bool, map(pool.index[group].get, hashes[start:end])))  # type: ignore[arg-type]
+    return list(takewhile(bool, map(cached.get, hashes[start:end])))  # type: ignore[arg-type]

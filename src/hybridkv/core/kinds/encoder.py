@@ -1,0 +1,73 @@
+"""Layers whose KV does not come from the decoder's tokens: cross attention and encoder-only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hybridkv.core._util import cdiv
+from hybridkv.core.block_pool import BlockPool
+from hybridkv.core.kinds.base import NEVER, NOTHING, Indices, KindManager
+from hybridkv.core.sequence import Sequence
+from hybridkv.core.specs import KVCacheSpec
+
+
+class CrossAttentionManager(KindManager):
+    """Cross attention: blocks for the encoder tokens, allocated once, never prefix-cached.
+
+    It does not constrain decoder-side hits: its KV comes from the encoder pass.
+    """
+
+    constrains_hits = False
+    __slots__ = ("encoder_tokens",)
+
+    def __init__(self, spec: KVCacheSpec, group: int, pool: BlockPool | None, *, bound: int,
+                 enable_caching: bool) -> None:
+        super().__init__(spec, group, pool, bound=bound, enable_caching=enable_caching)
+        self.encoder_tokens: dict[str, int] = {}
+
+    def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
+                               max_tokens: int) -> tuple[int, list[int]]:
+        return max_tokens, []
+
+    def hit_span(self, boundary: int) -> tuple[int, int]:
+        return 0, 0
+
+    def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
+        self.encoder_tokens[seq.seq_id] = seq.num_encoder_tokens
+
+    def plan_indices(self, seq_id: str, hit_blocks: list[int], num_computed: int, num_external: int,
+                     num_tokens: int) -> Indices:
+        if seq_id in self.tables:
+            return NOTHING  # all blocks come with the first allocation
+        return range(cdiv(self.encoder_tokens.get(seq_id, 0), self.block_size))
+
+    def adopt(self, seq_id: str, blocks: list[int]) -> None:
+        self.tables[seq_id] = []
+        self.num_cached[seq_id] = 0
+
+    def idle_limit(self, seq_id: str) -> int:
+        return NEVER
+
+    def pop_table(self, seq_id: str) -> tuple[int, list[int]]:
+        self.encoder_tokens.pop(seq_id, None)
+        return super().pop_table(seq_id)
+
+
+class EncoderOnlyManager(KindManager):
+    """Encoder-only attention: no KV cache, no blocks, no constraint on hits."""
+
+    constrains_hits = False
+    __slots__ = ()
+
+    def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
+                               max_tokens: int) -> tuple[int, list[int]]:
+        return max_tokens, []
+
+    def hit_span(self, boundary: int) -> tuple[int, int]:
+        return 0, 0
+
+    def _new_indices(self, length: int, num_computed: int, num_tokens: int) -> Indices:
+        return NOTHING
+
+    def idle_limit(self, seq_id: str) -> int:
+        return NEVER

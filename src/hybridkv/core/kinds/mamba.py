@@ -1,0 +1,203 @@
+"""Recurrent state (Mamba, linear attention): a constant-size state per sequence, with checkpoints.
+
+Table entry ``i`` of a Mamba group holds the state after ``(i + 1) * block_size`` tokens (a
+*checkpoint*) or, for the last entry, the running state (the state after the tokens computed so
+far). A step computing tokens ``[c, t)`` reads its initial state from entry ``cdiv(c, bs) - 1`` and
+writes:
+
+* the state after ``t`` tokens into entry ``cdiv(t, bs) - 1`` (in place when the step stays in
+  the block, else a fresh block);
+* in mode ``align``, a checkpoint at each planned position ``p`` with ``c < p < t`` into entry
+  ``p / bs - 1`` -- positions a later request is known or likely to resume from:
+
+  - the shared-prefix *junction* the lookup found (full attention matched further than the hit
+    every group agreed on: the state there is what the next request with that prefix needs),
+  - junctions the retention policy remembers from earlier requests,
+  - the prompt's last aligned boundary (a re-sent prompt, a preempted sequence re-admitted),
+  - every ``MambaSpec.checkpoint_interval`` tokens, when that is set;
+
+  at most ``MambaSpec.checkpoint_blocks`` per step (junctions first, then the prompt's end, then
+  interval ones; the latest first within each), so a sequence holds at most
+  ``2 + checkpoint_blocks`` states at once: the one it reads, the checkpoints, the one it writes
+  (the spec's per-request bound);
+* in mode ``all``, a checkpoint at every block boundary (memory grows with the sequence).
+
+A checkpoint enters the prefix cache only once the caller reports its tokens computed (at the
+sequence's next allocation or at its free): a state is an input of the step that computes it,
+so a sequence admitted in the same step must not resume from it. A sequence drops a state as soon
+as a later one is written; dropped checkpoints stay cached (the retention policy decides how long).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hybridkv.core._util import cdiv
+from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
+from hybridkv.core.kinds.base import NEVER, NOTHING, Indices, KindManager
+from hybridkv.core.sequence import Sequence
+from hybridkv.core.specs import MambaSpec
+
+
+class MambaManager(KindManager):
+    """Recurrent state with checkpoints (modes ``align`` and ``all``)."""
+
+    registers_when_computed = True
+    holds_lookahead = False
+    __slots__ = ("align", "checkpoint_blocks", "plans", "pending")
+
+    def __init__(self, spec: MambaSpec, group: int, pool: BlockPool | None, *, bound: int,
+                 enable_caching: bool) -> None:
+        super().__init__(spec, group, pool, bound=bound, enable_caching=enable_caching)
+        self.align = spec.mode == "align"
+        self.checkpoint_blocks = spec.checkpoint_blocks
+        self.plans: dict[str, list[tuple[int, int]]] = {}
+        """Per sequence (align mode), ``(position, rank)`` of the checkpoints still ahead, ascending by
+        position; rank 0 is a junction, 1 the prompt's end, 2 an interval checkpoint."""
+        self.pending: dict[str, list[int]] = {}
+        """Per sequence, table indices written by a step and registered once it is computed."""
+
+    # ------------------------------------------------------------------ hit rules
+    def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
+                               max_tokens: int) -> tuple[int, list[int]]:
+        get = cached.get
+        for i in range(min(max_tokens // self.block_size, len(hashes)) - 1, -1, -1):
+            hit = get(hashes[i])
+            if hit is not None:
+                return (i + 1) * self.block_size, [NULL_BLOCK] * i + [hit]
+        return 0, []
+
+    def hit_span(self, boundary: int) -> tuple[int, int]:
+        end = boundary // self.block_size
+        return max(0, end - 1), end
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        return max(0, num_computed - 1) if self.align else 0
+
+    def drop_point(self, index: int) -> int:
+        return (index + 1) * self.block_size + 1 if self.align else NEVER
+
+    # ------------------------------------------------------------------ allocation
+    def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
+        if self.align and self.caching and checkpoints:
+            self.plans[seq.seq_id] = checkpoints
+
+    def plan_indices(self, seq_id: str, hit_blocks: list[int], num_computed: int, num_external: int,
+                     num_tokens: int) -> Indices:
+        if not self.align:
+            return super().plan_indices(seq_id, hit_blocks, num_computed, num_external, num_tokens)
+        table = self.tables.get(seq_id)
+        length = len(hit_blocks) if table is None else len(table)
+        start = num_computed + num_external
+        out: list[int] = []
+        if num_external:  # the state at the end of the loaded tokens, written by the connector
+            out.append(cdiv(start, self.block_size) - 1)
+            length = max(length, cdiv(start, self.block_size))
+        plan = self.plans.get(seq_id)
+        if plan:
+            for p in self._chosen(plan, start, num_tokens):
+                if p // self.block_size > length:
+                    out.append(p // self.block_size - 1)
+        end = cdiv(num_tokens, self.block_size)
+        if end > length and (not out or out[-1] < end - 1):
+            out.append(end - 1)
+        return out or NOTHING
+
+    def _chosen(self, plan: list[tuple[int, int]], start: int, end: int) -> list[int]:
+        """The planned checkpoints a step over ``[start, end)`` writes (``start < p < end``): at most
+        ``checkpoint_blocks``, by rank, the latest first within a rank; ascending."""
+        inside = [(rank, -p) for p, rank in plan if start < p < end]
+        if len(inside) > self.checkpoint_blocks:
+            inside = sorted(inside)[: self.checkpoint_blocks]
+        return sorted(-p for _, p in inside)
+
+    def note_step(self, seq_id: str, num_computed: int, num_external: int, num_tokens: int) -> None:
+        """After an allocation for tokens ``[num_computed, num_tokens)`` (``num_external`` of them
+        loaded): remember the entries this step writes a checkpoint into, to register once computed."""
+        if not self.caching:
+            return
+        bs = self.block_size
+        start = num_computed + num_external
+        if self.align:
+            ends = [start] if num_external else []
+            plan = self.plans.get(seq_id)
+            if plan:
+                ends += self._chosen(plan, start, num_tokens)
+                rest = [(p, rank) for p, rank in plan if p > num_tokens]
+                if rest:
+                    self.plans[seq_id] = rest
+                else:
+                    del self.plans[seq_id]
+            if num_tokens % bs == 0:
+                ends.append(num_tokens)
+            indices = [p // bs - 1 for p in ends if p % bs == 0 and p > 0]
+        else:
+            indices = list(range(max(self.num_cached[seq_id], num_computed // bs), num_tokens // bs))
+        if indices:
+            self.pending.setdefault(seq_id, []).extend(indices)
+        self.num_cached[seq_id] = max(self.num_cached[seq_id], num_tokens // bs)
+
+    def register(self, seq_id: str, hashes: list[bytes], num_computed: int, num_tokens: int) -> None:
+        """Enter the pending checkpoints whose tokens are computed (``num_tokens`` is ignored: the
+        step being allocated has not run yet)."""
+        pending = self.pending.get(seq_id)
+        if not pending:
+            return
+        table = self.tables[seq_id]
+        pool = self.pool
+        assert pool is not None
+        block_hash = pool.block_hash
+        still: list[int] = []
+        ids: list[int] = []
+        hs: list[bytes] = []
+        for i in pending:
+            if (i + 1) * self.block_size > num_computed:
+                still.append(i)
+                continue
+            b = table[i] if i < len(table) else NULL_BLOCK
+            if b != NULL_BLOCK and block_hash[b] is None and i < len(hashes):
+                ids.append(b)
+                hs.append(hashes[i])
+        if ids:
+            pool.cache_blocks(self.group, ids, hs)
+        if still:
+            self.pending[seq_id] = still
+        else:
+            del self.pending[seq_id]
+
+    def idle_limit(self, seq_id: str) -> int:
+        if seq_id in self.pending:
+            return 0  # the next allocation registers what this step computed
+        return super().idle_limit(seq_id)
+
+    def pop_table(self, seq_id: str) -> tuple[int, list[int]]:
+        self.plans.pop(seq_id, None)
+        self.pending.pop(seq_id, None)
+        return super().pop_table(seq_id)
+
+    def check_table(self, seq_id: str, num_computed: int) -> None:
+        super().check_table(seq_id, num_computed)
+        table = self.tables[seq_id]
+        if self.align and table:
+            assert table[-1] != NULL_BLOCK, f"sequence {seq_id!r} group {self.group}: no running state"
+
+
+class MambaNoCacheManager(KindManager):
+    """Recurrent state without checkpoints (mode ``none``): one block per sequence, no hits."""
+
+    __slots__ = ()
+
+    def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
+                               max_tokens: int) -> tuple[int, list[int]]:
+        return 0, []
+
+    def hit_span(self, boundary: int) -> tuple[int, int]:
+        return 0, 0
+
+    def plan_indices(self, seq_id: str, hit_blocks: list[int], num_computed: int, num_external: int,
+                     num_tokens: int) -> Indices:
+        table = self.tables.get(seq_id)
+        return NOTHING if table else range(0, 1)
+
+    def idle_limit(self, seq_id: str) -> int:
+        return NEVER if self.tables.get(seq_id) else 0
