@@ -53,14 +53,21 @@ class SchedulerConfig:
     admission: Admission = "max_utilization"
     max_self_preemptions: int = 3
     """A sequence preempting itself this many times is rejected."""
+    keep_finished: bool = False
+    """Keep finished, rejected and aborted requests in ``requests`` (until ``forget``). By default the
+    scheduler forgets a request once it has told the caller it ended (``update``'s return value,
+    ``SchedulerOutput.rejected``), so a long-running engine holds nothing of past requests."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_self_preemptions"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if type(value) is not int or value <= 0:
                 raise InvalidInputError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise InvalidInputError("SchedulerConfig.long_prefill_token_threshold must be >= 0")
+        if type(self.long_prefill_token_threshold) is not int or self.long_prefill_token_threshold < 0:
+            raise InvalidInputError(
+                f"SchedulerConfig.long_prefill_token_threshold must be a non-negative integer, "
+                f"got {self.long_prefill_token_threshold!r}"
+            )
         if self.policy not in ("fcfs", "priority"):
             raise InvalidInputError(f"SchedulerConfig.policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.admission not in ("max_utilization", "guaranteed_no_preemption"):
@@ -157,17 +164,24 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._arrivals = 0
         self._pending_rejections: list[tuple[str, str]] = []
+        self._unapplied: SchedulerOutput | None = None  # the latest schedule() until update() applies it
 
     # ------------------------------------------------------------------ add
     def add(self, seq: Sequence, max_new_tokens: int, priority: int = 0,
-            stop_token_ids: Iterable[int] = ()) -> Request:
-        """Queue a sequence; refuse one longer than ``max_model_len``; reject one that can never fit."""
+            stop_token_ids: Iterable[int] | None = ()) -> Request:
+        """Queue a sequence; refuse one longer than ``max_model_len``; reject one that can never fit.
+
+        Every argument is checked before anything is recorded: a refused ``add`` leaves no trace.
+        """
         if not isinstance(seq, Sequence):
             raise InvalidInputError(f"expected a hybridkv.Sequence, got {type(seq).__name__}")
         if seq.seq_id in self.requests and self.requests[seq.seq_id].status in (Status.WAITING, Status.RUNNING):
             raise InvalidInputError(f"sequence {seq.seq_id!r} is already scheduled")
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        if type(max_new_tokens) is not int or max_new_tokens <= 0:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if type(priority) is not int:
+            raise InvalidInputError(f"priority must be an integer (lower runs first), got {priority!r}")
+        stops = _stop_tokens(stop_token_ids)
         limit = self.manager.max_model_len
         if seq.num_tokens > limit:
             raise SequenceTooLongError(
@@ -178,7 +192,7 @@ class Scheduler:
         # Generation stops when the sequence reaches max_model_len tokens (a prompt of exactly
         # max_model_len tokens still gets its one token: it is sampled, never computed).
         max_new = min(max_new_tokens, max(1, limit - seq.num_tokens))
-        req = Request(seq, max_new, priority, self._arrivals, frozenset(stop_token_ids))
+        req = Request(seq, max_new, priority, self._arrivals, stops)
         self._arrivals += 1
         self.requests[seq.seq_id] = req
         need = self.manager.blocks_needed_when_empty(min(req.final_len, limit))
@@ -235,6 +249,9 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         self.stats.steps += 1
+        for sid, _ in out.rejected:  # the caller learns of them now
+            self._forget_ended(sid)
+        self._unapplied = out
         return out
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
@@ -342,34 +359,56 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: Mapping[str, Iterable[int]] | None = None) -> list[Request]:
         """Advance the sequences a step ran; append sampled tokens; finish and free the done ones.
 
-        ``sampled[seq_id]`` holds the tokens sampled for a sequence whose step reached the end of
-        its known tokens (a decode or a final prefill chunk); other sequences are ignored.
+        ``out`` must be the latest ``schedule()``'s output, applied once. ``sampled[seq_id]`` holds
+        the tokens sampled for a sequence whose step reached the end of its known tokens (a decode
+        or a final prefill chunk); other sequences are ignored. Everything is checked before any
+        sequence advances: a refused ``update`` changes nothing and can be retried.
         """
-        finished: list[Request] = []
-        sampled = sampled or {}
-        still: list[Request] = []
+        if out is not self._unapplied:
+            raise InvalidInputError(
+                "update() takes the output of the latest schedule(), once (this one is stale or applied already)"
+            )
+        if sampled is None:
+            sampled = {}
+        elif not isinstance(sampled, Mapping):
+            raise InvalidInputError(f"sampled must map sequence ids to token lists, got {type(sampled).__name__}")
+        # 1. Validate.
+        steps: list[tuple[Request, int, list[int] | None]] = []
         for req in self.running:
+            n = out.num_scheduled_tokens.get(req.seq_id)
+            if n is None:
+                continue
             seq = req.seq
-            n = out.num_scheduled_tokens.get(seq.seq_id)
-            if n is not None:
-                seq.num_computed_tokens += n
-                if seq.num_computed_tokens == seq.num_tokens:
-                    tokens = list(sampled.get(seq.seq_id, ()))
-                    if not tokens:
-                        raise InvalidInputError(
-                            f"sequence {seq.seq_id!r} computed all its tokens this step: pass its sampled token"
-                        )
-                    seq.append_token_ids(tokens)
-                    reason = self._finish_reason(req, tokens)
-                    if reason:
-                        req.status = Status.FINISHED
-                        req.finish_reason = reason
-                        self.manager.free(seq)
-                        self.stats.finished += 1
-                        finished.append(req)
-                        continue
-            still.append(req)
-        self.running = still
+            tokens: list[int] | None = None
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                tokens = _sampled_tokens(seq.seq_id, sampled.get(seq.seq_id))
+                if seq.num_tokens + len(tokens) > self.manager.max_model_len + 1:
+                    raise InvalidInputError(
+                        f"sequence {seq.seq_id!r}: {len(tokens)} sampled tokens would pass max_model_len "
+                        f"{self.manager.max_model_len}"
+                    )
+            steps.append((req, n, tokens))
+        # 2. Apply.
+        self._unapplied = None
+        finished: list[Request] = []
+        for req, n, tokens in steps:
+            seq = req.seq
+            seq.num_computed_tokens += n
+            if tokens is None:
+                continue
+            seq.append_token_ids(tokens)
+            reason = self._finish_reason(req, tokens)
+            if reason:
+                req.status = Status.FINISHED
+                req.finish_reason = reason
+                self.manager.free(seq)
+                self.stats.finished += 1
+                finished.append(req)
+        if finished:
+            done = set(map(id, finished))
+            self.running = [r for r in self.running if id(r) not in done]
+            for req in finished:
+                self._forget_ended(req.seq_id)
         return finished
 
     def _finish_reason(self, req: Request, tokens: list[int]) -> str | None:
@@ -401,10 +440,14 @@ class Scheduler:
         return True
 
     def forget(self, seq_id: str) -> None:
-        """Drop the record of a finished or rejected request (long-running engines call this)."""
+        """Drop the record of a finished or rejected request (needed only with ``keep_finished``)."""
         req = self.requests.get(seq_id)
         if req is not None and req.status in (Status.FINISHED, Status.REJECTED):
             del self.requests[seq_id]
+
+    def _forget_ended(self, seq_id: str) -> None:
+        if not self.config.keep_finished:
+            self.forget(seq_id)
 
     def abort(self, seq_id: str) -> None:
         """Drop a sequence wherever it is, freeing its blocks."""
@@ -418,3 +461,32 @@ class Scheduler:
         self.manager.free(req.seq)
         req.status = Status.FINISHED
         req.finish_reason = "abort"
+        self._forget_ended(seq_id)
+
+
+def _stop_tokens(stop_token_ids: Iterable[int] | None) -> frozenset[int]:
+    """Stop token ids as a set (None: none); each a non-negative integer."""
+    if stop_token_ids is None:
+        return frozenset()
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
+        raise InvalidInputError(f"stop_token_ids must be an iterable of token ids, got {stop_token_ids!r}")
+    stops = list(stop_token_ids)
+    for t in stops:
+        if type(t) is not int or t < 0:
+            raise InvalidInputError(f"stop_token_ids must be non-negative integers, found {t!r}")
+    return frozenset(stops)
+
+
+def _sampled_tokens(seq_id: str, tokens: object) -> list[int]:
+    """The tokens sampled for a sequence whose step reached its last token, checked."""
+    if tokens is None:
+        raise InvalidInputError(f"sequence {seq_id!r} computed all its tokens this step: pass its sampled token")
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise InvalidInputError(f"sequence {seq_id!r}: sampled tokens must be a list of token ids, got {tokens!r}")
+    out = list(tokens)
+    if not out:
+        raise InvalidInputError(f"sequence {seq_id!r} computed all its tokens this step: pass its sampled token")
+    for t in out:
+        if type(t) is not int or t < 0:
+            raise InvalidInputError(f"sequence {seq_id!r}: sampled token {t!r} is not a non-negative integer")
+    return out
