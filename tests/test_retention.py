@@ -78,3 +78,91 @@ def test_a_policy_object_is_configuration_shared_by_managers() -> None:
     assert a.stats.retention["junctions_found"] == 1
     assert b.stats.retention["junctions_found"] == 0  # each manager keeps its own junctions
     assert a.retention is b.retention is policy
+
+
+def _junction(a_suffix: int = 64, num_blocks: int = 120):  # type: ignore[no-untyped-def]
+    """a and b share 128 tokens: b's lookup finds the junction; b's window at 128 is kept."""
+    mgr = manager(num_blocks, full(16), swa(32, 16), retention="window", max_model_len=2048, batch=2048)
+    prefix = tokens(0, 128)
+    a = Sequence("a", prefix + tokens(1000, a_suffix))
+    run_prefill(mgr, a, 256)
+    mgr.free(a)
+    b = Sequence("b", prefix + tokens(2000, 64))
+    run_prefill(mgr, b, 256)
+    mgr.free(b)
+    return mgr, prefix
+
+
+def _fill(mgr, blocks: int, sid: str = "filler") -> Sequence:  # type: ignore[no-untyped-def]
+    """A running one-step prefill holding ``blocks`` blocks (full + SWA: two per 16 tokens)."""
+    assert blocks % 2 == 0
+    seq = Sequence(sid, tokens(90_000, 8 * blocks))
+    assert mgr.allocate(seq, seq.num_tokens) is not None
+    assert sum(1 for t in mgr.block_table(sid) for b in t if b) == blocks
+    return seq
+
+
+def test_a_junction_is_where_full_attention_stops_short_of_the_prompt() -> None:
+    mgr, prefix = _junction()
+    assert mgr.stats.retention["junctions_found"] == 1
+    # The whole prompt matched (a re-sent prompt): no junction.
+    again = Sequence("again", prefix + tokens(2000, 64))
+    run_prefill(mgr, again, 256)
+    mgr.free(again)
+    assert mgr.stats.retention["junctions_found"] == 1
+    # A prompt that leaves the chain at its own last aligned boundary: not a junction either.
+    edit = Sequence("edit", prefix + tokens(2000, 48) + tokens(7000, 16))  # max hit 176, chain to 176
+    assert mgr.lookup(edit).full_hit_tokens == 176
+    run_prefill(mgr, edit, 256)
+    mgr.free(edit)
+    assert mgr.stats.retention["junctions_found"] == 1
+    short = Sequence("short", prefix + tokens(2000, 32) + tokens(8000, 33))  # chain to 160 < max hit 208
+    run_prefill(mgr, short, 256)
+    mgr.free(short)
+    assert mgr.stats.retention["junctions_found"] == 2
+    # No full-attention match at all: nothing to remember.
+    run_prefill(mgr, Sequence("new", tokens(9000, 100)), 256)
+    assert mgr.stats.retention["junctions_found"] == 2
+
+
+def _resend_b(mgr, prefix, extra: int = 0):  # type: ignore[no-untyped-def]
+    """d re-sends b's prompt (plus ``extra`` tokens): its hit holds the anchor at 128 but not the
+    window kept there (b freed last: its blocks are the newest in the LRU)."""
+    d = Sequence("d", prefix + tokens(2000, 64) + tokens(3000, extra))
+    hit = mgr.lookup(d)
+    assert hit.num_tokens == (176 if not extra else 192) and hit.block_ids[0][7] in mgr.pool.kept.by_anchor
+    return d, hit
+
+
+def test_kept_windows_of_a_held_anchor_are_not_admissible() -> None:
+    mgr, prefix = _junction()
+    d, hit = _resend_b(mgr, prefix)
+    assert mgr.allocate(d, d.num_tokens - hit.num_tokens, hit=hit) is not None
+    assert mgr.num_free_blocks - mgr.num_admissible_blocks == 2  # cdiv(32 - 1, 16) window blocks at 128
+    # An unrelated prompt needing one block more than is admissible must wait.
+    need = mgr.num_admissible_blocks + 2
+    big = Sequence("big", tokens(50_000, 8 * need))
+    assert mgr.blocks_needed_when_empty(big.num_tokens) == need <= mgr.num_free_blocks
+    assert mgr.allocate(big, big.num_tokens) is None
+    assert mgr.allocate(Sequence("fits", tokens(60_000, 8 * (need - 2))), 8 * (need - 2)) is not None
+    mgr.check_invariants()
+
+
+def test_adopting_an_anchor_makes_its_kept_windows_reserved_and_admission_counts_them() -> None:
+    mgr, prefix = _junction(a_suffix=17)  # few blocks of a's own: the filler below evicts only those
+    assert mgr.pool.num_kept_blocks == 2 and mgr.num_admissible_blocks == mgr.num_free_blocks
+    d, hit = _resend_b(mgr, prefix, extra=32)
+    free_hits = sum(1 for ids in hit.block_ids for b in ids if b and not mgr.pool.ref_cnt[b])
+    step = 4  # 32 new tokens: two full blocks, two window blocks
+    # Leave free hits + the step (+ 1) admissible blocks: enough only if the two kept windows the
+    # adoption reserves were not counted. The filler (an even number of blocks) evicts only free
+    # blocks ahead of d's hits in the LRU.
+    room = mgr.num_admissible_blocks - (free_hits + step)
+    filler = _fill(mgr, room - room % 2)
+    assert mgr.num_admissible_blocks - (free_hits + step) in (0, 1)
+    assert mgr.lookup(d).num_tokens == 192
+    assert mgr.allocate(d, d.num_tokens - hit.num_tokens, hit=mgr.lookup(d)) is None
+    mgr.free(filler)
+    assert mgr.allocate(d, d.num_tokens - hit.num_tokens, hit=mgr.lookup(d)) is not None
+    assert mgr.num_free_blocks - mgr.num_admissible_blocks == 2  # the adopted anchor's kept windows
+    mgr.check_invariants()

@@ -99,6 +99,10 @@ class KeptTier(Protocol):
         """``blocks`` went from held to free."""
         ...
 
+    def check_invariants(self) -> None:
+        """The tier's own invariants (AssertionError naming the broken one)."""
+        ...
+
 
 # Hot loops below are plain ``for`` loops and comprehensions over lists of ints: on CPython 3.11+
 # they run specialised list bytecodes and beat ``map``/``compress`` chains of slot wrappers.
@@ -493,6 +497,8 @@ class BlockPool:
                 assert tier[b] == tag, f"block {b} in {name} tier tagged {TIER_NAMES[tier[b]]}"
         kept = len(self.kept) if self.kept is not None else 0
         assert counts[KEPT] == kept, f"kept tier holds {kept}, tags say {counts[KEPT]}"
+        if self.kept is not None:
+            self.kept.check_invariants()
         assert self.num_free_blocks == n - 1 - counts[HELD], "free count not conserved"
         for group, (idx, dups) in enumerate(zip(self.index, self._dups)):
             for h, others in dups.items():

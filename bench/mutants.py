@@ -1,0 +1,85 @@
+"""Do the default tests catch the bugs that matter? Apply one-line mutants of the core and check.
+
+    python bench/mutants.py [--only NAME] [--tests tests/test_x.py ...]
+
+Each mutant is a plausible one-line bug (the list below); for each, the core's source file is
+patched in place, the default test profile runs on the core's test files (stopping at the first
+failure), and the file is restored. A mutant that passes every test is reported as *survived*.
+Exit status 1 if any survives. Takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / "src" / "hybridkv" / "core"
+
+MUTANTS: list[tuple[str, str, str, str]] = [
+    # (name, file under core/, original line fragment, mutated fragment)
+    ("admission compares against all free blocks, not the admissible ones", "manager.py",
+     "available = pool.num_admissible_blocks", "available = pool.num_free_blocks"),
+    ("a hit's revived windows are not counted in the admission cost", "manager.py",
+     "need += self.retainer.admission_cost(free)", "need += len(free)"),
+    ("retention may nest two levels deep", "retention.py",
+     "if block in self.by_anchor or anchor in self.kept or block in self.kept:", "if block in self.kept:"),
+    ("a window's hit span is one block too wide", "kinds/sliding_window.py",
+     "return max(0, end - self.contiguous), end", "return max(0, end - self.contiguous - 1), end"),
+    ("a window's hit span is one block too narrow", "kinds/sliding_window.py",
+     "return max(0, end - self.contiguous), end", "return max(0, end - self.contiguous + 1), end"),
+    ("a recurrent group never resumes from its first checkpoint", "kinds/mamba.py",
+     "for i in range(min(max_tokens // self.block_size, len(hashes)) - 1, -1, -1):",
+     "for i in range(min(max_tokens // self.block_size, len(hashes)) - 1, 0, -1):"),
+    ("a prompt matched to its end counts as a junction", "retention.py",
+     "if anchor is None or not 0 < junction < hit.max_hit_tokens:",
+     "if anchor is None or not 0 < junction <= hit.max_hit_tokens:"),
+    ("no full-attention match counts as a junction", "retention.py",
+     "if anchor is None or not 0 < junction < hit.max_hit_tokens:",
+     "if anchor is None or not 0 <= junction < hit.max_hit_tokens:"),
+    ("junction windows are searched one block short", "retention.py",
+     "stop = min((hi + 1) * group.block_size + span_tokens", "stop = min(hi * group.block_size + span_tokens"),
+    ("an evicted anchor leaves its kept windows behind", "retention.py",
+     "windows = self.by_anchor.pop(block, None) if self.by_anchor else None", "windows = None"),
+]
+
+TESTS = ["tests/test_manager.py", "tests/test_retention.py", "tests/test_hits.py", "tests/test_mamba_prefix.py",
+         "tests/test_admission_bound.py", "tests/test_block_pool_and_hashing.py", "tests/test_connectors.py",
+         "tests/test_untrusted_callers.py", "tests/test_state_machine.py"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=None, help="run the mutants whose name contains this")
+    ap.add_argument("--tests", nargs="*", default=TESTS)
+    args = ap.parse_args()
+    survived = 0
+    for name, rel, old, new in MUTANTS:
+        if args.only and args.only not in name:
+            continue
+        path = CORE / rel
+        source = path.read_text()
+        if source.count(old) != 1:
+            print(f"{name}: the line to mutate is not in {rel} exactly once (the code changed?)")
+            survived += 1
+            continue
+        path.write_text(source.replace(old, new))
+        t0 = time.perf_counter()
+        try:
+            result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                     *args.tests], cwd=ROOT, capture_output=True, text=True)
+        finally:
+            path.write_text(source)
+        caught = result.returncode != 0
+        failed = next((line.split(" - ")[0] for line in result.stdout.splitlines() if line.startswith("FAILED")), "")
+        survived += not caught
+        print(f"{'caught  ' if caught else 'SURVIVED'} {name} ({time.perf_counter() - t0:.0f} s)"
+              + (f": {failed.removeprefix('FAILED ')}" if failed else ""), flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
