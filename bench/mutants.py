@@ -40,8 +40,10 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ("no full-attention match counts as a junction", "retention.py",
      "if anchor is None or not 0 < junction < hit.max_hit_tokens:",
      "if anchor is None or not 0 <= junction < hit.max_hit_tokens:"),
+    ("junction windows are searched from one aligned block too far", "retention.py",
+     "start = (lo * group.block_size // align + 1) * align", "start = (lo * group.block_size // align + 2) * align"),
     ("junction windows are searched one block short", "retention.py",
-     "stop = min((hi + 1) * group.block_size + span_tokens", "stop = min(hi * group.block_size + span_tokens"),
+     "stop = min(hi * group.block_size + span_tokens", "stop = min((hi - 1) * group.block_size + span_tokens"),
     ("an evicted anchor leaves its kept windows behind", "retention.py",
      "windows = self.by_anchor.pop(block, None) if self.by_anchor else None", "windows = None"),
 ]

@@ -6,6 +6,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from hybridkv import Sequence, WindowRetention
 
 from helpers import full, manager, run_prefill, swa, tokens
@@ -35,14 +37,15 @@ def test_window_retention_does_not_lose_to_lru_when_everything_fits() -> None:
     assert kept.hit_rate >= lru.hit_rate
 
 
-def test_junction_window_is_retained_and_released_with_its_prefix() -> None:
+@pytest.mark.parametrize("chunk", [16, 64])  # 16: the window drops one block per step
+def test_junction_window_is_retained_and_released_with_its_prefix(chunk: int) -> None:
     mgr = manager(60, full(16), swa(32, 16), retention="window", max_model_len=512, batch=64)
     prefix = tokens(0, 128)
     run_prefill(mgr, Sequence("a", prefix + tokens(1000, 64)), 64)
     mgr.free("a")
     # b shares the prefix: its lookup finds full attention matching to the junction at 128.
     b = Sequence("b", prefix + tokens(2000, 64))
-    run_prefill(mgr, b, 64)
+    run_prefill(mgr, b, chunk)
     mgr.free(b)
     assert mgr.stats.retention["junctions_found"] == 1
     assert mgr.pool.num_kept_blocks == 2  # cdiv(31, 16) blocks ending at 128

@@ -332,10 +332,11 @@ class WindowRetainer(Retainer):
         hashes = self.hashes(seq, anchor)
         table = anchor.tables.get(seq.seq_id, [])
         pool = self.pool
+        # A window of ``span`` blocks ending at boundary B meets block i iff i < B / bs <= i + span.
         span = group.hit_span(1 << 40)
         span_tokens = (span[1] - span[0]) * group.block_size
         start = (lo * group.block_size // align + 1) * align
-        stop = min((hi + 1) * group.block_size + span_tokens, len(hashes) * anchor.block_size)
+        stop = min(hi * group.block_size + span_tokens, len(hashes) * anchor.block_size)
         known = self._junctions
         out: list[tuple[int, int]] = []
         for boundary in range(start, stop + 1, align):
