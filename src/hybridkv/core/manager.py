@@ -126,6 +126,7 @@ class KVCacheManager:
         self._droppers = [g for g in self.groups if type(g).skipped_tokens is not KindManager.skipped_tokens]
         self._deferred = [g for g in caching if g.registers_when_computed]
         self._checkpointing = [g for g in self._deferred if isinstance(g, MambaManager) and g.align]
+        self._preparing = [g for g in self.groups if type(g).prepare is not KindManager.prepare]
         self._seqs: dict[str, Sequence] = {}
         # Per running Sequence object (keyed by identity): the slot count up to which a step has
         # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
@@ -314,34 +315,29 @@ class KVCacheManager:
             idle = self._idle_until.get(seq)  # set only while this very object is running
         except TypeError:  # unhashable: not a Sequence, the checks below say so
             idle = None
-        if (idle is not None and hit is None and not num_external_tokens and not whole_sequence_must_fit
-                and type(num_new_tokens) is int and type(num_lookahead_tokens) is int and num_new_tokens > 0
-                and num_lookahead_tokens >= 0 and num_new_tokens + num_lookahead_tokens <= self.max_num_batched_tokens):
+        if idle is not None and hit is None and not num_external_tokens and not whole_sequence_must_fit:
             computed = seq.num_computed_tokens
-            if (type(computed) is int and computed >= 0 and computed + num_new_tokens + num_lookahead_tokens <= idle
+            if (type(num_new_tokens) is int and type(num_lookahead_tokens) is int and type(computed) is int
+                    and 0 < num_new_tokens <= self.max_num_batched_tokens - num_lookahead_tokens
+                    and num_lookahead_tokens >= 0 <= computed
+                    and computed + num_new_tokens + num_lookahead_tokens <= idle
                     and computed + num_new_tokens <= seq.num_tokens <= self.max_model_len):
-                return self._no_new_blocks()
+                return self._no_new_blocks()  # the step has nothing to allocate, register or drop
 
         # 1. Validate.
-        self._check_sequence(seq)
-        _count("num_new_tokens", num_new_tokens)
-        _count("num_external_tokens", num_external_tokens)
-        _count("num_lookahead_tokens", num_lookahead_tokens)
+        self._check_step(seq, num_new_tokens, num_external_tokens, num_lookahead_tokens)
         sid = seq.seq_id
-        running = sid in self._seqs
-        if running:
-            hit_blocks = self._check_running(seq, hit, num_external_tokens)
+        groups = self.groups
+        pool = self.pool
+        adopted: CacheHit | None = None
+        if sid in self._seqs:
+            self._check_running(seq, hit, num_external_tokens)
             computed = seq.num_computed_tokens
-            adopted = None
+            hit_blocks: list[list[int]] | tuple[()] = ()
         else:
             adopted = self._verified_hit(seq, hit)
             computed = adopted.num_tokens
             hit_blocks = [list(ids) for ids in adopted.block_ids]
-        if num_new_tokens + num_lookahead_tokens > self.max_num_batched_tokens:
-            raise InvalidInputError(
-                f"sequence {sid!r}: {num_new_tokens} new + {num_lookahead_tokens} lookahead tokens in one step "
-                f"exceed max_num_batched_tokens={self.max_num_batched_tokens}, which the per-request bounds assume"
-            )
         known = computed + num_external_tokens + num_new_tokens
         if known > seq.num_tokens:
             raise InvalidInputError(
@@ -349,48 +345,58 @@ class KVCacheManager:
                 f"{num_new_tokens} new tokens exceed its {seq.num_tokens} tokens"
             )
         total = known + num_lookahead_tokens
-        groups = self.groups
-        pool = self.pool
 
         # 2. Plan: make room (what the windows no longer need), then count per group and check.
-        if running:
-            self._register_computed(seq)
-            self._drop_windows(seq, computed)
+        if adopted is None:
+            if self._deferred:
+                self._register_computed(seq)
+            for g in self._droppers:
+                freed = g.remove_skipped(sid, computed)
+                if freed:
+                    self.retainer.release_dropped(g, seq, freed)
+            plans = [g.plan_indices(sid, (), computed, 0, total if g.holds_lookahead else known) for g in groups]
+            need = sum(map(len, plans))
+            if whole_sequence_must_fit:
+                need = self._whole_sequence_need(seq, plans, None, num_lookahead_tokens)
+            if need and need > pool.num_free_blocks:
+                self._stats.allocation_failures += 1
+                return None
+            new_blocks = tuple([g.grow(sid, indices, allow_reserved=True) if indices else []
+                                for g, indices in zip(groups, plans)])
         else:
             start = computed + num_external_tokens
             hit_blocks = [g.adoptable(blocks, start) if blocks else blocks for g, blocks in zip(groups, hit_blocks)]
-            assert adopted is not None
-            for g in groups:
+            for g in self._preparing:
                 g.prepare(seq, self._checkpoints(seq, g, adopted, start))
-        plans = [g.plan_indices(sid, blocks, computed, num_external_tokens, total if g.holds_lookahead else known)
-                 for g, blocks in zip(groups, hit_blocks)]
-        need = sum(map(len, plans))
-        if whole_sequence_must_fit:
-            need = self._whole_sequence_need(seq, plans, hit_blocks, running, num_lookahead_tokens)
-        if running:
-            available = pool.num_free_blocks
-        else:
+            plans = [g.plan_indices(sid, blocks, computed, num_external_tokens, total if g.holds_lookahead else known)
+                     for g, blocks in zip(groups, hit_blocks)]
+            need = sum(map(len, plans))
+            if whole_sequence_must_fit:
+                need = self._whole_sequence_need(seq, plans, hit_blocks, num_lookahead_tokens)
             # Null entries lead a hit (window hits are mostly null): a list without one is kept as is.
             live = list(chain.from_iterable(b if not b or b[0] else filter(None, b) for b in hit_blocks))
-            free = pool.unreferenced(live)
+            ref = pool.ref_cnt
+            free = [b for b in live if not ref[b]]
             need += self.retainer.admission_cost(free)
-            available = pool.num_admissible_blocks
-        if need > available:
-            self._stats.allocation_failures += 1
-            if not running:
-                for g in groups:
+            if need > pool.num_admissible_blocks:
+                self._stats.allocation_failures += 1
+                for g in self._preparing:
                     g.pop_table(sid)  # forget what ``prepare`` noted
-            return None
+                return None
 
-        # 3. Apply: adopt the hit in every group before any group allocates (two-phase adoption).
-        if not running:
+            # 3. Apply: adopt the hit in every group before any group allocates (two-phase adoption).
             pool.touch(live, free)
             for g, blocks in zip(groups, hit_blocks):
                 g.adopt(sid, blocks)
             self._seqs[sid] = seq
-        new_blocks = tuple([g.grow(sid, indices, allow_reserved=running) for g, indices in zip(groups, plans)])
+            new_blocks = tuple([g.grow(sid, indices, allow_reserved=False) for g, indices in zip(groups, plans)])
         self._register(seq, computed, num_external_tokens, known)
-        self._idle_until[seq] = self._idle_limit(sid)
+        limit = self.max_model_len  # the slot count up to which the next steps have nothing to do
+        for g in groups:
+            group_limit = g.idle_limit(sid)
+            if group_limit < limit:
+                limit = group_limit
+        self._idle_until[seq] = limit
         if adopted is not None:
             st = self._stats
             st.admissions += 1
@@ -400,15 +406,19 @@ class KVCacheManager:
             self.retainer.on_admit(seq, adopted)
         return new_blocks
 
-    def _whole_sequence_need(self, seq: Sequence, plans: list[range | list[int]], hit_blocks: list[list[int]],
-                             running: bool, num_lookahead_tokens: int) -> int:
+    def _whole_sequence_need(self, seq: Sequence, plans: list[range | list[int]],
+                             hit_blocks: list[list[int]] | None, num_lookahead_tokens: int) -> int:
         """Blocks the admission bound asks for: per group, the step's blocks or the sequence's peak
-        (``spec.blocks_for_tokens``) less what it holds, whichever is more."""
+        (``spec.blocks_for_tokens``) less what it holds (its table, or its hit for a new sequence),
+        whichever is more."""
         n = seq.num_tokens + num_lookahead_tokens
         mnbt, mml = self.max_num_batched_tokens, self.max_model_len
         need = 0
-        for g, indices, blocks in zip(self.groups, plans, hit_blocks):
-            held = g.held_blocks(seq.seq_id) if running else len(blocks) - blocks.count(NULL_BLOCK)
+        for i, (g, indices) in enumerate(zip(self.groups, plans)):
+            if hit_blocks is None:
+                held = g.held_blocks(seq.seq_id)
+            else:
+                held = len(hit_blocks[i]) - hit_blocks[i].count(NULL_BLOCK)
             need += max(len(indices), g.spec.blocks_for_tokens(n, mnbt, mml) - held)
         return need
 
@@ -437,18 +447,11 @@ class KVCacheManager:
 
     def _idle_limit(self, sid: str) -> int:
         """Slot count up to which the next steps of ``sid`` have nothing to do in any group."""
-        limit = NEVER
+        limit = self.max_model_len
         for g in self.groups:
             group_limit = g.idle_limit(sid)
             limit = group_limit if group_limit < limit else limit
         return limit
-
-    def _drop_windows(self, seq: Sequence, computed: int) -> None:
-        """Release the blocks every window has left behind once ``computed`` tokens are in."""
-        for g in self._droppers:
-            freed = g.remove_skipped(seq.seq_id, computed)
-            if freed:
-                self.retainer.release_dropped(g, seq, freed)
 
     def _register(self, seq: Sequence, computed: int, external: int, known: int) -> None:
         """Enter into the prefix cache the full blocks of the first ``known`` tokens (recurrent
@@ -523,7 +526,21 @@ class KVCacheManager:
                 f"0..{seq.num_tokens}"
             )
 
-    def _check_running(self, seq: Sequence, hit: CacheHit | None, num_external_tokens: int) -> list[list[int]]:
+    def _check_step(self, seq: Sequence, num_new: int, num_external: int, num_lookahead: int) -> None:
+        """The sequence and the token counts of an allocation are well formed."""
+        self._check_sequence(seq)
+        if not (type(num_new) is int and type(num_external) is int and type(num_lookahead) is int
+                and num_new >= 0 and num_external >= 0 and num_lookahead >= 0):
+            for name, value in (("num_new_tokens", num_new), ("num_external_tokens", num_external),
+                                ("num_lookahead_tokens", num_lookahead)):
+                _count(name, value)
+        if num_new + num_lookahead > self.max_num_batched_tokens:
+            raise InvalidInputError(
+                f"sequence {seq.seq_id!r}: {num_new} new + {num_lookahead} lookahead tokens in one step "
+                f"exceed max_num_batched_tokens={self.max_num_batched_tokens}, which the per-request bounds assume"
+            )
+
+    def _check_running(self, seq: Sequence, hit: CacheHit | None, num_external_tokens: int) -> None:
         sid = seq.seq_id
         if self._seqs[sid] is not seq:
             raise InvalidInputError(f"another Sequence object with id {sid!r} is already running")
@@ -535,7 +552,6 @@ class KVCacheManager:
             raise InvalidInputError(
                 f"sequence {sid!r} is running: external tokens can only be loaded at its first allocation"
             )
-        return [[] for _ in self.groups]
 
     def _verified_hit(self, seq: Sequence, hit: CacheHit | None) -> CacheHit:
         """The hit to adopt for a new sequence, checked against the sequence before anything changes.

@@ -34,6 +34,7 @@ class Sequence:
     __slots__ = (
         "seq_id",
         "_token_ids",
+        "num_tokens",
         "num_prompt_tokens",
         "num_computed_tokens",
         "cache_salt",
@@ -65,6 +66,8 @@ class Sequence:
             )
         self.seq_id = seq_id
         self._token_ids = tokens
+        self.num_tokens = len(tokens)
+        """Prompt plus appended tokens (read only: ``append_token_ids`` keeps it)."""
         self.num_prompt_tokens = len(tokens)
         self.num_computed_tokens = 0
         self.cache_salt = cache_salt
@@ -85,18 +88,14 @@ class Sequence:
         return self._token_ids[: self.num_prompt_tokens]
 
     @property
-    def num_tokens(self) -> int:
-        """Prompt plus appended tokens."""
-        return len(self._token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         """Tokens appended after the prompt."""
-        return len(self._token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     def append_token_ids(self, token_ids: Iterable[int]) -> None:
         """Append generated (or externally supplied) tokens."""
         self._token_ids.extend(_validated_tokens(self.seq_id, token_ids, "appended token ids"))
+        self.num_tokens = len(self._token_ids)
 
     def block_hashes(self, hasher: BlockHasher, block_size: int) -> list[bytes]:
         """Hashes of every full block of ``block_size`` tokens, extended to the current length.
@@ -107,6 +106,8 @@ class Sequence:
         if self._hash_key != key:
             self._hash_key = key
             self._block_hashes = []
+        elif len(self._block_hashes) == self.num_tokens // block_size:
+            return self._block_hashes  # up to date (most calls)
         hasher.hash_full_blocks(self._token_ids, block_size, self._block_hashes, self._first_extra)
         return self._block_hashes
 

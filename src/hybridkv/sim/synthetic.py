@@ -87,40 +87,32 @@ def _extend(hashes: list[int], runs: list[tuple[str, int]], root: int, block_siz
 class SyntheticSequence(Sequence):
     """A sequence known by its content runs and length; see the module docstring."""
 
-    __slots__ = ("segments", "_num_tokens", "_hashes", "_hash_bs", "_runs_key", "_root")
+    __slots__ = ("segments", "_hashes", "_hash_bs", "_runs_key", "_root")
 
     def __init__(self, seq_id: str, segments: Segments, cache_salt: str | None = None) -> None:
         if not segments or any(n <= 0 for _, n in segments):
             raise ValueError(f"sequence {seq_id!r}: segments must be non-empty runs of positive length")
         super().__init__(seq_id, [0], cache_salt)  # the base keeps no token list beyond a stub
         self.segments = tuple(segments)
-        self._num_tokens = sum(n for _, n in segments)
-        self.num_prompt_tokens = self._num_tokens
+        self.num_tokens = sum(n for _, n in segments)
+        self.num_prompt_tokens = self.num_tokens
         self._hashes: list[int] = []
         self._hash_bs = 0
         self._runs_key: tuple[object, ...] = (cache_salt, *self.segments)
         self._root = hash(("hybridkv-salt", cache_salt)) if cache_salt is not None else 0
 
     @property
-    def num_tokens(self) -> int:
-        return self._num_tokens
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self._num_tokens - self.num_prompt_tokens
-
-    @property
     def token_ids(self) -> list[int]:
         raise TypeError(f"synthetic sequence {self.seq_id!r} has no token ids")
 
     def append_token_ids(self, token_ids: object) -> None:
-        self._num_tokens += len(token_ids)  # type: ignore[arg-type]
+        self.num_tokens += len(token_ids)  # type: ignore[arg-type]
 
     def block_hashes(self, hasher: BlockHasher, block_size: int) -> list[bytes]:
         if self._hash_bs != block_size:
             self._hash_bs = block_size
             self._hashes = self._prompt_hashes(block_size)
-        total = self._num_tokens
+        total = self.num_tokens
         if len(self._hashes) < total // block_size:
             runs = [*self.segments, (f"out:{self.seq_id}", total - self.num_prompt_tokens)]
             _extend(self._hashes, runs, self._root, block_size, total)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from itertools import compress, takewhile
 
 from hybridkv.core._util import cdiv
@@ -110,7 +111,7 @@ class KindManager:
         skipped = min(self.skipped_tokens(num_computed) // self.block_size, len(hit_blocks))
         return [NULL_BLOCK] * skipped + hit_blocks[skipped:] if skipped else hit_blocks
 
-    def plan_indices(self, seq_id: str, hit_blocks: list[int], num_computed: int, num_external: int,
+    def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,
                      num_tokens: int) -> Indices:
         """Table indices that need a fresh block for the table to hold ``num_tokens`` slots.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 
 from hybridkv.core._util import cdiv
 from hybridkv.core.block_pool import BlockPool
@@ -35,7 +36,7 @@ class CrossAttentionManager(KindManager):
     def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
         self.encoder_tokens[seq.seq_id] = seq.num_encoder_tokens
 
-    def plan_indices(self, seq_id: str, hit_blocks: list[int], num_computed: int, num_external: int,
+    def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,
                      num_tokens: int) -> Indices:
         if seq_id in self.tables:
             return NOTHING  # all blocks come with the first allocation

@@ -31,6 +31,7 @@ as a later one is written; dropped checkpoints stay cached (the retention policy
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 
 from hybridkv.core._util import cdiv
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
@@ -82,7 +83,7 @@ class MambaManager(KindManager):
         if self.align and self.caching and checkpoints:
             self.plans[seq.seq_id] = checkpoints
 
-    def plan_indices(self, seq_id: str, hit_blocks: list[int], num_computed: int, num_external: int,
+    def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,
                      num_tokens: int) -> Indices:
         if not self.align:
             return super().plan_indices(seq_id, hit_blocks, num_computed, num_external, num_tokens)
@@ -194,7 +195,7 @@ class MambaNoCacheManager(KindManager):
     def hit_span(self, boundary: int) -> tuple[int, int]:
         return 0, 0
 
-    def plan_indices(self, seq_id: str, hit_blocks: list[int], num_computed: int, num_external: int,
+    def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,
                      num_tokens: int) -> Indices:
         table = self.tables.get(seq_id)
         return NOTHING if table else range(0, 1)
