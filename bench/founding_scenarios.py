@@ -1,12 +1,15 @@
-"""The founding scenarios of BRIEF.md, reproduced with the simulator.
+"""The behaviours hybridkv was founded on, reproduced with the simulator.
 
-    python bench/founding_scenarios.py [--only 001,003,004] [--plot docs/seed004_sweep.png] [--json FILE]
+    python bench/founding_scenarios.py [--only bound,capacity,retention] [--plot docs/retention_sweep.png]
+        [--json FILE]
 
-* seed 001 -- a 16k-token request on Gemma 3 12B with a pool where counting every sliding-window
-  block at admission never admits it (a scheduler deadlock): hybridkv admits and finishes all.
-* seed 003 -- the planner's max concurrency equals the concurrency the simulation reaches.
-* seed 004 -- 15/20/30/40/60 shared prefixes of 28k tokens on a Gemma-class hybrid with a pool of
-  ~1.47M tokens: prefix-hit rate and TTFT with retention ``none`` vs ``window``.
+* bound -- the admission bound: a 16k-token request on Gemma 3 12B with a pool where counting
+  every sliding-window block at admission never admits it (a scheduler deadlock): hybridkv admits
+  and finishes all.
+* capacity -- growing-groups capacity: the planner's max concurrency equals the concurrency the
+  simulation reaches.
+* retention -- window retention: 15/20/30/40/60 shared prefixes of 28k tokens on a Gemma-class
+  hybrid with a pool of ~1.47M tokens: prefix-hit rate and TTFT with retention ``none`` vs ``window``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from hybridkv.sim.simulator import SimConfig, build_manager, simulate
 from hybridkv.sim.workloads import ClosedLoop, SimRequest, Workload, shared_prefix
 
 
-def seed001() -> dict[str, Any]:
+def admission_bound() -> dict[str, Any]:
     cfg = SimConfig(model="gemma-3-12b", gpu="h100-80gb", max_model_len=16384, max_num_batched_tokens=2048,
                     kv_cache_tokens=40_000)
     mgr, _ = build_manager(cfg)
@@ -30,7 +33,7 @@ def seed001() -> dict[str, Any]:
     bounded = mgr.blocks_needed_when_empty(16384)
     w = shared_prefix(8, 8, 16000, 200, max_new_tokens=64, arrivals=ClosedLoop(4), seed=1)
     s = simulate(w, cfg).summary
-    print(f"seed 001: Gemma 3 12B, {len(mgr.layout.groups)} groups, pool of {usable} usable blocks; a 16,384-token "
+    print(f"admission bound: Gemma 3 12B, {len(mgr.layout.groups)} groups, pool of {usable} usable blocks; a 16,384-token "
           f"request counts {naive} blocks if every group's blocks are counted (never admitted: deadlock), "
           f"{bounded} with the per-request bounds -> {s['finished']}/{s['requests']} 16k-token requests finished, "
           f"{s['rejected']} rejected, {s['preemptions']} preemptions")
@@ -38,7 +41,7 @@ def seed001() -> dict[str, Any]:
             "finished": s["finished"], "requests": s["requests"], "rejected": s["rejected"]}
 
 
-def seed003() -> list[dict[str, Any]]:
+def capacity() -> list[dict[str, Any]]:
     rows = []
     for model, gpu, tokens in (("gemma-3-27b", "h100-80gb", 200_000), ("gpt-oss-20b", "h100-80gb", 100_000),
                                ("llama-3.1-8b", "h100-80gb", 100_000)):
@@ -48,16 +51,16 @@ def seed003() -> list[dict[str, Any]]:
         w = Workload([SimRequest(f"r{i}", 0.0, ((f"unique-{i}", 2048),), 6144) for i in range(48)], 48, "unique")
         s = simulate(w, cfg).summary
         naive = s["num_blocks"] // max(1, len(build_manager(cfg)[0].layout.groups)) * 16
-        print(f"seed 003: {model}: planned max concurrency at 8,192 tokens {s['max_concurrency']}, reached "
+        print(f"capacity: {model}: planned max concurrency at 8,192 tokens {s['max_concurrency']}, reached "
               f"{s['peak_running']}; token capacity {s['kv_capacity_tokens']:,} (naive rule {naive:,})")
         rows.append({"model": model, "max_concurrency": s["max_concurrency"], "peak_running": s["peak_running"],
                      "kv_capacity_tokens": s["kv_capacity_tokens"], "naive_capacity_tokens": naive})
     return rows
 
 
-def seed004(prefix_counts: list[int], requests: int) -> list[dict[str, Any]]:
+def retention(prefix_counts: list[int], requests: int) -> list[dict[str, Any]]:
     rows = []
-    print(f"seed 004: gemma-3-27b (W=1024), pool of 1.47M full-attention tokens, {requests} requests, "
+    print(f"window retention: gemma-3-27b (W=1024), pool of 1.47M full-attention tokens, {requests} requests, "
           "28,000-token shared prefixes + 200-token suffixes, 64 output tokens, closed loop x16")
     print(f"{'prefixes':>8} {'retention':>9} {'hit rate':>9} {'TTFT p50':>9} {'TTFT mean':>10} {'wall':>6}")
     for p in prefix_counts:
@@ -74,7 +77,7 @@ def seed004(prefix_counts: list[int], requests: int) -> list[dict[str, Any]]:
     return rows
 
 
-def plot004(rows: list[dict[str, Any]], path: str) -> None:
+def plot_retention(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,7 +94,7 @@ def plot004(rows: list[dict[str, Any]], path: str) -> None:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("seed 004 on gemma-3-27b, 1.47M-token pool (hybridkv simulate)")
+    fig.suptitle("window retention on gemma-3-27b, 1.47M-token pool (hybridkv simulate)")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -99,7 +102,7 @@ def plot004(rows: list[dict[str, Any]], path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="001,003,004")
+    ap.add_argument("--only", default="bound,capacity,retention")
     ap.add_argument("--prefixes", default="15,20,30,40,60")
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--plot", default=None)
@@ -107,14 +110,14 @@ def main() -> None:
     args = ap.parse_args()
     out: dict[str, Any] = {}
     only = args.only.split(",")
-    if "001" in only:
-        out["seed001"] = seed001()
-    if "003" in only:
-        out["seed003"] = seed003()
-    if "004" in only:
-        out["seed004"] = seed004([int(x) for x in args.prefixes.split(",")], args.requests)
+    if "bound" in only:
+        out["admission_bound"] = admission_bound()
+    if "capacity" in only:
+        out["capacity"] = capacity()
+    if "retention" in only:
+        out["retention"] = retention([int(x) for x in args.prefixes.split(",")], args.requests)
         if args.plot:
-            plot004(out["seed004"], args.plot)
+            plot_retention(out["retention"], args.plot)
             print(f"plot written to {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

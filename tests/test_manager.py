@@ -1,4 +1,4 @@
-"""Manager scenarios: hits per kind, window drops, admission (seed 001), two-phase adoption (seed 002)."""
+"""Manager scenarios: hits per kind, window drops, admission (the admission bound), two-phase adoption."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hybridkv import (
 
 from helpers import chunked, full, mamba, manager, run_prefill, swa, tokens
 
-# ---------------------------------------------------------------------- seed 001: admission
+# ---------------------------------------------------------------------- the admission bound
 
 
 def test_swa_admission_uses_the_per_request_bound_and_never_fails_mid_run() -> None:
@@ -173,7 +173,7 @@ def test_dropped_window_blocks_are_reused_by_other_sequences() -> None:
     assert mgr.num_free_blocks == 39 - 25 - sum(b != 0 for b in mgr.block_table("a")[1])
 
 
-# ---------------------------------------------------------------------- seed 002: two-phase adoption
+# ---------------------------------------------------------------------- two-phase adoption
 
 
 def _hits_at_the_eviction_head(num_swa_groups: int) -> tuple[KVCacheManager, Sequence]:

@@ -1,4 +1,4 @@
-"""Retention (seed 004): junction windows survive memory pressure; admission never stalls."""
+"""Window retention: junction windows survive memory pressure; admission never stalls."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_window_retention_recovers_hybrid_hits_under_pressure() -> None:
     full_only = run_trace("full", SMALL, "none", prompts)
     lru = run_trace("hybrid", SMALL, "none", prompts)
     kept = run_trace("hybrid", SMALL, "window", prompts)
-    assert lru.hit_rate < 0.5 * full_only.hit_rate  # the seed-004 collapse
+    assert lru.hit_rate < 0.5 * full_only.hit_rate  # the hybrid hit-rate collapse under plain LRU
     assert kept.hit_rate >= 0.75 * full_only.hit_rate
     assert kept.calls["junctions_found"] > 0 and kept.calls["retained"] > 0
 
@@ -62,7 +62,7 @@ def test_junction_window_is_retained_and_released_with_its_prefix(chunk: int) ->
 
 
 def test_retention_never_stalls_a_running_sequence() -> None:
-    # A single sequence in a pool sized by the seed-001 bound runs to the end with retention on.
+    # A single sequence in a pool sized by the admission bound runs to the end with retention on.
     mgr = manager(78, full(), swa(64), max_model_len=1024, batch=128, retention="window")
     run_prefill(mgr, Sequence("warm", tokens(0, 600)), 128)
     mgr.free("warm")

@@ -78,7 +78,7 @@ def test_request_that_never_fits_is_rejected_with_a_reason_not_queued() -> None:
     assert small.status is Status.FINISHED
 
 
-def test_seed001_long_request_is_admitted_by_the_window_bound_and_finishes() -> None:
+def test_a_long_request_is_admitted_by_the_window_bound_and_finishes() -> None:
     # 16k-token prompt, full + SWA 1024: counting every SWA block would need 2 x 1,000 blocks.
     mgr = manager(1000 + 1 + 2 * 80, full(16), swa(1024, 16), max_model_len=16384, batch=512)
     sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=512))

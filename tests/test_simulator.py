@@ -45,7 +45,7 @@ def test_simulation_is_deterministic() -> None:
 
 
 def test_window_retention_beats_lru_when_prefixes_exceed_the_pool() -> None:
-    # 12 prefixes of 6,000 tokens against a 60k-token pool: the seed-004 collapse and its fix.
+    # 12 prefixes of 6,000 tokens against a 60k-token pool: the hybrid hit-rate collapse and window retention's fix.
     w = shared_prefix(240, 12, 6000, 100, max_new_tokens=8, arrivals=ClosedLoop(4), seed=3)
     lru = simulate(w, SimConfig(**{**SMALL.__dict__, "retention": "none"})).summary
     kept = simulate(w, SimConfig(**{**SMALL.__dict__, "retention": "window"})).summary
@@ -61,7 +61,7 @@ def test_multi_turn_turns_hit_the_previous_context() -> None:
     assert s["prefix_hit_rate"] > 0.6
 
 
-def test_seed003_planned_concurrency_is_what_the_simulation_reaches() -> None:
+def test_planned_concurrency_is_what_the_simulation_reaches() -> None:
     # Requests that grow to max_model_len, admitted only when every admitted request can reach
     # its final length: the number running at once is exactly the planned max concurrency.
     cfg = SimConfig(**{**SMALL.__dict__, "max_model_len": 1024, "kv_cache_tokens": 30_000, "retention": "none",
@@ -72,7 +72,7 @@ def test_seed003_planned_concurrency_is_what_the_simulation_reaches() -> None:
     assert s["preemptions"] == 0 and s["finished"] == 16
 
 
-def test_seed001_long_request_is_admitted_and_finishes_on_gemma3() -> None:
+def test_a_long_request_is_admitted_by_the_admission_bound_and_finishes_on_gemma3() -> None:
     # Gemma 3 12B (5 sliding-window groups + 1 full), 16k-token requests, a pool of 2,500 blocks:
     # counting every sliding-window block (6 x 1,000 blocks) would never admit one; the bound
     # (1,000 + 5 x 193 blocks) does.

@@ -1,4 +1,4 @@
-"""Specs, the per-request bound (seed 001), the planner and the capacity report (seed 003)."""
+"""Specs, the per-request bound (the admission bound), the planner and the capacity report (growing-groups capacity)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_bad_specs_are_rejected_with_the_field_name() -> None:
 
 
 def test_token_capacity_divides_only_by_growing_groups() -> None:
-    # Seed 003: one full + one SWA group hold as many tokens as full attention alone.
+    # Growing-groups capacity: one full + one SWA group hold as many tokens as full attention alone.
     hybrid = capacity_report(layout(4097, full(), swa(1024)), max_model_len=32768, max_num_batched_tokens=8192)
     only_full = capacity_report(layout(4097, full()), max_model_len=32768, max_num_batched_tokens=8192)
     assert hybrid.token_capacity == only_full.token_capacity == 4096 * 16

@@ -9,7 +9,8 @@ block size divides.
 
 ``agreed_hit`` is the one implementation of that rule. The manager runs it against the device
 pool's index; external tiers and cluster indexes run it against what they hold, so a hit means
-the same everywhere.
+the same everywhere. ``verify_group_hit`` checks a hit the manager did not just find (from another
+manager, hand-built, stale) against the pool, group by group, before anything is adopted.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from hybridkv.core.block_pool import NULL_BLOCK
+from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.kinds import KindManager
+from hybridkv.errors import InvalidInputError
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +88,30 @@ def agreed_hit(groups: Sequence[KindManager], hashes: Callable[[KindManager], li
         for g in groups
     ]
     return bound, full_hit, blocks_per_group
+
+
+def verify_group_hit(g: KindManager, pool: BlockPool, hashes: list[bytes], ids: object, num_tokens: int,
+                     owner: str) -> None:
+    """Raise ``InvalidInputError`` unless ``ids`` is what group ``g`` reads for a hit of ``num_tokens``
+    tokens (null before the group's span, real blocks in it) and every block in the span holds the
+    sequence's own hash (``hashes``) in ``pool``, in this group."""
+    where = f"hit of {num_tokens} tokens for {owner}, group {g.group}"
+    if not isinstance(ids, tuple) or any(type(b) is not int for b in ids):
+        raise InvalidInputError(f"{where}: block ids must be a tuple of integers")
+    if not num_tokens or not g.constrains_hits:
+        if any(ids):
+            raise InvalidInputError(f"{where}: the group adopts no blocks, got {ids}")
+        return
+    first, end = g.hit_span(num_tokens)
+    if len(ids) != num_tokens // g.block_size:
+        raise InvalidInputError(f"{where}: {len(ids)} block ids, the hit needs {num_tokens // g.block_size}")
+    if any(ids[:first]):
+        raise InvalidInputError(f"{where}: blocks before index {first} are outside what a hit reads")
+    span = ids[first:end]
+    if not all(0 < b < pool.num_blocks for b in span):
+        raise InvalidInputError(f"{where}: block ids {span} must all be in 1..{pool.num_blocks - 1}")
+    if [pool.block_hash[b] for b in span] != hashes[first:end] or any(pool.block_group[b] != g.group for b in span):
+        raise InvalidInputError(
+            f"{where}: the blocks do not hold this sequence's prefix (evicted since the lookup, "
+            f"found for other tokens, or by another manager): look the sequence up again"
+        )

@@ -112,7 +112,7 @@ def _unify_page_sizes(specs: list[KVCacheSpec]) -> list[KVCacheSpec]:
 
 
 def _group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> tuple[list[KVCacheGroup], tuple[str, ...]]:
-    """Layers of one spec together; equal-sized groups (seed of the reference's planner).
+    """Layers of one spec together; equal-sized groups (the reference planner's rule).
 
     When the largest spec has fewer than 1.5x the layers of the smallest, every spec is one
     group, padded to the largest; otherwise groups have as many layers as the smallest spec
@@ -208,7 +208,7 @@ class CapacityReport:
     max_num_batched_tokens: int
     groups: tuple[KVCacheGroup, ...]
     token_capacity: int
-    """Tokens the cache holds, dividing blocks only among groups that grow (seed 003)."""
+    """Tokens the cache holds, dividing blocks only among groups that grow (growing-groups capacity)."""
     max_concurrency: int
     """Most sequences of ``max_model_len`` tokens that fit at once."""
     blocks_per_request: tuple[int, ...]

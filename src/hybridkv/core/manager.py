@@ -22,15 +22,15 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 
-from hybridkv.core._util import cdiv, gcd_all, lcm_all
+from hybridkv.core._util import gcd_all, lcm_all
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
 from hybridkv.core.hashing import BlockHasher, HashAlgorithm
-from hybridkv.core.hits import CacheHit, agreed_hit
+from hybridkv.core.hits import CacheHit, agreed_hit, verify_group_hit
 from hybridkv.core.kinds import NEVER, KindManager, MambaManager, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
 from hybridkv.core.retention import RetentionPolicy, make_policy
 from hybridkv.core.sequence import Sequence
-from hybridkv.core.specs import ChunkedLocalAttentionSpec, MambaSpec
+from hybridkv.core.specs import ChunkedLocalAttentionSpec
 from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequenceError
 
 
@@ -423,27 +423,19 @@ class KVCacheManager:
         return need
 
     def _checkpoints(self, seq: Sequence, group: KindManager, hit: CacheHit, start: int) -> list[tuple[int, int]]:
-        """``(position, rank)`` in ``(start, prompt end]`` where ``group`` (recurrent, align mode)
-        should leave a state checkpoint: junctions (the lookup's, remembered ones; rank 0), the
-        prompt's last aligned boundary (1), every ``checkpoint_interval`` tokens when set (2)."""
+        """Where a recurrent group (align mode) checkpoints this sequence's prefill: the lookup's
+        junction and the junctions retention remembers, the prompt's end (``MambaManager.plan``)."""
         if group not in self._checkpointing:
             return []
         align = self.hit_alignment
         end = (seq.num_prompt_tokens - 1) // align * align
         if end <= start:
             return []
-        ranks: dict[int, int] = {}
-        spec = group.spec
-        assert isinstance(spec, MambaSpec)
-        if spec.checkpoint_interval:
-            step = cdiv(spec.checkpoint_interval, align) * align
-            ranks.update(dict.fromkeys(range((start // step + 1) * step, end + 1, step), 2))
-        ranks[end] = 1
-        for p in self.retainer.junctions(seq, start, end):
-            ranks[p] = 0
+        junctions = self.retainer.junctions(seq, start, end)
         if start < hit.full_hit_tokens <= end:
-            ranks[hit.full_hit_tokens] = 0
-        return sorted(ranks.items())
+            junctions.append(hit.full_hit_tokens)
+        assert isinstance(group, MambaManager)
+        return group.plan(start, end, junctions, align)
 
     def _idle_limit(self, sid: str) -> int:
         """Slot count up to which the next steps of ``sid`` have nothing to do in any group."""
@@ -587,37 +579,11 @@ class KVCacheManager:
                 and hit.content == self._content(seq, n)):
             return hit  # found here for this very content, nothing evicted since
         for g, ids in zip(self.groups, hit.block_ids):
-            self._verify_group_hit(seq, g, ids, n)
+            verify_group_hit(g, self.pool, self.block_hashes(seq, g), ids, n, f"sequence {sid!r}")
         max_hit = (seq.num_tokens - 1) // align * align
         full = hit.full_hit_tokens if type(hit.full_hit_tokens) is int and n <= hit.full_hit_tokens <= max_hit else n
         return CacheHit(sid, n, tuple(tuple(ids) for ids in hit.block_ids), full, max_hit, self.pool.evictions,
                         self._token, self._content(seq, n))
-
-    def _verify_group_hit(self, seq: Sequence, g: KindManager, ids: object, n: int) -> None:
-        """Raise unless ``ids`` is what group ``g`` needs for a hit of ``n`` tokens, and holds it."""
-        where = f"hit of {n} tokens for sequence {seq.seq_id!r}, group {g.group}"
-        if not isinstance(ids, tuple) or any(type(b) is not int for b in ids):
-            raise InvalidInputError(f"{where}: block ids must be a tuple of integers")
-        if not n or not g.constrains_hits:
-            if any(ids):
-                raise InvalidInputError(f"{where}: the group adopts no blocks, got {ids}")
-            return
-        first, end = g.hit_span(n)
-        if len(ids) != n // g.block_size:
-            raise InvalidInputError(f"{where}: {len(ids)} block ids, the hit needs {n // g.block_size}")
-        if any(ids[:first]):
-            raise InvalidInputError(f"{where}: blocks before index {first} are outside what a hit reads")
-        span = ids[first:end]
-        if not all(0 < b < self.pool.num_blocks for b in span):
-            raise InvalidInputError(f"{where}: block ids {span} must all be in 1..{self.pool.num_blocks - 1}")
-        hashes = self.block_hashes(seq, g)[first:end]
-        held = [self.pool.block_hash[b] for b in span]
-        groups_ok = all(self.pool.block_group[b] == g.group for b in span)
-        if held != hashes or not groups_ok:
-            raise InvalidInputError(
-                f"{where}: the blocks do not hold this sequence's prefix (evicted since the lookup, "
-                f"found for other tokens, or by another manager): look the sequence up again"
-            )
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:

@@ -5,10 +5,10 @@ A spec knows three things about one layer of its kind:
 * ``page_size_bytes`` -- the bytes one block of this layer occupies;
 * ``max_blocks_per_request(max_num_batched_tokens, max_model_len)`` -- the most blocks one
   request can hold at once in a group of this kind. It is the *single* source of truth for
-  pool sizing and for the admission gate (seed 001): sizing the pool with one number and
+  pool sizing and for the admission gate (the admission bound): sizing the pool with one number and
   admitting with another is how schedulers deadlock;
 * ``grows_with_sequence`` -- whether the group's memory grows with every token, and so
-  counts toward token capacity (seed 003).
+  counts toward token capacity (growing-groups capacity).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class SlidingWindowSpec(AttentionSpec):
 
     def max_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
         # During a chunked prefill a request holds the last W - 1 computed tokens plus one batch
-        # of new tokens; +1 because the window need not start on a block boundary (seed 001).
+        # of new tokens; +1 because the window need not start on a block boundary (the admission bound).
         num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
         # When the window covers the whole context nothing is ever dropped: the +1 cannot occur.
         return min(cdiv(num_tokens, self.block_size) + 1, cdiv(max_model_len, self.block_size))
@@ -190,7 +190,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         return False
 
     def max_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
-        # The current chunk plus one batch of new tokens (seed 001).
+        # The current chunk plus one batch of new tokens (the admission bound).
         num_tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
         return cdiv(num_tokens, self.block_size)
 

@@ -4,7 +4,7 @@ Each step: running sequences first (decodes and continuing prefill chunks), in t
 when one cannot get blocks, the lowest-priority, newest running sequence is preempted (its blocks
 freed, its progress recomputed later -- prefix hits make that cheap). Then, if nothing was
 preempted, waiting sequences are admitted in order while the token budget and ``max_num_seqs``
-allow, each checked against the whole-sequence rule (seed-001 bounds).
+allow, each checked against the whole-sequence rule (the admission bound).
 
 Never deadlock, never hang:
 

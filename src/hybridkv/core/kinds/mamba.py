@@ -79,6 +79,19 @@ class MambaManager(KindManager):
         return (index + 1) * self.block_size + 1 if self.align else NEVER
 
     # ------------------------------------------------------------------ allocation
+    def plan(self, start: int, end: int, junctions: list[int], alignment: int) -> list[tuple[int, int]]:
+        """``(position, rank)`` of the checkpoints a prefill from ``start`` to the prompt's last
+        aligned boundary ``end`` should write: ``junctions`` (rank 0), ``end`` itself (1), every
+        ``checkpoint_interval`` tokens when the spec sets it (2); ascending by position."""
+        ranks: dict[int, int] = {}
+        interval = self.spec.checkpoint_interval  # type: ignore[attr-defined]
+        if interval:
+            step = cdiv(interval, alignment) * alignment
+            ranks.update(dict.fromkeys(range((start // step + 1) * step, end + 1, step), 2))
+        ranks[end] = 1
+        ranks.update(dict.fromkeys((p for p in junctions if start < p <= end), 0))
+        return sorted(ranks.items())
+
     def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
         if self.align and self.caching and checkpoints:
             self.plans[seq.seq_id] = checkpoints
