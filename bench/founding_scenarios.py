@@ -33,7 +33,8 @@ def admission_bound() -> dict[str, Any]:
     bounded = mgr.blocks_needed_when_empty(16384)
     w = shared_prefix(8, 8, 16000, 200, max_new_tokens=64, arrivals=ClosedLoop(4), seed=1)
     s = simulate(w, cfg).summary
-    print(f"admission bound: Gemma 3 12B, {len(mgr.layout.groups)} groups, pool of {usable} usable blocks; a 16,384-token "
+    print(f"admission bound: Gemma 3 12B, {len(mgr.layout.groups)} groups, pool of {usable} usable blocks; "
+          f"a 16,384-token "
           f"request counts {naive} blocks if every group's blocks are counted (never admitted: deadlock), "
           f"{bounded} with the per-request bounds -> {s['finished']}/{s['requests']} 16k-token requests finished, "
           f"{s['rejected']} rejected, {s['preemptions']} preemptions")
