@@ -3,23 +3,35 @@
 from __future__ import annotations
 
 from hybridkv import _moved
-from hybridkv.core.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KVCacheEvent
-from hybridkv.core.hashing import BlockHasher
-from hybridkv.core.hits import CacheHit
-from hybridkv.core.layout import CapacityReport, KVCacheGroup, KVCacheLayout, capacity_report, plan_layout
-from hybridkv.core.manager import KVCacheManager, KVCacheStats
-from hybridkv.core.retention import NoRetention, WindowRetention
-from hybridkv.core.sequence import Sequence
-from hybridkv.core.specs import (
+from hybridkv.core import (
+    NULL_BLOCK,
+    AllBlocksCleared,
     AttentionSpec,
+    BlockHasher,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    CacheHit,
+    CapacityReport,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    KVCacheEvent,
+    KVCacheGroup,
+    KVCacheLayout,
+    KVCacheManager,
     KVCacheSpec,
+    KVCacheStats,
     MambaSpec,
     MLAAttentionSpec,
+    NoRetention,
+    RetentionPolicy,
+    Sequence,
     SlidingWindowSpec,
+    WindowRetention,
+    capacity_report,
+    plan_layout,
 )
 from hybridkv.errors import (
     DoesNotFitError,
@@ -36,6 +48,7 @@ __version__ = "0.1.0"
 _moved.install()
 
 __all__ = [
+    "NULL_BLOCK",
     "AllBlocksCleared",
     "AttentionSpec",
     "BlockHasher",
@@ -61,6 +74,7 @@ __all__ = [
     "MLAAttentionSpec",
     "MambaSpec",
     "NoRetention",
+    "RetentionPolicy",
     "Sequence",
     "Scheduler",
     "SchedulerConfig",

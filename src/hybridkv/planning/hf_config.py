@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.core.specs import (
+from hybridkv.core import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,

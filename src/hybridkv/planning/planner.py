@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.core.layout import KVCacheLayout, capacity_report, plan_layout
-from hybridkv.core.specs import MambaMode
+from hybridkv.core import KVCacheLayout, MambaMode, capacity_report, plan_layout
 from hybridkv.errors import DoesNotFitError, InvalidInputError
 from hybridkv.planning import get_preset
 from hybridkv.planning.hardware import GiB, Hardware, get_hardware

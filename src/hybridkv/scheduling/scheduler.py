@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
-from hybridkv.core.manager import KVCacheManager
-from hybridkv.core.sequence import Sequence
+from hybridkv.core import KVCacheManager, Sequence
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
 
 if TYPE_CHECKING:

@@ -44,10 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hybridkv.core.layout import KVCacheLayout, capacity_report, plan_layout
-from hybridkv.core.manager import KVCacheManager
-from hybridkv.core.retention import RetentionPolicy
-from hybridkv.core.sequence import Sequence
+from hybridkv.core import KVCacheLayout, KVCacheManager, RetentionPolicy, Sequence, capacity_report, plan_layout
 from hybridkv.errors import InvalidInputError
 from hybridkv.planning import get_preset
 from hybridkv.planning.hf_config import layer_specs, parse_config

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from hybridkv.core.hashing import BlockHasher
-from hybridkv.core.sequence import Sequence
+from hybridkv.core import BlockHasher, Sequence
 
 Segments = tuple[tuple[str, int], ...]
 

@@ -53,8 +53,8 @@ from typing import Any
 from hybridkv.connectors.base import KVTier
 from hybridkv.connectors.connector import BlockTables, FetchedKV, KVConnector, ReadBlock
 from hybridkv.connectors.frame import encode_frame, tier_key
-from hybridkv.core.manager import KVCacheManager
-from hybridkv.core.sequence import Sequence as KVSequence
+from hybridkv.core import KVCacheManager
+from hybridkv.core import Sequence as KVSequence
 from hybridkv.errors import InvalidInputError
 from hybridkv.sizes import parse_bytes, split_number
 
