@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv import (
+    BlockStored,
     CacheHit,
     CrossAttentionSpec,
     InvalidInputError,
@@ -357,3 +358,16 @@ def test_sliding_window_blocks_are_dropped_on_the_step_the_window_leaves_them() 
     _decode(mgr, seq, 8)  # 47 computed: the window (32) no longer reads tokens 0..15
     assert mgr.block_table("s")[1][0] == 0
     assert mgr.num_free_blocks == free_before + 1
+
+
+def test_stored_events_describe_the_blocks_with_parent_and_tokens() -> None:
+    mgr = manager(100, full(16), swa(32, 16), max_model_len=512, batch=64, enable_events=True)
+    seq = Sequence("a", tokens(0, 100))
+    run_prefill(mgr, seq, 64)
+    stored = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+    full_events = [e for e in stored if e.group == 0]
+    assert [len(e.block_hashes) for e in full_events] == [4, 2]  # 64 tokens, then 36 more
+    hashes = mgr.block_hashes(seq, 0)
+    assert full_events[0].parent_block_hash is None and full_events[1].parent_block_hash == hashes[3]
+    assert full_events[1].token_ids == tuple(tokens(64, 32)) and full_events[1].block_size == 16
+    assert list(full_events[0].block_hashes + full_events[1].block_hashes) == hashes[:6]

@@ -45,11 +45,19 @@ TIER_NAMES = {HELD: "held", UNCACHED: "uncached", FRESH: "fresh", LOW: "low", LR
 
 @dataclass(frozen=True)
 class BlockStored:
-    """Full blocks entered the prefix cache of ``group`` (hashes and ids in the same order)."""
+    """Full blocks entered the prefix cache of ``group`` (hashes and ids in the same order).
+
+    When the manager knows them: ``parent_block_hash`` is the hash of the block before the first
+    (None for a sequence's first block), ``token_ids`` the tokens of the stored blocks in order,
+    ``block_size`` the group's block size (0 when unknown).
+    """
 
     group: int
     block_hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    parent_block_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -426,8 +434,10 @@ class BlockPool:
                 self._evict(b)
 
     # ------------------------------------------------------------------ cache
-    def cache_blocks(self, group: int, block_ids: list[int], block_hashes: list[bytes]) -> None:
-        """Enter full, held blocks of ``group`` into the prefix cache under their hashes."""
+    def cache_blocks(self, group: int, block_ids: list[int], block_hashes: list[bytes], *,
+                     parent: bytes | None = None, token_ids: tuple[int, ...] = (), block_size: int = 0) -> None:
+        """Enter full, held blocks of ``group`` into the prefix cache under their hashes (the keyword
+        arguments only describe them in the ``BlockStored`` event)."""
         idx = self.index[group]
         hashes = self.block_hash
         gid = self.block_group
@@ -437,7 +447,8 @@ class BlockPool:
             if idx.setdefault(h, b) != b:  # another block serves h already: b waits as a duplicate
                 self._dups[group].setdefault(h, []).append(b)
         if self.enable_events and block_ids:
-            self._events.append(BlockStored(group, tuple(block_hashes), tuple(block_ids)))
+            self._events.append(BlockStored(group, tuple(block_hashes), tuple(block_ids), parent, token_ids,
+                                            block_size))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Refused (False) while any block is held."""

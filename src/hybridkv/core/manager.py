@@ -453,12 +453,21 @@ class KVCacheManager:
             if g.registers_when_computed:
                 g.note_step(sid, computed, external, known)  # type: ignore[attr-defined]
             elif known // g.block_size > g.num_cached[sid]:  # hashes only when the step completes a block
-                g.register(sid, self.block_hashes(seq, g), computed, known)
+                g.register(sid, self.block_hashes(seq, g), computed, known, self._event_tokens(seq))
 
     def _register_computed(self, seq: Sequence) -> None:
         """Enter the recurrent checkpoints whose tokens the caller reports computed."""
         for g in self._deferred:
-            g.register(seq.seq_id, self.block_hashes(seq, g), seq.num_computed_tokens, 0)
+            g.register(seq.seq_id, self.block_hashes(seq, g), seq.num_computed_tokens, 0, self._event_tokens(seq))
+
+    def _event_tokens(self, seq: Sequence) -> list[int] | None:
+        """The sequence's token ids when the pool records events (None otherwise, or without ids)."""
+        if not self.pool.enable_events:
+            return None
+        try:
+            return seq.token_ids
+        except TypeError:  # a simulated sequence has no token ids
+            return None
 
     # ------------------------------------------------------------------ free
     def free(self, seq: Sequence | str) -> None:

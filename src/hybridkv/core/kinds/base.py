@@ -24,7 +24,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from itertools import compress, takewhile
+from itertools import takewhile
 
 from hybridkv.core._util import cdiv
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
@@ -189,9 +189,11 @@ class KindManager:
         dropped = self.drop_point(self.num_dropped.get(seq_id, 0))
         return dropped if dropped < limit else limit
 
-    def register(self, seq_id: str, hashes: list[bytes], num_computed: int, num_tokens: int) -> None:
+    def register(self, seq_id: str, hashes: list[bytes], num_computed: int, num_tokens: int,
+                 token_ids: Seq[int] | None = None) -> None:
         """Enter into the prefix cache the full blocks of the first ``num_tokens`` tokens (those the
-        step being allocated will compute: ``num_computed`` is what is computed already)."""
+        step being allocated will compute: ``num_computed`` is what is computed already).
+        ``token_ids`` (the sequence's, when the pool records events) describe the stored blocks."""
         if not self.caching:
             return
         table = self.tables[seq_id]
@@ -199,17 +201,28 @@ class KindManager:
         end = min(num_tokens // self.block_size, len(hashes), len(table))
         if end <= start:
             return
-        ids = table[start:end]
-        hs = hashes[start:end]
         pool = self.pool
         assert pool is not None
         block_hash = pool.block_hash
-        new = [b != NULL_BLOCK and block_hash[b] is None for b in ids]
-        if not all(new):  # null entries and blocks cached already (adopted hits) stay as they are
-            ids = list(compress(ids, new))
-            hs = list(compress(hs, new))
-        pool.cache_blocks(self.group, ids, hs)
+        indices = [i for i in range(start, end) if table[i] != NULL_BLOCK and block_hash[table[i]] is None]
+        if indices and indices[-1] - indices[0] + 1 == len(indices):
+            self._cache_run(pool, table, hashes, indices, token_ids)
+        else:  # null entries and blocks cached already (adopted hits) stay as they are
+            for i in indices:
+                self._cache_run(pool, table, hashes, [i], token_ids)
         self.num_cached[seq_id] = end
+
+    def _cache_run(self, pool: BlockPool, table: list[int], hashes: list[bytes], indices: list[int],
+                   token_ids: Seq[int] | None) -> None:
+        """Cache the blocks at consecutive table ``indices``."""
+        first, end = indices[0], indices[-1] + 1
+        if not pool.enable_events:
+            pool.cache_blocks(self.group, table[first:end], hashes[first:end])
+            return
+        bs = self.block_size
+        tokens = tuple(token_ids[first * bs:end * bs]) if token_ids is not None else ()
+        pool.cache_blocks(self.group, table[first:end], hashes[first:end], parent=hashes[first - 1] if first else None,
+                          token_ids=tokens, block_size=bs)
 
     def uncomputed_blocks(self, seq_id: str, num_computed: int) -> list[int]:
         """Registered blocks whose tokens are not computed (their step never ran): to uncache at free."""

@@ -151,7 +151,8 @@ class MambaManager(KindManager):
             self.pending.setdefault(seq_id, []).extend(indices)
         self.num_cached[seq_id] = max(self.num_cached[seq_id], num_tokens // bs)
 
-    def register(self, seq_id: str, hashes: list[bytes], num_computed: int, num_tokens: int) -> None:
+    def register(self, seq_id: str, hashes: list[bytes], num_computed: int, num_tokens: int,
+                 token_ids: Seq[int] | None = None) -> None:
         """Enter the pending checkpoints whose tokens are computed (``num_tokens`` is ignored: the
         step being allocated has not run yet)."""
         pending = self.pending.get(seq_id)
@@ -162,18 +163,13 @@ class MambaManager(KindManager):
         assert pool is not None
         block_hash = pool.block_hash
         still: list[int] = []
-        ids: list[int] = []
-        hs: list[bytes] = []
         for i in pending:
             if (i + 1) * self.block_size > num_computed:
                 still.append(i)
                 continue
             b = table[i] if i < len(table) else NULL_BLOCK
             if b != NULL_BLOCK and block_hash[b] is None and i < len(hashes):
-                ids.append(b)
-                hs.append(hashes[i])
-        if ids:
-            pool.cache_blocks(self.group, ids, hs)
+                self._cache_run(pool, table, hashes, [i], token_ids)
         if still:
             self.pending[seq_id] = still
         else:
