@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybridkv import CacheHit, InvalidInputError, KVCacheManager, Sequence, UnknownSequenceError
+from hybridkv import CacheHit, HitRules, InvalidInputError, KVCacheManager, Sequence, UnknownSequenceError
 
 from helpers import full, mamba, manager, run_prefill, swa, tokens
 
@@ -146,3 +146,20 @@ def test_wrong_arguments_are_clear_errors_that_change_nothing() -> None:
         mgr.block_table("nobody")
     assert mgr.num_sequences == 0 and mgr.num_free_blocks == 399
     mgr.check_invariants()
+
+
+@given(window=st.integers(2, 80), n=st.integers(20, 300), cut=st.integers(1, 300), chunk=st.sampled_from([16, 64]),
+       kinds=st.sampled_from(["swa", "mamba", "both"]))
+def test_hit_rules_without_a_pool_agree_with_the_managers_lookup(window: int, n: int, cut: int, chunk: int,
+                                                                  kinds: str) -> None:
+    specs = [full(16)] + ([swa(window, 16)] if kinds != "mamba" else []) + ([mamba(16)] if kinds != "swa" else [])
+    mgr = manager(120, *specs, max_model_len=512, batch=512, retention="none")
+    for i, prompt in enumerate((tokens(0, n), tokens(0, min(cut, n)) + tokens(777, 40))):
+        seq = Sequence(f"p{i}", prompt)
+        run_prefill(mgr, seq, chunk)
+        mgr.free(seq)
+    rules = HitRules(mgr.layout, 512, 512)
+    cached = {g: dict(mgr.pool.index[g]) for g in rules.caching_groups}  # what the pool holds, by group
+    for probe in (tokens(0, n), tokens(0, min(cut, n)) + tokens(999, 9), tokens(0, 5)):
+        seq = Sequence("q", probe)
+        assert rules.longest_hit(seq, cached) == mgr.lookup(seq).num_tokens

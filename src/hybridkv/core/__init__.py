@@ -7,7 +7,7 @@ these names are the core's public surface.
 
 from hybridkv.core.block_pool import NULL_BLOCK, AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KVCacheEvent
 from hybridkv.core.hashing import HASH_ALGORITHMS, BlockHasher, HashAlgorithm
-from hybridkv.core.hits import CacheHit
+from hybridkv.core.hits import CacheHit, HitRules
 from hybridkv.core.layout import CapacityReport, KVCacheGroup, KVCacheLayout, capacity_report, plan_layout
 from hybridkv.core.manager import KVCacheManager, KVCacheStats
 from hybridkv.core.retention import NoRetention, RetentionPolicy, WindowRetention
@@ -41,6 +41,7 @@ __all__ = [
     "EncoderOnlyAttentionSpec",
     "FullAttentionSpec",
     "HashAlgorithm",
+    "HitRules",
     "KVCacheEvent",
     "KVCacheGroup",
     "KVCacheLayout",

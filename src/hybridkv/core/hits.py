@@ -17,9 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from hybridkv.core._util import gcd_all, lcm_all
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
-from hybridkv.core.kinds import KindManager
+from hybridkv.core.hashing import BlockHasher, HashAlgorithm
+from hybridkv.core.kinds import KindManager, kind_manager_for
+from hybridkv.core.layout import KVCacheLayout
+from hybridkv.core.sequence import Sequence as KVSequence
 from hybridkv.errors import InvalidInputError
 
 
@@ -115,3 +120,68 @@ def verify_group_hit(g: KindManager, pool: BlockPool, hashes: list[bytes], ids: 
             f"{where}: the blocks do not hold this sequence's prefix (evicted since the lookup, "
             f"found for other tokens, or by another manager): look the sequence up again"
         )
+
+
+class HitRules:
+    """The hit rules of a layout, without a pool: how much of a sequence a cache holding given block
+    hashes per group could serve. External tiers and cluster indexes use it to answer "what would
+    this cache hit?" exactly as a ``KVCacheManager`` with the same layout would.
+    """
+
+    def __init__(self, layout: KVCacheLayout, max_model_len: int, max_num_batched_tokens: int | None = None, *,
+                 enable_prefix_caching: bool = True, hash_algorithm: HashAlgorithm = "sha256") -> None:
+        mnbt = max_num_batched_tokens or max_model_len
+        self.layout = layout
+        self.groups: list[KindManager] = [
+            kind_manager_for(g.spec, i, None, max_num_batched_tokens=mnbt, max_model_len=max_model_len,
+                             enable_caching=enable_prefix_caching)
+            for i, g in enumerate(layout.groups)
+        ]
+        caching = [g for g in self.groups if g.caching]
+        self.caching_groups = [g.group for g in caching]
+        """Indices of the groups that keep a prefix cache (the only ones with hashes)."""
+        self.hash_block_size = gcd_all([g.block_size for g in caching]) or 1
+        self.hit_alignment = lcm_all([g.block_size for g in self.groups if g.constrains_hits])
+        self.hasher = BlockHasher(hash_algorithm)
+        self.hits_possible = bool(caching) and all(g.caching for g in self.groups if g.constrains_hits)
+
+    def block_hashes(self, seq: KVSequence, group: int) -> list[bytes]:
+        """The sequence's full-block hashes at ``group``'s block size (empty without a cache)."""
+        g = self.groups[group]
+        if not g.caching:
+            return []
+        base = seq.block_hashes(self.hasher, self.hash_block_size)
+        k = g.block_size // self.hash_block_size
+        return base if k == 1 else base[k - 1 :: k]
+
+    def hit_span(self, group: int, num_tokens: int) -> range:
+        """Table indices of ``group`` a hit ending at ``num_tokens`` reads."""
+        g = self.groups[group]
+        first, end = g.hit_span(num_tokens) if g.caching or not g.constrains_hits else (0, 0)
+        return range(first, end)
+
+    def longest_hit(self, seq: KVSequence, cached: Mapping[int, Mapping[bytes, Any]], *, start: int = 0,
+                    limit: int | None = None, hashes: Callable[[int], list[bytes]] | None = None) -> int:
+        """The longest hit (tokens, at most ``limit``, never the last token) every group can serve when
+        group ``g`` holds the hashes that are keys of ``cached[g]`` and the sequence's first ``start``
+        tokens are a hit already (a local prefix an external tier extends). ``hashes(g)`` may supply
+        the sequence's hashes per group (default: ``block_hashes``)."""
+        align = self.hit_alignment
+        cap = (seq.num_tokens - 1) // align * align
+        if limit is not None:
+            cap = min(cap, limit // align * align)
+        if cap <= start or not self.hits_possible:
+            return start
+        of = hashes or (lambda group: self.block_hashes(seq, group))
+        empty: dict[bytes, Any] = {}
+
+        def held(g: KindManager) -> Mapping[bytes, Any]:
+            have = cached.get(g.group, empty)
+            if not start:
+                return have
+            local = dict.fromkeys(of(g.group)[: start // g.block_size], 1)
+            local.update(have)
+            return local
+
+        tokens, _, _ = agreed_hit(self.groups, lambda g: of(g.group), held, cap, align)
+        return max(tokens, start)

@@ -25,7 +25,7 @@ from itertools import chain
 from hybridkv.core._util import gcd_all, lcm_all
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
 from hybridkv.core.hashing import BlockHasher, HashAlgorithm
-from hybridkv.core.hits import CacheHit, agreed_hit, verify_group_hit
+from hybridkv.core.hits import CacheHit, HitRules, agreed_hit, verify_group_hit
 from hybridkv.core.kinds import NEVER, KindManager, MambaManager, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
 from hybridkv.core.retention import RetentionPolicy, make_policy
@@ -122,6 +122,9 @@ class KVCacheManager:
         self.hit_alignment = lcm_all([g.block_size for g in self.groups if g.constrains_hits])
         """Every hit, local or external, is a multiple of this many tokens."""
         self.retainer = self.policy.build(self.pool, self.groups, self.block_hashes, self.hit_alignment)
+        self.rules = HitRules(layout, max_model_len, max_num_batched_tokens,
+                              enable_prefix_caching=self.enable_prefix_caching, hash_algorithm=hash_algorithm)
+        """The layout's hit rules without the pool (what another cache holding given hashes could serve)."""
         self._caching = caching
         self._droppers = [g for g in self.groups if type(g).skipped_tokens is not KindManager.skipped_tokens]
         self._deferred = [g for g in caching if g.registers_when_computed]
@@ -253,23 +256,12 @@ class KVCacheManager:
         """The longest hit of ``seq`` (tokens, at most ``limit``) every group can serve when its first
         ``start`` tokens are a hit already and group ``g`` can also draw on the block hashes in
         ``present[g]`` (an external tier's contents, another replica's cache). The same rules as
-        ``lookup``: full attention needs the whole chain, a window its blocks before the hit point, a
-        recurrent group the state there."""
+        ``lookup`` (``HitRules.longest_hit``): full attention needs the whole chain, a window its
+        blocks before the hit point, a recurrent group the state there."""
         self._check_sequence(seq)
-        align = self.hit_alignment
-        cap = (seq.num_tokens - 1) // align * align
-        if limit is not None:
-            cap = min(cap, limit // align * align)
-        if cap <= start or not self.hits_possible:
-            return start
-
-        def cached(g: KindManager) -> Mapping[bytes, int]:
-            held = dict.fromkeys(self.block_hashes(seq, g)[: start // g.block_size], 1)
-            held.update(dict.fromkeys(present.get(g.group, ()), 1))
-            return held
-
-        tokens, _, _ = agreed_hit(self.groups, lambda g: self.block_hashes(seq, g), cached, cap, align)
-        return max(tokens, start)
+        cached = {g: dict.fromkeys(hashes, 1) for g, hashes in present.items()}
+        return self.rules.longest_hit(seq, cached, start=start, limit=limit,
+                                      hashes=lambda g: self.block_hashes(seq, g))
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, seq: Sequence) -> CacheHit:
