@@ -247,7 +247,8 @@ class Retainer:
         """
         free = self.pool.free
         for _, entries in tables:
-            free(entries[::-1])
+            entries.reverse()  # the lists are the sequence's own, popped already
+            free(entries)
 
     def reset(self) -> None:
         """The prefix cache was cleared."""
@@ -393,7 +394,8 @@ class WindowRetainer(Retainer):
                 # The sequence's own anchor table is gone already: blocks are looked up by hash.
                 self._classify(g, seq, freed, dropped=False)
             else:
-                self.pool.free(entries[::-1])
+                entries.reverse()
+                self.pool.free(entries)
 
     def reset(self) -> None:
         self._junctions.clear()

@@ -131,8 +131,8 @@ class KindManager:
         return range(first, cdiv(num_tokens, self.block_size))
 
     def adopt(self, seq_id: str, blocks: list[int]) -> None:
-        """Start a table from adopted hit blocks (the caller has touched them)."""
-        self.tables[seq_id] = list(blocks)
+        """Start a table from adopted hit blocks (the caller has touched them; the list becomes the table)."""
+        self.tables[seq_id] = blocks
         self.num_cached[seq_id] = len(blocks)
         self.num_dropped[seq_id] = _leading_nulls(blocks)
 
@@ -238,7 +238,7 @@ class KindManager:
         self.num_cached.pop(seq_id, None)
         offset = self.num_dropped.pop(seq_id, 0)
         table = self.tables.pop(seq_id, [])
-        return offset, table[offset:]
+        return offset, table[offset:] if offset else table
 
     def check_table(self, seq_id: str, num_computed: int) -> None:
         """Kind-specific invariants of one table (AssertionError naming the broken one)."""
