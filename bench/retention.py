@@ -1,4 +1,4 @@
-"""Hybrid prefix-hit rate under memory pressure, by retention policy (seed 004).
+"""Hybrid prefix-hit rate under memory pressure, by retention policy (window retention).
 
 Replays the reference driver's trace (2,000 requests, 50 prefixes of 2,048 tokens + 256-token
 unique suffixes, 64 decode steps, full + sliding window 128, 16-token blocks) through hybridkv
@@ -58,7 +58,7 @@ def main() -> None:
             rows.append({"num_blocks": nb, "policy": policy, "hit_rate_full": full.hit_rate,
                          "hit_rate_hybrid": hyb.hit_rate, "ratio": ratio, "target": target,
                          "preemptions_hybrid": hyb.preemptions, "retention": hyb.calls})
-    print("token capacity (seed 003) is the same for both layouts: one pool of the given blocks; the hybrid "
+    print("token capacity (growing-groups capacity) is the same for both layouts: one pool of the given blocks; the hybrid "
           "layout also spends blocks on windows (at most cdiv(W - 1 + 8192, 16) + 1 = 521 per request in a prefill)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

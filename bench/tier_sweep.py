@@ -7,7 +7,7 @@
 Gemma 3 27B (sliding window 1,024 on 52 of 62 layers) on an H100, a pool of 1.47M full-attention
 tokens, 28,000-token shared prefixes + 200-token unique suffixes, 64 output tokens, closed loop
 x16, window retention: bench/founding_scenarios.py's seed-004 workload, with fewer requests
-(seed 004 runs 600) to keep a run to a few minutes. From ~40 prefixes the prefixes outgrow the
+(the founding retention scenario runs 600) to keep a run to a few minutes. From ~40 prefixes the prefixes outgrow the
 device pool; the tiers (``hybridkv.sim.tiers``: capacity, bandwidth and latency per GPU, loads
 through the real connector, write-through stores) serve what the pool evicted. One prefix
 written through takes 28,000 tokens x 62 layers x 8 KiB = 13 GiB of a tier (every layer's
