@@ -1,4 +1,4 @@
-"""The seed-004 shared-prefix sweep with external KV tiers: hit rate and TTFT per tier set.
+"""The window-retention shared-prefix sweep with external KV tiers: hit rate and TTFT per tier set.
 
     python bench/tier_sweep.py [--quick] [--prefixes 15,20,30,40,60] [--requests 150]
                                [--tiers none,host:64GiB,host:64GiB+disk:1TiB] [--jobs 2]
@@ -6,8 +6,8 @@
 
 Gemma 3 27B (sliding window 1,024 on 52 of 62 layers) on an H100, a pool of 1.47M full-attention
 tokens, 28,000-token shared prefixes + 200-token unique suffixes, 64 output tokens, closed loop
-x16, window retention: bench/founding_scenarios.py's seed-004 workload, with fewer requests
-(the founding retention scenario runs 600) to keep a run to a few minutes. From ~40 prefixes the prefixes outgrow the
+x16, window retention: the retention workload of bench/founding_scenarios.py, with fewer requests
+(that scenario runs 600) to keep a run to a few minutes. From ~40 prefixes the prefixes outgrow the
 device pool; the tiers (``hybridkv.sim.tiers``: capacity, bandwidth and latency per GPU, loads
 through the real connector, write-through stores) serve what the pool evicted. One prefix
 written through takes 28,000 tokens x 62 layers x 8 KiB = 13 GiB of a tier (every layer's
@@ -77,7 +77,7 @@ def plot(rows: list[dict[str, Any]], tier_sets: list[str], path: str) -> None:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"seed-004 sweep with KV tiers, gemma-3-27b on h100-80gb, {rows[0]['requests']} requests "
+    fig.suptitle(f"window-retention sweep with KV tiers, gemma-3-27b on h100-80gb, {rows[0]['requests']} requests "
                  "(hybridkv simulate)")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
