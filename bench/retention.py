@@ -59,7 +59,8 @@ def main() -> None:
                          "hit_rate_hybrid": hyb.hit_rate, "ratio": ratio, "target": target,
                          "preemptions_hybrid": hyb.preemptions, "retention": hyb.calls})
     print("token capacity (growing-groups capacity) is the same for both layouts: one pool of the given blocks; "
-          "the hybrid layout also spends blocks on windows (at most cdiv(W - 1 + 8192, 16) + 1 = 521 per request in a prefill)")
+          "the hybrid layout also spends blocks on windows (at most cdiv(W - 1 + 8192, 16) + 1 = 521 per request "
+          "in a prefill)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
