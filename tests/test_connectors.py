@@ -362,7 +362,7 @@ def test_store_skips_blocks_a_tier_already_holds() -> None:
 
 # ---------------------------------------------------------------------- end to end
 def test_local_hits_at_the_eviction_head_plus_external_tokens() -> None:
-    """Seed 002: local hit blocks sit first in the free queue; external allocation must not take them."""
+    """Two-phase adoption: local hit blocks sit first in the free queue; external allocation must not take them."""
     tiers: list[KVTier] = [HostTier(1 << 22)]
     produce(connector(tiers), TOKENS)
     mgr = hybrid(num_blocks=15)

@@ -1,6 +1,6 @@
 """The connector: which tokens the external tiers can supply, loading them, storing blocks.
 
-The engine-facing flow for a new sequence (seed 002: local hits, then external tokens)::
+The engine-facing flow for a new sequence (two-phase adoption: local hits, then external tokens)::
 
     hit = mgr.lookup(seq)
     k = conn.num_external_tokens(seq, hit.num_tokens, max_tokens)     # existence checks only
