@@ -60,6 +60,8 @@ MISTAKES = [
     ([*SMALL_SIM, "--rate", "-1"], "argument --rate: expected a number > 0"),
     ([*SMALL_SIM, "--requests", "0"], "argument --requests"),
     (["demo", "--num-blocks", "lots"], "argument --num-blocks"),
+    (["plan", "--model", "gemma-3-1b", "--gpu-memory", "1e400"], "'1e400' is more than 1024 PiB"),
+    ([*SMALL_SIM, "--kv-cache-memory", "1e400GiB"], "argument --kv-cache-memory"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: COMMAND"),
 ]
