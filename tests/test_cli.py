@@ -57,6 +57,7 @@ MISTAKES = [
     ([*SMALL_SIM, "--plot", "/nonexistent/dir/out.png"], "argument --plot: cannot write"),
     ([*SMALL_SIM, "--json", "/nonexistent/dir/out.json"], "argument --json: cannot write"),
     ([*SMALL_SIM, "--compare", "max_model_len=long"], "--compare max_model_len: 'long' is not a number"),
+    ([*SMALL_SIM, "--compare", "enable_prefix_caching=maybe"], "'maybe' is not one of 1, true"),
     ([*SMALL_SIM, "--rate", "-1"], "argument --rate: expected a number > 0"),
     ([*SMALL_SIM, "--requests", "0"], "argument --requests"),
     (["demo", "--num-blocks", "lots"], "argument --num-blocks"),

@@ -201,6 +201,8 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
                      lm_head=args.lm_head, tiers=tuple(args.tier or ()), num_params=args.num_params)
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 _OPTIONAL_INTS = ("max_model_len", "kv_cache_tokens", "kv_cache_memory", "gpu_memory_bytes")
 
 
@@ -226,7 +228,9 @@ def variants(base: SimConfig, compare: str | None) -> list[tuple[str, SimConfig]
         value: Any = raw
         try:
             if isinstance(current, bool):
-                value = raw.lower() in ("1", "true", "yes", "on")
+                if raw.lower() not in _TRUE + _FALSE:
+                    raise InvalidInputError(f"--compare {key}: {raw!r} is not one of {', '.join(_TRUE + _FALSE)}")
+                value = raw.lower() in _TRUE
             elif isinstance(current, int) or name in _OPTIONAL_INTS:
                 value = int(raw)
             elif isinstance(current, float):
