@@ -226,10 +226,10 @@ def variants(base: SimConfig, compare: str | None) -> list[tuple[str, SimConfig]
     for raw in values.split(","):
         raw = raw.strip()
         value: Any = raw
+        if isinstance(current, bool) and raw.lower() not in _TRUE + _FALSE:
+            raise InvalidInputError(f"--compare {key}: {raw!r} is not one of {', '.join(_TRUE + _FALSE)}")
         try:
             if isinstance(current, bool):
-                if raw.lower() not in _TRUE + _FALSE:
-                    raise InvalidInputError(f"--compare {key}: {raw!r} is not one of {', '.join(_TRUE + _FALSE)}")
                 value = raw.lower() in _TRUE
             elif isinstance(current, int) or name in _OPTIONAL_INTS:
                 value = int(raw)
