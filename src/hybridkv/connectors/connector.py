@@ -102,9 +102,9 @@ class KVConnector:
     ``write_through``, else to the first only. Tier faults never raise: they are counted in
     ``stats.faults`` and read as misses.
 
-    Frames are HMAC-signed with ``auth_key``, else with the key from ``HYBRIDKV_TIER_KEY`` or
-    ``HYBRIDKV_TIER_KEY_FILE`` (``connectors.auth``); a shared tier without a key is refused unless
-    ``allow_unauthenticated``. ``payload_bytes[group]`` is the size of one block's payload; by
+    Frames are HMAC-signed with ``auth_key``, else, when a tier is shared, with the key from
+    ``HYBRIDKV_TIER_KEY`` or ``HYBRIDKV_TIER_KEY_FILE`` (``connectors.auth``); a shared tier without
+    a key is refused unless ``allow_unauthenticated``. ``payload_bytes[group]`` is the size of one block's payload; by
     default the group's layers times its page size (what ``PagedKVCache.read_block`` of the
     engine returns). A frame of another size is rejected as ``wrong_size``.
     """
