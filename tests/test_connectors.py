@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import pytest
 
-from hybridkv import KVCacheManager, Sequence
+from hybridkv import FullAttentionSpec, KVCacheManager, MambaSpec, Sequence, SlidingWindowSpec
 from hybridkv.connectors import (
     DiskTier,
     FaultyTier,
@@ -22,16 +21,30 @@ from hybridkv.connectors import (
 from hybridkv.connectors.frame import FrameError
 from hybridkv.errors import InvalidInputError
 
-from helpers import full, mamba, manager, swa
+from helpers import manager
 
 BS = 16
+PAGE = 128
+"""Bytes of one block of one layer in these tests' specs: the size of ``fake_kv``."""
 Store = dict[tuple[int, int], bytes]
+
+
+def full() -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=2, dtype_bytes=2)  # 2*16*1*2*2 = 128 bytes
+
+
+def swa(window: int) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=2, dtype_bytes=2, sliding_window=window)
+
+
+def mamba() -> MambaSpec:
+    return MambaSpec(block_size=BS, state_bytes=PAGE, mode="align")
 
 
 def fake_kv(tokens: list[int], group: int, index: int, bs: int = BS) -> bytes:
     """The KV a block 'computes': a function of the group and the prefix up to the block's end."""
     prefix = ",".join(map(str, tokens[: (index + 1) * bs]))
-    return hashlib.sha256(f"{group}|{prefix}".encode()).digest() * 4
+    return hashlib.sha256(f"{group}|{prefix}".encode()).digest() * (PAGE // 32)
 
 
 def compute(mgr: KVCacheManager, seq: Sequence, store: Store, start: int, end: int) -> None:
@@ -320,42 +333,6 @@ def test_host_tier_evicts_least_recently_used_within_its_budget() -> None:
     assert host.used_bytes == 300 and host.stats.evictions == 1
     host.put_many([(b"huge", b"x" * 301)])
     assert host.exists_many([b"huge"]) == [False]
-
-
-def test_disk_tier_survives_reopening(tmp_path: Path) -> None:
-    DiskTier(tmp_path, 1 << 20).put_many([(b"k1", b"v1"), (b"k2", b"v2")])
-    again = DiskTier(tmp_path, 1 << 20)
-    assert again.get_many([b"k1", b"k2", b"k3"]) == [b"v1", b"v2", None]
-
-
-def test_disk_tier_evicts_least_recently_used_within_its_budget(tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, 3 * (16 + 100))  # three entries with their 16-byte headers
-    disk.put_many([(b"a", b"x" * 100), (b"b", b"y" * 100), (b"c", b"z" * 100)])
-    disk.get_many([b"a"])
-    disk.put_many([(b"d", b"w" * 100)])
-    assert disk.exists_many([b"a", b"b", b"c", b"d"]) == [True, False, True, True]
-    assert len(os.listdir(tmp_path)) == 3
-
-
-def test_disk_tier_ignores_a_leftover_temporary_file(tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, 1 << 20)
-    disk.put_many([(b"k", b"v")])
-    name = next(iter(os.listdir(tmp_path)))
-    (tmp_path / f"{name}.123.abc.tmp").write_bytes(b"half a wri")
-    again = DiskTier(tmp_path, 1 << 20)
-    assert again.get_many([b"k"]) == [b"v"] and len(again) == 1
-    assert os.listdir(tmp_path) == [name]
-
-
-def test_disk_tier_rejects_a_flipped_byte(tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, 1 << 20)
-    disk.put_many([(b"k", b"value" * 20)])
-    file = tmp_path / next(iter(os.listdir(tmp_path)))
-    data = bytearray(file.read_bytes())
-    data[40] ^= 1
-    file.write_bytes(bytes(data))
-    assert disk.get_many([b"k"]) == [None]
-    assert disk.stats.corrupt == 1 and not file.exists()
 
 
 def test_disk_tier_serves_a_connector_after_restart(tmp_path: Path) -> None:

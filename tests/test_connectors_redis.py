@@ -1,8 +1,10 @@
-"""RedisTier against a real redis-server started on a free loopback port by the test."""
+"""RedisTier against a real redis-server started on a free loopback port by the test.
+
+The suite's ``HYBRIDKV_TIER_KEY`` (tests/conftest.py) signs the frames, as every shared tier needs.
+"""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import time
@@ -12,14 +14,13 @@ from pathlib import Path
 import pytest
 
 from hybridkv import Sequence
-from hybridkv.connectors import HostTier, KVTier, RedisTier
+from hybridkv.connectors import HostTier, KVTier, RedisTier, encode_frame
 from hybridkv.errors import InvalidInputError
-from test_connectors import TOKENS, Store, admit, assert_loaded_exact, connector, hybrid, produce
+from test_connectors import PAGE, TOKENS, Store, admit, assert_loaded_exact, connector, full, hybrid, produce
+
+from helpers import manager
 
 pytest.importorskip("redis", reason="the redis client is not installed (pip install 'hybridkv[tiers]')")
-REDIS_SERVER = shutil.which("redis-server")
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None,
-                                reason="redis-server binary not found (apt-get install redis-server)")
 
 
 def _free_port() -> int:
@@ -29,10 +30,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def redis_url(tmp_path: Path, redis_server: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = _free_port()
     proc = subprocess.Popen(
-        [str(REDIS_SERVER), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -91,3 +92,47 @@ def test_a_killed_server_means_counted_misses(redis_url: tuple[str, subprocess.P
 def test_redis_refuses_a_non_cryptographic_hash(redis_url: tuple[str, subprocess.Popen[bytes]]) -> None:
     with pytest.raises(InvalidInputError, match="not cryptographic"):
         connector([RedisTier(redis_url[0])], hybrid(hash_algorithm="xxh3_128"))
+
+
+def test_redis_without_a_tier_key_refuses_to_start(redis_url: tuple[str, subprocess.Popen[bytes]],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYBRIDKV_TIER_KEY")
+    with pytest.raises(InvalidInputError, match="redis is shared between instances but no tier key is set"):
+        connector([RedisTier(redis_url[0])])
+
+
+def test_a_forged_unsigned_frame_in_redis_is_rejected(redis_url: tuple[str, subprocess.Popen[bytes]]) -> None:
+    import redis
+
+    url, _ = redis_url
+    conn = connector([RedisTier(url)])
+    seq = Sequence("victim", TOKENS)
+    raw = redis.Redis.from_url(url)
+    for g in conn.manager.groups:  # a writer without the key fills every block the victim would load
+        for key in conn.keys(seq, g):
+            raw.set(key, encode_frame(key, b"\x00" * PAGE))
+    assert conn.num_external_tokens(seq, 0) == 96
+    assert conn.fetch(seq, 0, 96).num_tokens == 0
+    assert conn.stats.faults["corrupt"] >= 1
+    raw.close()
+
+
+@pytest.mark.parametrize("size", [1, PAGE // 2, PAGE * 2])
+def test_a_forged_frame_of_the_wrong_size_in_redis_is_a_counted_miss(
+        redis_url: tuple[str, subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    import redis
+
+    monkeypatch.delenv("HYBRIDKV_TIER_KEY")  # unsigned frames: only the size check stands in the way
+    url, _ = redis_url
+    produce(connector([RedisTier(url)], manager(400, full()), allow_unauthenticated=True), TOKENS)
+    conn = connector([RedisTier(url)], manager(400, full()), allow_unauthenticated=True)
+    seq = Sequence("consumer", TOKENS)
+    bad = conn.keys(seq, conn.manager.groups[0])[3]
+    raw = redis.Redis.from_url(url)
+    raw.set(bad, encode_frame(bad, b"\x00" * size))  # well-formed, correct digest, wrong size
+    store: Store = {}
+    assert admit(conn, seq, store) == (0, 48)
+    assert_loaded_exact(conn.manager, seq, store, 48)
+    assert conn.stats.faults["wrong_size"] == 1
+    assert raw.exists(bad) == 0  # dropped, so the next store writes the real block
+    raw.close()

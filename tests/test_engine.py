@@ -22,25 +22,13 @@ from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybridkv.engine.gguf_file import GGUFFile  # noqa: E402
 from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 from hybridkv.engine.tokenizer import GemmaTokenizer  # noqa: E402
-from hybridkv.engine.weights import Gemma3Weights, default_model_path  # noqa: E402
+from hybridkv.engine.weights import Gemma3Weights  # noqa: E402
 
 BLOCK_BYTES_FP32 = 3 * 2 * 16 * 256 * 4  # 3 layers per group x K and V x 16 tokens x 256 x fp32
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def gguf() -> GGUFFile:
-    return GGUFFile(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def weights(gguf: GGUFFile) -> Gemma3Weights:
-    return Gemma3Weights.load(gguf)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(gguf: GGUFFile) -> GemmaTokenizer:
-    return GemmaTokenizer.from_gguf(gguf)
+# gguf, weights and tokenizer: the session's one loaded model (tests/conftest.py)
 
 
 def engine(weights: Gemma3Weights, tokenizer: GemmaTokenizer, **kw: Any) -> LLMEngine:

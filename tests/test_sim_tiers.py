@@ -149,8 +149,8 @@ def test_bad_tier_specs_say_why(spec: str, message: str) -> None:
 
 
 ARGS = ["simulate", "--model", "gemma-3-1b", "--gpu", "l4-24gb", "--max-model-len", "8192", "--kv-cache-tokens",
-        "30000", "--retention", "none", "--requests", "24", "--prefixes", "6", "--prefix-len", "4000",
-        "--suffix-len", "100", "--output-len", "4", "--concurrency", "4", "--no-progress"]
+        "30000", "--retention", "none", "--workload", "shared-prefix", "--requests", "24", "--prefixes", "6",
+        "--prefix-len", "4000", "--suffix-len", "100", "--output-len", "4", "--concurrency", "4", "--no-progress"]
 
 
 def test_cli_tier_flags_and_json(capsys: pytest.CaptureFixture[str]) -> None:

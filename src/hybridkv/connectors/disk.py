@@ -1,17 +1,32 @@
 """A tier in a directory: one file per entry, LRU by modification time, survives restarts.
 
 A file is ``b"HKVD" | crc32 u32 | length u64 | value``. Writes go to a temporary file renamed
-into place (``os.replace``), so a reader sees a whole entry or none; leftover temporary files
-are never served. Reads verify length and crc32 and delete a file that fails. A read bumps the
-file's modification time, which orders eviction, also across restarts.
+into place (``os.replace``), so a reader sees a whole entry or none; temporary files are never
+served. Reads verify length and crc32 and delete a file that fails. A read bumps the file's
+modification time, which orders eviction, also across restarts.
+
+The directory's environment is not trusted:
+
+* a read-only filesystem (or files owned by someone else) still serves: only the time bump of
+  a read is skipped, and writes fail as ``TierError`` (the connector counts them as faults);
+* a full filesystem (``ENOSPC``, ``EDQUOT``) evicts least recently used entries and retries;
+* other processes may add, read and remove entries at any time: a file that vanishes between
+  listing and use is a miss, never an error, and the tier re-reads the directory every
+  ``resync_interval_s`` seconds (and after a full filesystem) so ``used_bytes`` is what is on disk;
+* a temporary file is removed only when it is stale: its writer (named in the file name by host
+  and process id) is no longer running on this host, or it is older than ``STALE_TEMP_S``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import re
+import socket
 import struct
+import time
 import uuid
 import zlib
 from collections import OrderedDict
@@ -24,49 +39,105 @@ _MAGIC = b"HKVD"
 _HEADER = struct.Struct("<4sIQ")
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+STALE_TEMP_S = 3600.0
+"""A temporary file this old is abandoned whoever wrote it (a write takes milliseconds)."""
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid > 0  # another user's process (or an absurd number: not ours to judge)
+    return True
 
 
 class DiskTier(KVTier):
     """Entries as files under ``path`` within ``capacity_bytes`` (headers included).
 
     ``shared=True`` marks a directory other instances use too: existence is then checked on disk
-    (another process may have written the entry), leftover temporary files are left alone, and
-    the budget is enforced per process (each process evicts what it knows of).
+    (another process may have written the entry). In either mode the budget is the directory's:
+    every re-sync counts every entry on disk, whoever wrote it, and eviction removes the least
+    recently used of them.
     """
 
     name = "disk"
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *, shared: bool = False,
-                 fsync: bool = False) -> None:
+                 fsync: bool = False, resync_interval_s: float = 10.0) -> None:
         super().__init__()
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise InvalidInputError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+        if not resync_interval_s >= 0:
+            raise InvalidInputError(f"resync_interval_s must be >= 0, got {resync_interval_s!r}")
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
         self.shared = shared
         self.fsync = fsync
+        self.resync_interval_s = resync_interval_s
         self.used_bytes = 0
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
+        self._tmp_tag = f"{_host()}.{os.getpid()}"
+        self._synced_at = 0.0
         try:
-            os.makedirs(self.path, exist_ok=True)
-            found: list[tuple[float, str, int]] = []
-            with os.scandir(self.path) as it:
-                for entry in it:
+            if not os.path.isdir(self.path):
+                os.makedirs(self.path, exist_ok=True)
+            self.resync()
+        except OSError as exc:
+            raise InvalidInputError(f"cannot use {self.path!r} as a disk tier: {exc}") from exc
+        self._evict(0)
+
+    # ------------------------------------------------------------------ the directory
+    def resync(self) -> None:
+        """Re-read the directory: the index and ``used_bytes`` become what is on disk now.
+
+        Also removes stale temporary files (see the module docstring). Raises ``OSError`` only
+        when the directory itself cannot be listed.
+        """
+        found: list[tuple[float, str, int]] = []
+        now = time.time()
+        with os.scandir(self.path) as it:
+            for entry in it:
+                try:
                     if entry.name.endswith(_SUFFIX):
                         st = entry.stat()
                         found.append((st.st_mtime, entry.name, st.st_size))
-                    elif entry.name.endswith(_TMP_SUFFIX) and not shared:
-                        os.remove(entry.path)  # a write that never completed
-        except OSError as exc:
-            raise InvalidInputError(f"cannot use {self.path!r} as a disk tier: {exc}") from exc
-        for _, name, size in sorted(found):
-            self._index[name] = size
-            self.used_bytes += size
-        self._evict(0)
+                    elif entry.name.endswith(_TMP_SUFFIX) and self._stale_temp(entry.name, entry.stat().st_mtime, now):
+                        os.remove(entry.path)
+                except OSError:  # gone already (another process), or not ours to remove
+                    continue
+        self._index = OrderedDict((name, size) for _, name, size in sorted(found))
+        self.used_bytes = sum(self._index.values())
+        self._synced_at = time.monotonic()
+
+    def _stale_temp(self, name: str, mtime: float, now: float) -> bool:
+        """Whether a temporary file was abandoned: its writer is gone, or it is very old."""
+        if now - mtime > STALE_TEMP_S:
+            return True
+        parts = name.split(".")  # <sha256>.kv.<host>.<pid>.<uuid>.tmp
+        if len(parts) != 6 or parts[2] != _host():
+            return False  # another host's write (or an unknown name): only age tells
+        try:
+            pid = int(parts[3])
+        except ValueError:
+            return False
+        return pid != os.getpid() and not _pid_running(pid)
+
+    def _maybe_resync(self) -> None:
+        if time.monotonic() - self._synced_at >= self.resync_interval_s:
+            with contextlib.suppress(OSError):
+                self.resync()
 
     def _name(self, key: bytes) -> str:
         return hashlib.sha256(key).hexdigest() + _SUFFIX
 
+    # ------------------------------------------------------------------ reads
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         names = [self._name(k) for k in keys]
         if self.shared:
@@ -81,7 +152,6 @@ class DiskTier(KVTier):
         try:
             with open(file, "rb") as f:
                 data = f.read()
-            os.utime(file)
         except FileNotFoundError:
             self._forget(name)
             self.stats.misses += 1
@@ -93,8 +163,11 @@ class DiskTier(KVTier):
             self.stats.corrupt += 1
             self._remove(name)
             return None
+        with contextlib.suppress(OSError):  # read-only filesystem, another owner, or just evicted
+            os.utime(file)
+        self._forget(name)
         self._index[name] = len(data)
-        self._index.move_to_end(name)
+        self.used_bytes += len(data)
         self.stats.hits += 1
         self.stats.bytes_read += len(data)
         return value
@@ -109,7 +182,9 @@ class DiskTier(KVTier):
             return None
         return value
 
+    # ------------------------------------------------------------------ writes
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        self._maybe_resync()
         for key, value in items:
             data = _HEADER.pack(_MAGIC, zlib.crc32(value), len(value)) + value
             if len(data) > self.capacity_bytes:
@@ -117,8 +192,18 @@ class DiskTier(KVTier):
             name = self._name(key)
             self._forget(name)
             self._evict(len(data))
-            final = os.path.join(self.path, name)
-            tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
+            self._write(name, data)
+            self._index[name] = len(data)
+            self.used_bytes += len(data)
+            self.stats.puts += 1
+            self.stats.bytes_written += len(data)
+
+    def _write(self, name: str, data: bytes) -> None:
+        """Write ``data`` as ``name`` atomically; on a full filesystem evict and retry."""
+        final = os.path.join(self.path, name)
+        tmp = f"{final}.{self._tmp_tag}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
+        resynced = False
+        while True:
             try:
                 with open(tmp, "wb") as f:
                     f.write(data)
@@ -126,23 +211,40 @@ class DiskTier(KVTier):
                         f.flush()
                         os.fsync(f.fileno())
                 os.replace(tmp, final)
+                return
             except OSError as exc:
                 self._remove_quietly(tmp)
-                raise TierError(f"disk tier {self.path!r}: {exc}") from exc
-            self._index[name] = len(data)
-            self.used_bytes += len(data)
-            self.stats.puts += 1
-            self.stats.bytes_written += len(data)
+                if exc.errno not in _FULL:
+                    raise TierError(f"disk tier {self.path!r}: {exc}") from exc
+                if not resynced:  # the budget is larger than the filesystem: count what is there
+                    resynced = True
+                    with contextlib.suppress(OSError):
+                        self.resync()
+                    self._forget(name)
+                if not self._evict_bytes(len(data)):
+                    raise TierError(f"disk tier {self.path!r}: {exc} and nothing left to evict") from exc
 
     def delete(self, key: bytes) -> None:
         self._remove(self._name(key))
 
+    # ------------------------------------------------------------------ eviction and accounting
     def _evict(self, incoming: int) -> None:
         """Remove least recently used files until ``incoming`` more bytes fit."""
         while self._index and self.used_bytes + incoming > self.capacity_bytes:
+            self._remove(next(iter(self._index)))
+            self.stats.evictions += 1
+
+    def _evict_bytes(self, nbytes: int) -> bool:
+        """Remove least recently used files of at least ``nbytes`` in all; False if none was left."""
+        if not self._index:
+            return False
+        freed = 0
+        while self._index and freed < nbytes:
             name = next(iter(self._index))
+            freed += self._index[name]
             self._remove(name)
             self.stats.evictions += 1
+        return True
 
     def _forget(self, name: str) -> None:
         size = self._index.pop(name, None)

@@ -18,7 +18,8 @@ Frame (little-endian), the value stored under a key::
 configured (flag bit 0), so a writer without the secret cannot forge entries. Reading checks
 every field: a bad magic, version, flag, digest or trailing bytes is ``corrupt``, a truncated
 frame or payload is ``short``, an entry framed for another key (another prefix, another salt)
-is ``wrong_key``.
+is ``wrong_key``. The connector also rejects a payload whose size is not the block size of its
+group (``wrong_size``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from typing import Literal
 
 from hybridkv.core.layout import KVCacheLayout
 
-FaultKind = Literal["error", "timeout", "short", "corrupt", "wrong_key", "missing"]
-FAULT_KINDS: tuple[FaultKind, ...] = ("error", "timeout", "short", "corrupt", "wrong_key", "missing")
+FaultKind = Literal["error", "timeout", "short", "corrupt", "wrong_key", "wrong_size", "missing"]
+FAULT_KINDS: tuple[FaultKind, ...] = ("error", "timeout", "short", "corrupt", "wrong_key", "wrong_size", "missing")
 
 MAGIC = b"HKVF"
 VERSION = 1

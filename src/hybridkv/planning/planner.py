@@ -6,6 +6,7 @@ Everything is computed by the same code the manager runs on: the specs' per-requ
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,21 @@ class PlanInput:
     num_params: int | None = None
     """Parameter count; required for a config path, taken from the preset otherwise."""
 
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "max_num_batched_tokens", "block_size"):
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("reserve_bytes", self.reserve_bytes, minimum=0)
+        for name in ("max_model_len", "num_params", "gpu_memory_bytes"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name), minimum=1)
+        for n in self.request_lens:
+            _require_int("request length", n, minimum=1)
+
+
+def _require_int(name: str, value: object, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
 
 @dataclass
 class Plan:
@@ -71,21 +87,50 @@ def _dtype(name: str, what: str) -> float:
         raise InvalidInputError(f"unknown {what} {name!r}; choose one of {', '.join(DTYPE_BYTES)}") from None
 
 
-def _load_model(model: str) -> tuple[str, Mapping[str, Any], int | None, int | None]:
-    """(name, config, parameter count, default max context) for a preset id or a config path."""
+@dataclass(frozen=True)
+class ModelSource:
+    """A model as the planner and the simulator read it: a preset, or a ``config.json``."""
+
+    name: str
+    config: Mapping[str, Any]
+    num_params: int | None
+    """The preset's parameter count; None for a config file (the caller must give it)."""
+    max_model_len: int | None
+    """The default context length (a config's ``max_position_embeddings``)."""
+    is_preset: bool
+
+
+def looks_like_path(model: str) -> bool:
+    """Whether ``model`` names a file or directory rather than a preset id."""
+    return model.endswith(".json") or "/" in model or os.sep in model or model.startswith(".")
+
+
+def load_model(model: str) -> ModelSource:
+    """The preset ``model`` or the ``config.json`` at that path (a file or a directory holding one).
+
+    Raises ``InvalidInputError`` naming the path for a config file that is not there, and listing
+    the presets for an unknown preset id.
+    """
     if Path(model).exists():
         cfg = load_config(model)
-        return str(model), cfg, None, cfg.get("max_position_embeddings")
+        max_len = cfg.get("max_position_embeddings")
+        return ModelSource(str(model), cfg, None, max_len if isinstance(max_len, int) and max_len > 0 else None,
+                           False)
+    if looks_like_path(model):
+        raise InvalidInputError(f"no config file at {model!r} (give a path to a config.json, or a preset id: "
+                                f"see hybridkv plan --list-models)")
     preset = get_preset(model)
-    return preset.id, preset.config, preset.num_params, preset.max_model_len
+    return ModelSource(preset.id, preset.config, preset.num_params, preset.max_model_len, True)
 
 
 def make_plan(inp: PlanInput) -> Plan:
     """Plan the KV cache for ``inp``; never raises for a request that does not fit (``fits`` says)."""
-    name, config, preset_params, default_len = _load_model(inp.model)
-    num_params = inp.num_params or preset_params
+    source = load_model(inp.model)
+    name, config, default_len = source.name, source.config, source.max_model_len
+    num_params = inp.num_params or source.num_params
     if not num_params:
-        raise InvalidInputError(f"{name}: the parameter count is unknown; pass num_params (--num-params)")
+        raise InvalidInputError(f"{name}: a config.json does not say how many parameters the model has; pass "
+                                f"num_params (--num-params, e.g. 27e9)")
     max_model_len = inp.max_model_len or default_len
     if not max_model_len:
         raise InvalidInputError(f"{name}: no default context length; pass max_model_len (--max-model-len)")

@@ -17,6 +17,15 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
+from hybridkv.cli_args import (
+    count_arg,
+    input_file_arg,
+    non_negative_int_arg,
+    output_path_arg,
+    positive_float_arg,
+    positive_int_arg,
+    write_output,
+)
 from hybridkv.errors import InvalidInputError
 from hybridkv.sim.simulator import SimConfig, SimResult, simulate
 from hybridkv.sim.tiers import parse_tiers, tier_arg
@@ -32,6 +41,7 @@ from hybridkv.sim.workloads import (
     shared_prefix,
 )
 from hybridkv.sizes import size_arg
+from hybridkv.tables import print_table, print_text
 
 SUMMARY_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("requests finished / rejected", lambda s: f"{s['finished']} / {s['rejected']}"),
@@ -58,54 +68,95 @@ TIER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
 """Rows added to the summary when any variant has tiers."""
 
 
+RETENTION_SENTENCE = ("retention=none is plain LRU: the sliding-window blocks a shared prefix needs are freed as "
+                      "the window moves and evicted first, so the prefix stops hitting; retention=window keeps the "
+                      "window blocks at the end of a shared prefix for as long as its full-attention blocks stay "
+                      "cached.")
+"""Printed under a comparison of the two retention policies."""
+
+
 def add_parser(sub: Any) -> None:
     """Register the ``simulate`` subcommand."""
-    p = sub.add_parser("simulate", help="simulate a workload on a model + GPU with the real scheduler and manager")
-    p.add_argument("--model", default="gemma-3-27b")
-    p.add_argument("--gpu", default="h100-80gb")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--long-prefill-threshold", type=int, default=0)
-    p.add_argument("--retention", choices=("none", "window"), default="window")
-    p.add_argument("--admission", choices=("max_utilization", "guaranteed_no_preemption"), default="max_utilization")
-    p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="size the pool to this many tokens instead of from GPU memory")
-    p.add_argument("--kv-cache-memory", type=size_arg, default=None, metavar="BYTES",
-                   help="size the pool for this KV budget (e.g. 48MiB) as the reference engine plans it")
-    p.add_argument("--weights-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8", "int4"))
-    p.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"))
-    p.add_argument("--calibration", default=None, metavar="PATH",
-                   help="fit the cost model's efficiencies to measured steps in this JSON file")
-    p.add_argument("--lm-head", choices=("per_token", "per_sample"), default="per_token",
-                   help="charge the output projection per new token (generic) or per sampled sequence")
-    p.add_argument("--workload", choices=("shared-prefix", "multi-turn", "chat", "trace"), default="shared-prefix")
-    p.add_argument("--trace", default=None, help="JSONL trace (with --workload trace)")
-    p.add_argument("--requests", type=int, default=600)
-    p.add_argument("--prefixes", type=int, default=30)
-    p.add_argument("--prefix-len", type=int, default=2048)
-    p.add_argument("--suffix-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--popularity", choices=("uniform", "zipf"), default="uniform")
-    p.add_argument("--conversations", type=int, default=100)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-prompt-len", type=int, default=1024)
-    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals (req/s); default: closed loop")
-    p.add_argument("--burstiness", type=float, default=None, help="with --rate: bursty (gamma) arrivals")
-    p.add_argument("--concurrency", type=int, default=64, help="closed-loop concurrency (without --rate)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tier", type=tier_arg, action="append", default=None, metavar="SPEC",
-                   help="external KV tier, queried in the order given (repeatable): KIND:SIZE[@BANDWIDTH][@LATENCY] "
-                        "with KIND host (default 25GB/s), disk (5GB/s, 100us) or net/redis (3GB/s, 1ms), "
-                        "e.g. host:64GiB, disk:1TiB@7GB/s; per GPU")
-    p.add_argument("--compare", default=None,
-                   help="run variants: OPTION=V1,V2 (e.g. retention=none,window or tier=none,host:64GiB+disk:1TiB)")
-    p.add_argument("--json", default=None, help="write the summary as JSON to PATH ('-' for stdout)")
-    p.add_argument("--plot", default=None, help="write KV usage / hit rate over time and the TTFT CDF to a PNG")
-    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser(
+        "simulate", help="simulate a workload on a model + GPU with the real scheduler and manager",
+        description="Run a workload through the real scheduler and KV-cache manager, timed by a GPU cost model. "
+                    "Give a workload: --workload shared-prefix|multi-turn|chat, or --workload trace --trace FILE.",
+    )
+    system = p.add_argument_group("the simulated system")
+    system.add_argument("--model", default="gemma-3-27b",
+                        help="preset id (hybridkv plan --list-models) or path to a Hugging Face config.json")
+    system.add_argument("--num-params", type=count_arg, default=None, metavar="COUNT",
+                        help="parameter count of a config.json model, e.g. 27e9 or 27B (presets know theirs)")
+    system.add_argument("--gpu", default="h100-80gb", help="GPU preset (hybridkv plan --help lists them)")
+    system.add_argument("--tp", type=positive_int_arg, default=1, help="tensor parallel size")
+    system.add_argument("--max-model-len", type=positive_int_arg, default=None, metavar="TOKENS",
+                        help="longest request (default: the model's max context)")
+    system.add_argument("--max-num-batched-tokens", type=positive_int_arg, default=8192, metavar="TOKENS",
+                        help="tokens one engine step computes at most")
+    system.add_argument("--max-num-seqs", type=positive_int_arg, default=256, help="sequences running at once at most")
+    system.add_argument("--long-prefill-threshold", type=non_negative_int_arg, default=0, metavar="TOKENS",
+                        help="cap on one prefill chunk (0: no cap)")
+    system.add_argument("--retention", choices=("none", "window"), default="window",
+                        help="none: freed blocks in plain LRU order; window: keep the sliding-window blocks a "
+                             "cached prefix needs")
+    system.add_argument("--admission", choices=("max_utilization", "guaranteed_no_preemption"),
+                        default="max_utilization",
+                        help="admit when the prompt fits now, or only when every admitted request can grow "
+                             "to its output length")
+    system.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs", help="order of the waiting queue")
+    system.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    system.add_argument("--kv-cache-tokens", type=positive_int_arg, default=None, metavar="TOKENS",
+                        help="size the pool to this many tokens instead of from GPU memory")
+    system.add_argument("--kv-cache-memory", type=size_arg, default=None, metavar="SIZE",
+                        help="size the pool for this KV budget (e.g. 48MiB) as the reference engine plans it")
+    system.add_argument("--weights-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8", "int4"),
+                        help="dtype of the weights")
+    system.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"),
+                        help="dtype of the KV cache")
+    system.add_argument("--calibration", default=None, metavar="PATH",
+                        help="fit the cost model's efficiencies to measured steps in this JSON file")
+    system.add_argument("--lm-head", choices=("per_token", "per_sample"), default="per_token",
+                        help="charge the output projection per new token (generic) or per sampled sequence")
+    system.add_argument("--tier", type=tier_arg, action="append", default=None, metavar="SPEC",
+                        help="external KV tier, queried in the order given (repeatable): "
+                             "KIND:SIZE[@BANDWIDTH][@LATENCY] with KIND host (default 25GB/s), disk (5GB/s, "
+                             "100us) or net/redis (3GB/s, 1ms), e.g. host:64GiB, disk:1TiB@7GB/s; per GPU")
+    work = p.add_argument_group("the workload")
+    work.add_argument("--workload", choices=("shared-prefix", "multi-turn", "chat", "trace"), required=True,
+                      help="shared-prefix: requests over a few long shared prefixes; multi-turn: conversations "
+                           "whose turns extend each other; chat: chat-like lengths; trace: a JSONL file (--trace)")
+    work.add_argument("--trace", type=input_file_arg, default=None, metavar="PATH",
+                      help="JSONL trace (with --workload trace)")
+    work.add_argument("--requests", type=positive_int_arg, default=600,
+                      help="requests (shared-prefix, chat)")
+    work.add_argument("--prefixes", type=positive_int_arg, default=30, help="distinct shared prefixes (shared-prefix)")
+    work.add_argument("--prefix-len", type=positive_int_arg, default=2048, metavar="TOKENS",
+                      help="tokens of each shared prefix (shared-prefix)")
+    work.add_argument("--suffix-len", type=positive_int_arg, default=256, metavar="TOKENS",
+                      help="unique tokens after the prefix (shared-prefix), median user turn (multi-turn)")
+    work.add_argument("--output-len", type=positive_int_arg, default=128, metavar="TOKENS",
+                      help="tokens generated per request")
+    work.add_argument("--popularity", choices=("uniform", "zipf"), default="uniform",
+                      help="how requests pick their prefix (shared-prefix)")
+    work.add_argument("--conversations", type=positive_int_arg, default=100, help="conversations (multi-turn)")
+    work.add_argument("--turns", type=positive_int_arg, default=4, help="turns per conversation (multi-turn)")
+    work.add_argument("--system-prompt-len", type=positive_int_arg, default=1024, metavar="TOKENS",
+                      help="shared system prompt (multi-turn)")
+    work.add_argument("--rate", type=positive_float_arg, default=None, metavar="REQ_PER_S",
+                      help="Poisson arrivals at this rate (default: a closed loop of --concurrency)")
+    work.add_argument("--burstiness", type=positive_float_arg, default=None,
+                      help="with --rate: bursty (gamma) arrivals, < 1 burstier than Poisson")
+    work.add_argument("--concurrency", type=positive_int_arg, default=64,
+                      help="requests in flight in the closed loop (without --rate)")
+    work.add_argument("--seed", type=int, default=0, help="random seed of the workload")
+    out = p.add_argument_group("output")
+    out.add_argument("--compare", default=None, metavar="OPTION=V1,V2",
+                     help="run variants side by side, e.g. retention=none,window or tier=none,host:64GiB+disk:1TiB")
+    out.add_argument("--json", type=output_path_arg, default=None, metavar="PATH",
+                     help="write the summary as JSON to PATH ('-' for stdout)")
+    out.add_argument("--plot", type=output_path_arg, default=None, metavar="PATH",
+                     help="write KV usage and hit rate over time and the TTFT CDF to a PNG (needs the sim extra)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
 
@@ -119,6 +170,8 @@ def _arrivals(args: argparse.Namespace) -> Arrivals:
 
 def build_workload(args: argparse.Namespace) -> Workload:
     """The workload the options describe."""
+    if args.trace and args.workload != "trace":
+        raise InvalidInputError(f"--trace is read only with --workload trace, not --workload {args.workload}")
     if args.workload == "trace":
         if not args.trace:
             raise InvalidInputError("--workload trace needs --trace PATH")
@@ -145,9 +198,11 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
                      admission=args.admission, policy=args.policy, enable_prefix_caching=not args.no_prefix_caching,
                      kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory=args.kv_cache_memory,
                      weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype, calibration=args.calibration,
-                     lm_head=args.lm_head, tiers=tuple(args.tier or ()))
+                     lm_head=args.lm_head, tiers=tuple(args.tier or ()), num_params=args.num_params)
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 _OPTIONAL_INTS = ("max_model_len", "kv_cache_tokens", "kv_cache_memory", "gpu_memory_bytes")
 
 
@@ -171,12 +226,17 @@ def variants(base: SimConfig, compare: str | None) -> list[tuple[str, SimConfig]
     for raw in values.split(","):
         raw = raw.strip()
         value: Any = raw
-        if isinstance(current, bool):
-            value = raw.lower() in ("1", "true", "yes", "on")
-        elif isinstance(current, int) or name in _OPTIONAL_INTS:
-            value = int(raw)
-        elif isinstance(current, float):
-            value = float(raw)
+        if isinstance(current, bool) and raw.lower() not in _TRUE + _FALSE:
+            raise InvalidInputError(f"--compare {key}: {raw!r} is not one of {', '.join(_TRUE + _FALSE)}")
+        try:
+            if isinstance(current, bool):
+                value = raw.lower() in _TRUE
+            elif isinstance(current, int) or name in _OPTIONAL_INTS:
+                value = int(raw)
+            elif isinstance(current, float):
+                value = float(raw)
+        except ValueError:
+            raise InvalidInputError(f"--compare {key}: {raw!r} is not a number") from None
         out.append((f"{name}={raw}", replace(base, **{name: value})))
     return out
 
@@ -207,10 +267,15 @@ def _progress(label: str, enabled: bool) -> Callable[[int, int], None] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Simulate, print the summary (side by side for ``--compare``), write JSON / plot."""
+    if args.plot:
+        from hybridkv.sim.plot import require_matplotlib
+
+        require_matplotlib()  # before the simulation, not after it
     workload = build_workload(args)
+    configs = variants(sim_config(args), args.compare)
     results: list[tuple[str, SimResult]] = []
     show = not args.no_progress
-    for label, cfg in variants(sim_config(args), args.compare):
+    for label, cfg in configs:
         t0 = time.perf_counter()
         res = simulate(workload, cfg, progress=_progress(label or "simulating", show))
         res.summary["wall_s"] = time.perf_counter() - t0
@@ -221,10 +286,11 @@ def run(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+            write_output(args.json, text + "\n")
     if args.json != "-":
         print_summary(workload, results)
+        if {cfg.retention for _, cfg in configs} == {"none", "window"}:
+            print_text(RETENTION_SENTENCE)
     if args.plot:
         from hybridkv.sim.plot import plot_results
 
@@ -243,20 +309,4 @@ def print_summary(workload: Workload, results: list[tuple[str, SimResult]]) -> N
     spec_rows = SUMMARY_ROWS + (TIER_ROWS if any(r.summary["tiers"] for _, r in results) else [])
     rows = [(name, [fmt(r.summary) for _, r in results]) for name, fmt in spec_rows]
     rows.append(("simulation wall time", [f"{r.summary['wall_s']:.1f} s" for _, r in results]))
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        width = max(len(n) for n, _ in rows)
-        print(" " * width + "  " + "  ".join(f"{lbl:>28}" for lbl in labels))
-        for name, vals in rows:
-            print(f"{name:<{width}}  " + "  ".join(f"{v:>28}" for v in vals))
-        return
-    table = Table(title=title)
-    table.add_column("")
-    for lbl in labels:
-        table.add_column(lbl, justify="right")
-    for name, vals in rows:
-        table.add_row(name, *vals)
-    Console(width=max(110, Console().width)).print(table)
+    print_table(title, ["", *labels], [(name, *vals) for name, vals in rows])

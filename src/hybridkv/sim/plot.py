@@ -10,15 +10,21 @@ if TYPE_CHECKING:
     from hybridkv.sim.simulator import SimResult
 
 
-def plot_results(results: list[tuple[str, SimResult]], path: str) -> None:
-    """KV usage and cumulative hit rate over time, and the TTFT CDF, one line per variant."""
+def require_matplotlib() -> None:
+    """Raise ``InvalidInputError`` naming the extra when matplotlib is not installed."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError as exc:
         raise InvalidInputError("--plot needs matplotlib: pip install 'hybridkv[sim]'") from exc
+
+
+def plot_results(results: list[tuple[str, SimResult]], path: str) -> None:
+    """KV usage and cumulative hit rate over time, and the TTFT CDF, one line per variant, as a PNG at ``path``."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, (ax_usage, ax_hit, ax_ttft) = plt.subplots(1, 3, figsize=(15, 4.2))
     for label, res in results:
         name = label or res.summary["retention"]
@@ -38,5 +44,9 @@ def plot_results(results: list[tuple[str, SimResult]], path: str) -> None:
     s0 = results[0][1].summary
     fig.suptitle(f"{s0['workload']} on {s0['model']} / {s0['gpu']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write the plot to {path!r}: {exc.strerror}") from None
+    finally:
+        plt.close(fig)

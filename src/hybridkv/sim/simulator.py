@@ -46,9 +46,9 @@ from typing import Any
 
 from hybridkv.core import KVCacheLayout, KVCacheManager, RetentionPolicy, Sequence, capacity_report, plan_layout
 from hybridkv.errors import InvalidInputError
-from hybridkv.planning import get_preset
+from hybridkv.planning.hardware import get_hardware
 from hybridkv.planning.hf_config import layer_specs, parse_config
-from hybridkv.planning.planner import DTYPE_BYTES, PlanInput, make_plan
+from hybridkv.planning.planner import DTYPE_BYTES, PlanInput, load_model, make_plan
 from hybridkv.scheduling.scheduler import Admission, Policy, Scheduler, SchedulerConfig
 from hybridkv.sim.cost_model import CostModel, Efficiency, LMHead, SeqWork, calibrate
 from hybridkv.sim.synthetic import SyntheticSequence, TierKeyedSequence
@@ -61,6 +61,7 @@ class SimConfig:
     """The system being simulated."""
 
     model: str = "gemma-3-27b"
+    """A preset id, or the path of a Hugging Face ``config.json`` (then ``num_params`` is needed)."""
     gpu: str = "h100-80gb"
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
@@ -88,6 +89,8 @@ class SimConfig:
     """How the cost model charges the output projection (``cost_model`` module docstring)."""
     tiers: tuple[TierSpec, ...] = ()
     """External KV tiers, queried in order (``sim.tiers``); empty: none."""
+    num_params: int | None = None
+    """Parameter count (all experts) of a ``config.json`` model; a preset knows its own."""
 
 
 @dataclass
@@ -118,12 +121,14 @@ def layout_for_memory(cfg: SimConfig) -> tuple[KVCacheLayout, int]:
     memory = cfg.kv_cache_memory
     if not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0:
         raise InvalidInputError(f"kv_cache_memory must be a positive number of bytes, got {memory!r}")
-    preset = get_preset(cfg.model)
-    max_model_len = cfg.max_model_len or preset.max_model_len
+    source = load_model(cfg.model)
+    max_model_len = cfg.max_model_len or source.max_model_len
+    if not max_model_len:
+        raise InvalidInputError(f"{source.name}: no default context length; pass max_model_len (--max-model-len)")
     kv_bytes = DTYPE_BYTES.get(cfg.kv_dtype)
     if kv_bytes is None or kv_bytes < 1:
         raise InvalidInputError(f"unknown KV dtype {cfg.kv_dtype!r}; choose one of fp32, bf16, fp16, fp8")
-    specs = layer_specs(parse_config(preset.config, tensor_parallel_size=cfg.tensor_parallel_size),
+    specs = layer_specs(parse_config(source.config, tensor_parallel_size=cfg.tensor_parallel_size),
                         block_size=cfg.block_size, kv_dtype_bytes=int(kv_bytes))
     layout = plan_layout(specs, memory, max_model_len=max_model_len,
                          max_num_batched_tokens=min(cfg.max_num_batched_tokens, max_model_len))
@@ -146,7 +151,7 @@ def build_manager(cfg: SimConfig) -> tuple[KVCacheManager, dict[str, Any]]:
                     max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                     tensor_parallel_size=cfg.tensor_parallel_size, weights_dtype=cfg.weights_dtype,
                     kv_dtype=cfg.kv_dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    block_size=cfg.block_size)
+                    block_size=cfg.block_size, num_params=cfg.num_params)
     plan = make_plan(inp)
     if not plan.fits or plan.layout is None:
         raise InvalidInputError(f"{cfg.model}: {plan.report.get('error')}")
@@ -159,6 +164,20 @@ def build_manager(cfg: SimConfig) -> tuple[KVCacheManager, dict[str, Any]]:
     mgr = KVCacheManager(layout, plan.max_model_len, min(cfg.max_num_batched_tokens, plan.max_model_len),
                          cfg.enable_prefix_caching, retention=retention)
     return mgr, plan.report
+
+
+def cost_model(cfg: SimConfig) -> CostModel:
+    """The cost model of ``cfg``'s model (a preset, or a ``config.json`` with ``num_params``) on its GPU."""
+    source = load_model(cfg.model)
+    if source.is_preset:
+        return CostModel.from_preset(cfg.model, cfg.gpu, tensor_parallel_size=cfg.tensor_parallel_size,
+                                     weights_dtype=cfg.weights_dtype, kv_dtype=cfg.kv_dtype, lm_head=cfg.lm_head)
+    if not cfg.num_params:
+        raise InvalidInputError(f"{source.name}: a config.json does not say how many parameters the model has; "
+                                f"pass num_params (--num-params, e.g. 27e9)")
+    return CostModel.from_config(source.config, cfg.num_params, get_hardware(cfg.gpu),
+                                 tensor_parallel_size=cfg.tensor_parallel_size, weights_dtype=cfg.weights_dtype,
+                                 kv_dtype=cfg.kv_dtype, name=source.name, lm_head=cfg.lm_head)
 
 
 def _make_sequence(req: SimRequest, tiered: bool = False) -> Sequence:
@@ -180,8 +199,7 @@ def simulate(workload: Workload, cfg: SimConfig, *,
                                            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                                            policy=cfg.policy, admission=cfg.admission),
                       connector=tiers.connector if tiers is not None else None)
-    cost = CostModel.from_preset(cfg.model, cfg.gpu, tensor_parallel_size=cfg.tensor_parallel_size,
-                                 weights_dtype=cfg.weights_dtype, kv_dtype=cfg.kv_dtype, lm_head=cfg.lm_head)
+    cost = cost_model(cfg)
     if cfg.calibration is not None:
         cost = calibrate(cost, cfg.calibration)
     requests = workload.requests

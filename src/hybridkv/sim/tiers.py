@@ -310,7 +310,8 @@ class SimTiers:
         self.block_bytes = group_block_bytes(manager)
         self.tiers = [SimTier(s, i, self.block_bytes) for i, s in enumerate(specs)]
         cls = KVConnector if framed_store else SimConnector
-        self.connector = cls(self.tiers, manager, namespace=namespace)
+        # A SimTier answers with a 1-byte payload (the tier's index), not a block of KV.
+        self.connector = cls(self.tiers, manager, namespace=namespace, payload_bytes=dict.fromkeys(self.block_bytes, 1))
         self.hash_block_size = manager.hash_block_size
         n = len(self.tiers)
         self.loaded_blocks = [0] * n

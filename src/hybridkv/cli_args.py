@@ -1,0 +1,129 @@
+"""Argument parsing of the ``hybridkv`` command: one-line errors, defaults in the help, checked values.
+
+Every sub-command parser is a ``Parser`` (``add_subparsers`` makes sub-parsers of the parent's
+class), so a wrong option anywhere prints one line naming it and exits with status 2, and every
+option's help ends with its default. The ``*_arg`` functions are ``type=`` callables that reject a
+bad value while parsing, before any work starts: an output path is checked to be writable, an
+input file to exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import NoReturn
+
+from hybridkv.errors import InvalidInputError
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help when it has a default worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        shown = not (default is None or default is False or default == argparse.SUPPRESS) and action.option_strings
+        if shown and "%(default)" not in text and "(default:" not in text and not isinstance(default, (list, tuple)):
+            text += " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (status 2) and whose help shows defaults."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _int(text: str, minimum: int) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def positive_int_arg(text: str) -> int:
+    """An integer >= 1."""
+    return _int(text, 1)
+
+
+def non_negative_int_arg(text: str) -> int:
+    """An integer >= 0."""
+    return _int(text, 0)
+
+
+def positive_float_arg(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def fraction_arg(text: str) -> float:
+    """A number in (0, 1]."""
+    value = positive_float_arg(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+_COUNT_SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def count_arg(text: str) -> int:
+    """A positive count written ``27000000000``, ``27e9``, ``27B`` or ``270M``."""
+    body = text.strip().replace("_", "")
+    scale = _COUNT_SUFFIX.get(body[-1:].lower(), 1)
+    if scale != 1:
+        body = body[:-1]
+    try:
+        value = float(body) * scale
+    except ValueError:
+        value = 0.0
+    if not 1 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive count such as 27e9, 27B or 270M, got {text!r}")
+    return int(value)
+
+
+def output_path_arg(text: str) -> str:
+    """A file path that can be written (``-`` for stdout): its directory exists and is writable."""
+    if text == "-":
+        return text
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file to write")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: directory {parent!r} does not exist")
+    target = text if os.path.exists(text) else parent
+    if not os.access(target, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied or read-only filesystem")
+    return text
+
+
+def input_file_arg(text: str) -> str:
+    """A file that exists and can be read."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no file at {text!r}")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: permission denied")
+    return text
+
+
+def write_output(path: str, text: str) -> None:
+    """Write ``text`` to ``path``; an ``OSError`` becomes an ``InvalidInputError`` naming the path."""
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write {path!r}: {exc.strerror}") from None

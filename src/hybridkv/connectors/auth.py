@@ -1,0 +1,69 @@
+"""The secret that authenticates tier frames: given, from the environment, or from a key file.
+
+A tier shared between instances (Redis, a shared directory) can be written by anyone who reaches
+it. Frames are therefore HMAC-sha256 signed with a secret the instances share; without it a
+writer could inject KV that another tenant's request then reads. Where the secret comes from,
+first match wins:
+
+1. the connector's ``auth_key`` argument (used for every connector that is given one);
+2. ``HYBRIDKV_TIER_KEY``: the secret itself (text, at least 16 characters);
+3. ``HYBRIDKV_TIER_KEY_FILE``: a file holding it (trailing whitespace ignored).
+
+The environment is read only by connectors with a shared tier: a connector over private tiers
+(host memory, a private directory) keeps plain sha256 digests unless given ``auth_key``. A
+connector with a shared tier and no secret refuses to start unless it is built with
+``allow_unauthenticated=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from hybridkv.connectors.base import KVTier
+from hybridkv.errors import InvalidInputError
+
+KEY_ENV = "HYBRIDKV_TIER_KEY"
+KEY_FILE_ENV = "HYBRIDKV_TIER_KEY_FILE"
+MIN_KEY_BYTES = 16
+
+
+def _checked(key: bytes, source: str) -> bytes:
+    if len(key) < MIN_KEY_BYTES:
+        raise InvalidInputError(f"the tier key from {source} has {len(key)} bytes; use at least {MIN_KEY_BYTES} "
+                                f"(e.g. the output of: python -c 'import secrets; print(secrets.token_hex(32))')")
+    return key
+
+
+def resolve_auth_key(auth_key: bytes | None, tiers: Sequence[KVTier], *, allow_unauthenticated: bool = False,
+                     environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The frame secret for a connector over ``tiers``; None only where unauthenticated frames are allowed.
+
+    Raises ``InvalidInputError`` for a key that is too short, an unreadable key file, or a shared
+    tier without a key (unless ``allow_unauthenticated``).
+    """
+    env = os.environ if environ is None else environ
+    if auth_key is not None:
+        if not isinstance(auth_key, bytes):
+            raise InvalidInputError(f"auth_key must be bytes, got {type(auth_key).__name__}")
+        return _checked(auth_key, "auth_key")
+    shared = [t.name for t in tiers if t.shared]
+    if not shared:
+        return None
+    if env.get(KEY_ENV):
+        return _checked(env[KEY_ENV].encode(), KEY_ENV)
+    if env.get(KEY_FILE_ENV):
+        path = env[KEY_FILE_ENV]
+        try:
+            with open(path, "rb") as f:
+                key = f.read().rstrip()
+        except OSError as exc:
+            raise InvalidInputError(f"{KEY_FILE_ENV}={path!r}: cannot read the tier key: {exc.strerror}") from None
+        return _checked(key, f"{KEY_FILE_ENV}={path!r}")
+    if not allow_unauthenticated:
+        raise InvalidInputError(
+            f"tier {', '.join(shared)} is shared between instances but no tier key is set: set {KEY_ENV} (or "
+            f"{KEY_FILE_ENV}) to the same secret on every instance, or pass allow_unauthenticated=True to accept "
+            f"unsigned frames (anyone who can write the tier could then inject KV)"
+        )
+    return None

@@ -1,0 +1,229 @@
+"""The ``hybridkv`` command line: a user's mistake is one line and exit status 2, never a traceback;
+Ctrl-C exits 130; options say their defaults; tables stay readable in narrow terminals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridkv.cli import build_parser, main
+from hybridkv.errors import InvalidInputError
+from hybridkv.planning import get_preset
+from hybridkv.planning.planner import PlanInput
+
+SMALL_SIM = ["simulate", "--model", "gemma-3-1b", "--gpu", "l4-24gb", "--max-model-len", "4096", "--workload", "chat",
+             "--requests", "4", "--no-progress"]
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``hybridkv ARGV`` in-process: (exit status, stdout, stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse exits for option errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def config_file(tmp_path: Path, preset: str = "gemma-3-1b") -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(get_preset(preset).config)))
+    return path
+
+
+# ---------------------------------------------------------------------- one line, exit 2
+MISTAKES = [
+    (["plan", "--model", "gemma-3-27b", "--tp", "0"], "argument --tp: expected an integer >= 1, got '0'"),
+    (["plan", "--model", "gemma-3-27b", "--max-model-len", "0"], "argument --max-model-len"),
+    (["plan", "--model", "gemma-3-27b", "--block-size", "-16"], "argument --block-size"),
+    (["plan", "--model", "gemma-3-27b", "--gpu-memory-utilization", "2"], "expected a fraction in (0, 1]"),
+    (["plan", "--model", "x.json", "--num-params", "many"], "argument --num-params"),
+    (["plan", "--model", "gemma-3-27b", "--json", "/nonexistent/dir/plan.json"],
+     "directory '/nonexistent/dir' does not exist"),
+    (["plan", "--model", "./missing/config.json"], "no config file at './missing/config.json'"),
+    (["plan", "--model", "gemma-9-000b"], "unknown model 'gemma-9-000b'"),
+    (["plan"], "--model is required"),
+    (["simulate"], "the following arguments are required: --workload"),
+    (["simulate", "--workload", "trace", "--trace", "/nonexistent/trace.jsonl"], "argument --trace: no file at"),
+    (["simulate", "--workload", "trace"], "--workload trace needs --trace PATH"),
+    ([*SMALL_SIM, "--plot", "/nonexistent/dir/out.png"], "argument --plot: cannot write"),
+    ([*SMALL_SIM, "--json", "/nonexistent/dir/out.json"], "argument --json: cannot write"),
+    ([*SMALL_SIM, "--compare", "max_model_len=long"], "--compare max_model_len: 'long' is not a number"),
+    ([*SMALL_SIM, "--compare", "enable_prefix_caching=maybe"], "'maybe' is not one of 1, true"),
+    ([*SMALL_SIM, "--rate", "-1"], "argument --rate: expected a number > 0"),
+    ([*SMALL_SIM, "--requests", "0"], "argument --requests"),
+    (["demo", "--num-blocks", "lots"], "argument --num-blocks"),
+    (["plan", "--model", "gemma-3-1b", "--gpu-memory", "1e400"], "'1e400' is more than 1024 PiB"),
+    ([*SMALL_SIM, "--kv-cache-memory", "1e400GiB"], "argument --kv-cache-memory"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ([], "the following arguments are required: COMMAND"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), MISTAKES, ids=[" ".join(a) or "no-arguments" for a, _ in MISTAKES])
+def test_a_mistake_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert out == ""  # nothing was computed before the mistake was reported
+
+
+def test_an_unwritable_output_is_refused_before_the_simulation_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.perf_counter()
+    code, out, err = run(["simulate", "--workload", "shared-prefix", "--requests", "600", "--no-progress",
+                          "--plot", "/nonexistent/out.png"], capsys)
+    assert code == 2 and out == "" and "--plot" in err
+    assert time.perf_counter() - started < 5  # the 600-request simulation takes far longer
+
+
+def test_a_directory_is_not_an_output_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plan", "--model", "gemma-3-1b", "--json", str(tmp_path)], capsys)
+    assert code == 2 and "is a directory" in err
+
+
+def test_the_planner_refuses_a_zero_context_instead_of_using_the_default() -> None:
+    with pytest.raises(InvalidInputError, match="max_model_len must be an integer >= 1, got 0"):
+        PlanInput(model="gemma-3-27b", max_model_len=0)
+    with pytest.raises(InvalidInputError, match="tensor_parallel_size"):
+        PlanInput(model="gemma-3-27b", tensor_parallel_size=0)
+
+
+# ---------------------------------------------------------------------- simulate takes a config.json
+def test_simulate_without_num_params_for_a_config_json_says_so(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["simulate", "--model", str(config_file(tmp_path)), "--workload", "chat", "--requests", "4",
+                        "--no-progress"], capsys)
+    assert code == 2 and "--num-params" in err and "unknown model" not in err
+
+
+def test_simulate_on_a_config_json_matches_its_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--gpu", "l4-24gb", "--max-model-len", "4096", "--workload", "shared-prefix", "--requests", "12",
+              "--prefixes", "2", "--prefix-len", "1000", "--suffix-len", "50", "--output-len", "4", "--no-progress",
+              "--json", "-"]
+    code, out, _ = run(["simulate", "--model", "gemma-3-1b", *common], capsys)
+    assert code == 0
+    preset = json.loads(out)
+    params = str(get_preset("gemma-3-1b").num_params)
+    code, out, _ = run(["simulate", "--model", str(config_file(tmp_path)), "--num-params", params, *common], capsys)
+    assert code == 0
+    custom = json.loads(out)
+    for key in ("num_blocks", "kv_capacity_tokens", "hit_tokens", "duration_s", "ttft_p50_s"):
+        assert custom[key] == preset[key], key
+
+
+def test_plan_names_a_missing_config_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plan", "--model", str(tmp_path / "no-such-model"), "--num-params", "1B"], capsys)
+    assert code == 2 and "no config file at" in err
+
+
+def test_plan_reads_a_config_directory_and_a_suffixed_parameter_count(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    config_file(tmp_path)
+    code, out, _ = run(["plan", "--model", str(tmp_path), "--num-params", "1B", "--gpu", "l4-24gb",
+                        "--max-model-len", "8192", "--json", "-"], capsys)
+    assert code == 0 and json.loads(out)["max_model_len"] == 8192
+
+
+# ---------------------------------------------------------------------- help
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize("command", ["demo", "plan", "simulate"])
+def test_every_option_has_help_that_shows_its_default(command: str) -> None:
+    parser = _subcommands()[command]
+    text = parser.format_help()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{command} {action.option_strings} has no help"
+        if action.default not in (None, False) and not isinstance(action.default, list):
+            assert f"(default: {action.default})" in " ".join(text.split()), (command, action.dest)
+
+
+def test_simulate_with_no_arguments_does_not_start_a_600_request_run(capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.perf_counter()
+    code, out, _ = run(["simulate"], capsys)
+    assert code == 2 and out == "" and time.perf_counter() - started < 5
+
+
+# ---------------------------------------------------------------------- narrow terminals
+def test_plan_fits_a_60_column_terminal(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "60")
+    code, out, _ = run(["plan", "--model", "gemma-3-27b", "--gpu", "h100-80gb", "--max-model-len", "131072"], capsys)
+    assert code == 0
+    assert max(len(line) for line in out.splitlines()) <= 60
+    assert "…" not in out
+    assert "    admission bound: 8192" in out  # the full-attention group, as a record
+    assert "  token capacity (growing groups only): 243,584" in out
+
+
+def test_piped_output_is_never_cut(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    code, out, _ = run(["plan", "--model", "gemma-3-27b", "--gpu", "h100-80gb", "--max-model-len", "131072"], capsys)
+    assert code == 0 and "…" not in out
+    header = next(line for line in out.splitlines() if "group" in line and "kind" in line)
+    for column in ("block size", "page bytes", "blocks/request", "admission bound", "slot address space"):
+        assert column in header
+    assert any("10 (5, 11, 17, 23, 29, 35, 41, 47, 53, 59)" in line for line in out.splitlines())
+
+
+def test_a_simulate_comparison_fits_a_60_column_terminal(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "60")
+    code, out, _ = run([*SMALL_SIM, "--compare", "retention=none,window"], capsys)
+    assert code == 0
+    assert max(len(line) for line in out.splitlines()) <= 60 and "…" not in out
+    assert "    retention=window: 4 / 0" in out
+    assert "retention=none is plain LRU" in out  # the two policies, explained
+
+
+# ---------------------------------------------------------------------- the process: Ctrl-C, missing extras
+def _python(code: str, **kw: object) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)  # type: ignore[call-overload]
+
+
+def test_ctrl_c_exits_130_quietly() -> None:
+    proc = _python("import sys\nfrom hybridkv.cli import main\nprint('ready', flush=True)\n"
+                   "sys.exit(main(['simulate', '--workload', 'shared-prefix', '--requests', '100000']))")
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+
+
+@pytest.mark.parametrize(("module", "argv", "extra"), [
+    ("torch", ["generate", "hello"], "engine"),
+    ("matplotlib", [*SMALL_SIM, "--plot", "out.png"], "sim"),
+])
+def test_a_missing_extra_names_the_pip_extra(module: str, argv: list[str], extra: str, tmp_path: Path) -> None:
+    proc = _python(f"import sys\nsys.modules[{module!r}] = None  # as if not installed\n"
+                   f"from hybridkv.cli import main\nsys.exit(main({argv!r}))", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert f"pip install 'hybridkv[{extra}]'" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out.png").exists() and out == ""
+
+
+def test_plan_without_rich_prints_plain_tables(tmp_path: Path) -> None:
+    proc = _python("import sys\nsys.modules['rich'] = None\nfrom hybridkv.cli import main\n"
+                   "sys.exit(main(['plan', '--model', 'gemma-3-27b', '--max-model-len', '131072']))",
+                   env={**os.environ, "COLUMNS": "200"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "admission bound" in out and "243,584" in out

@@ -1,0 +1,145 @@
+"""The README's examples run as a newcomer pastes them: every ```bash and ```python block, and the
+example trace file.
+
+A block preceded by ``<!-- readme-test: skip (reason) -->`` is not run (it installs packages or
+needs something outside the repository); one preceded by ``<!-- readme-test: model -->`` needs the
+real model and runs in ``test_the_examples_that_need_the_model`` (still part of the default suite).
+Shell blocks run with the virtual environment's ``bin`` first on ``PATH``, in a scratch directory
+that holds ``path/to/config.json`` (a Mistral 7B config), which the README's plan example reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hybridkv.planning import get_preset
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+_FENCE = re.compile(r"^```(\w*)\s*$")
+_MARK = re.compile(r"^<!-- readme-test: (\w+)")
+
+
+@dataclass(frozen=True)
+class Example:
+    line: int
+    lang: str
+    code: str
+    mark: str  # "run", "model" or "skip"
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}:{self.lang}"
+
+
+def examples() -> list[Example]:
+    """Every fenced block of the README with its language and mark."""
+    out: list[Example] = []
+    lines = README.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        fence = _FENCE.match(lines[i])
+        if fence is None:
+            i += 1
+            continue
+        start = i
+        i += 1
+        body: list[str] = []
+        while not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        i += 1
+        before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        mark = _MARK.match(before)
+        out.append(Example(start + 1, fence.group(1), "\n".join(body) + "\n", mark.group(1) if mark else "run"))
+    return out
+
+
+RUNNABLE = [e for e in examples() if e.lang in ("bash", "python")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    config = tmp_path / "path" / "to" / "config.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps(dict(get_preset("mistral-7b-v0.1").config)))
+    return tmp_path
+
+
+def run_example(example: Example, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run one block in its own process group (killed whole at the end: a server it started goes too)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "COLUMNS": "120"}
+    code = example.code
+    if example.lang == "bash":  # a server example gets a free port, not 8000
+        port = str(_free_port())
+        code = code.replace("localhost:8000", f"localhost:{port}").replace("--port 8000", f"--port {port}")
+        argv = ["bash", "-euo", "pipefail", "-c", code]
+    else:
+        argv = [sys.executable, "-c", code]
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def test_the_readme_has_examples_of_every_kind() -> None:
+    marks = {e.mark for e in RUNNABLE}
+    langs = {e.lang for e in RUNNABLE if e.mark == "run"}
+    assert {"run", "model", "skip"} <= marks and langs == {"bash", "python"}
+
+
+@pytest.mark.parametrize("example", [e for e in RUNNABLE if e.mark == "run"], ids=lambda e: e.id)
+def test_an_example_runs(example: Example, workdir: Path) -> None:
+    done = run_example(example, workdir, timeout=300)
+    assert done.returncode == 0, f"{example.id} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "Traceback" not in done.stderr
+
+
+def test_the_examples_that_need_the_model(workdir: Path) -> None:
+    pytest.importorskip("torch")
+    model = [e for e in RUNNABLE if e.mark == "model"]
+    assert len(model) >= 3
+    for example in model:
+        done = run_example(example, workdir, timeout=600)
+        assert done.returncode == 0, f"{example.id} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        assert "Traceback" not in done.stderr
+
+
+def test_the_example_trace_simulates(workdir: Path) -> None:
+    (trace,) = [e for e in examples() if e.lang == "jsonl"]
+    path = workdir / "example.jsonl"
+    path.write_text(trace.code)
+    done = run_example(Example(trace.line, "bash", f"hybridkv simulate --model gemma-3-1b --gpu l4-24gb "
+                                                   f"--max-model-len 32768 --workload trace --trace {path} "
+                                                   f"--no-progress --json -\n", "run"), workdir, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["finished"] == 5
+
+
+def test_the_readme_links_nothing_outside_the_repository() -> None:
+    text = README.read_text()
+    assert "shared/" not in text and "/work/" not in text
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        if not target.startswith(("http://", "https://", "#")):
+            assert (README.parent / target).exists(), target
