@@ -37,8 +37,8 @@ def swa(window: int) -> SlidingWindowSpec:
     return SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=2, dtype_bytes=2, sliding_window=window)
 
 
-def mamba() -> MambaSpec:
-    return MambaSpec(block_size=BS, state_bytes=PAGE, mode="align")
+def mamba(**kw: int) -> MambaSpec:
+    return MambaSpec(block_size=BS, state_bytes=PAGE, mode="align", **kw)  # type: ignore[arg-type]
 
 
 def fake_kv(tokens: list[int], group: int, index: int, bs: int = BS) -> bytes:

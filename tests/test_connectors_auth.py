@@ -25,7 +25,7 @@ def no_key(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def stored_frame(tier: DiskTier | HostTier, conn: KVConnector) -> tuple[bytes, bytes]:
     """The key and frame of the first full-attention block of ``TOKENS``."""
-    key = conn.keys(Sequence("probe", TOKENS), conn.manager.groups[0])[0]
+    key = conn.keys(Sequence("probe", TOKENS), 0)[0]
     (frame,) = tier.get_many([key])
     assert frame is not None
     return key, frame
@@ -107,7 +107,7 @@ def test_an_unsigned_forgery_is_rejected_by_a_signing_connector(tmp_path: Path, 
     disk = DiskTier(tmp_path, 1 << 20, shared=True)
     conn = connector([disk], auth_key=SECRET.encode())
     seq = Sequence("victim", TOKENS)
-    forged = [(k, encode_frame(k, b"\x00" * PAGE)) for g in conn.manager.groups for k in conn.keys(seq, g)]
+    forged = [(k, encode_frame(k, b"\x00" * PAGE)) for g in conn.manager.caching_groups for k in conn.keys(seq, g)]
     disk.put_many(forged)
     assert conn.fetch(seq, 0, 96).num_tokens == 0
     assert conn.stats.faults["corrupt"] >= 1
@@ -119,7 +119,7 @@ def test_a_well_formed_frame_of_the_wrong_size_is_a_counted_miss(tmp_path: Path,
     produce(connector([disk], manager(400, full()), auth_key=SECRET.encode()), TOKENS)
     conn = connector([disk], manager(400, full()), auth_key=SECRET.encode())
     seq = Sequence("consumer", TOKENS)
-    bad = conn.keys(seq, conn.manager.groups[0])[2]
+    bad = conn.keys(seq, 0)[2]
     disk.put_many([(bad, encode_frame(bad, b"\x07" * size, SECRET.encode()))])  # signed, framed, wrong size
     store: Store = {}
     assert admit(conn, seq, store) == (0, 32)  # blocks 0 and 1 only

@@ -108,7 +108,7 @@ def test_a_forged_unsigned_frame_in_redis_is_rejected(redis_url: tuple[str, subp
     conn = connector([RedisTier(url)])
     seq = Sequence("victim", TOKENS)
     raw = redis.Redis.from_url(url)
-    for g in conn.manager.groups:  # a writer without the key fills every block the victim would load
+    for g in conn.manager.caching_groups:  # a writer without the key fills every block the victim would load
         for key in conn.keys(seq, g):
             raw.set(key, encode_frame(key, b"\x00" * PAGE))
     assert conn.num_external_tokens(seq, 0) == 96
@@ -127,7 +127,7 @@ def test_a_forged_frame_of_the_wrong_size_in_redis_is_a_counted_miss(
     produce(connector([RedisTier(url)], manager(400, full()), allow_unauthenticated=True), TOKENS)
     conn = connector([RedisTier(url)], manager(400, full()), allow_unauthenticated=True)
     seq = Sequence("consumer", TOKENS)
-    bad = conn.keys(seq, conn.manager.groups[0])[3]
+    bad = conn.keys(seq, 0)[3]
     raw = redis.Redis.from_url(url)
     raw.set(bad, encode_frame(bad, b"\x00" * size))  # well-formed, correct digest, wrong size
     store: Store = {}
