@@ -118,7 +118,7 @@ class ReplicaView:
     """What one replica's events say it holds, and the hit it would find for a request."""
 
     __slots__ = ("name", "scheme", "layout", "media", "short_hashes", "verified", "hash_problem",
-                 "unknown_removals")
+                 "unknown_removals", "candidate")
 
     def __init__(self, name: str, scheme: HashScheme, layout: ReplicaLayout) -> None:
         self.name = name
@@ -130,6 +130,8 @@ class ReplicaView:
         self.verified = False
         """A stored block was recomputed from its event's tokens with ``scheme`` and matched."""
         self.hash_problem = ""
+        self.candidate: BlockStoredEvent | None = None
+        """A store event whose first block the scheme can recompute, kept until the layout is known."""
         self.unknown_removals = 0
         """Removals of hashes this view never saw stored (a view that joined late, or lost events)."""
 
@@ -143,6 +145,8 @@ class ReplicaView:
                 self._removed(e, shared)
             elif isinstance(e, AllClearedEvent):
                 self.media.clear()
+        if self.candidate is not None and self.layout.rules is not None:
+            self._check(self.candidate)
 
     def _stored(self, e: BlockStoredEvent, shared: Mapping[str, Held]) -> None:
         if not e.block_hashes:
@@ -158,8 +162,13 @@ class ReplicaView:
         for h in e.block_hashes:
             k = _key(h)
             group[k] = get(k, 0) + 1
-        if not self.verified and not self.hash_problem:
-            self._check(e)
+        # Checkable: the first block hashed without extra keys, after a digest (not 64 bits) or at
+        # the start, and one block of tokens per hash (a recurrent store names one checkpoint after
+        # the tokens of a whole run).
+        plain = not e.extra_keys or e.extra_keys[0] is None
+        if not self.verified and not self.hash_problem and plain and not isinstance(
+                e.parent_block_hash, int) and len(e.token_ids) == len(e.block_hashes) * e.block_size:
+            self.candidate = e  # checked once the layout (the hash block size) is known
 
     def _removed(self, e: BlockRemovedEvent, shared: Mapping[str, Held]) -> None:
         medium = e.medium or MEDIUM_GPU
@@ -179,13 +188,13 @@ class ReplicaView:
                 self.unknown_removals += 1
 
     def _check(self, e: BlockStoredEvent) -> None:
-        """Recompute the event's first block with the scheme, where the event allows it."""
+        """Recompute the event's first block with the scheme (its parent a digest or None: a 64-bit
+        parent cannot seed the chain)."""
+        self.candidate = None
         rules = self.layout.rules
-        if rules is None or e.extra_keys is not None or e.block_size != rules.hash_block_size:
+        if rules is None or e.block_size != rules.hash_block_size or isinstance(e.parent_block_hash, int):
             return
         parent = e.parent_block_hash
-        if isinstance(parent, int) or len(e.token_ids) < e.block_size:
-            return  # a 64-bit parent cannot seed the chain
         expect = self.scheme.check_block(parent, e.token_ids[: e.block_size])
         if expect is None:
             return

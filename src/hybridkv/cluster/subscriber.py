@@ -10,12 +10,18 @@ subscription reconnects, and the numbers that do arrive may then continue the ol
 time a connection drops (a socket monitor reports it), the next batch is preceded by a continuity
 check: the replay buffer must still hold the last batch applied, byte for byte. If it does not (or
 there is no replay socket), the replica is treated as restarted: its view is cleared and its new
-stream replayed from the start.
+stream replayed from the start. A batch number that goes back on the live stream is a restart too,
+unless it is a batch already applied (a sync and the live stream can both bring one).
+
+Every ``sync_interval`` seconds ``poll`` also asks each replay buffer for what came after the last
+batch applied: a batch published while a subscription was still coming up would otherwise only be
+noticed when the replica publishes again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +34,9 @@ from hybridkv.cluster.events import EventBatch, EventDecodeError
 from hybridkv.cluster.index import ClusterIndex
 from hybridkv.cluster.wire import decode_batch, seq_bytes, seq_from
 from hybridkv.errors import InvalidInputError
+
+_REMEMBERED = 256
+"""Batches remembered per replica to recognise one that arrives twice."""
 
 
 @dataclass
@@ -45,7 +54,7 @@ class KVEventSubscriber:
     """Feeds a ``ClusterIndex`` from replicas' PUB sockets. ``lock`` (optional) is held around every
     change to the index, for callers that read it from other threads."""
 
-    def __init__(self, index: ClusterIndex, *, replay_timeout: float = 1.0,
+    def __init__(self, index: ClusterIndex, *, replay_timeout: float = 1.0, sync_interval: float = 1.0,
                  lock: threading.Lock | threading.RLock | None = None) -> None:
         self.index = index
         self.replay_timeout = replay_timeout
@@ -56,8 +65,10 @@ class KVEventSubscriber:
         self._sources: dict[str, _Source] = {}
         self._by_socket: dict[zmq.Socket[bytes], _Source] = {}
         self._by_monitor: dict[zmq.Socket[bytes], _Source] = {}
-        self._last: dict[str, tuple[int, bytes]] = {}
-        """Per replica, the number and payload of the last batch applied from its live stream."""
+        self._applied: dict[str, dict[int, bytes]] = {}
+        """Per replica, the digests of the recent batches applied, by number."""
+        self.sync_interval = sync_interval
+        self._next_sync = 0.0
         self._poller = zmq.Poller()
 
     def connect(self, name: str, endpoint: str, replay_endpoint: str | None = None, topic: str = "") -> None:
@@ -98,9 +109,12 @@ class KVEventSubscriber:
         source.socket.close(linger=0)
 
     def poll(self, timeout: float = 0.0) -> int:
-        """Apply every batch that has arrived, waiting up to ``timeout`` seconds for the first one;
+        """Apply every batch that has arrived, waiting up to ``timeout`` seconds for the first one
+        (and, every ``sync_interval`` seconds, what the replay buffers hold that never arrived);
         returns how many batches were applied."""
         applied = 0
+        if time.monotonic() >= self._next_sync:
+            applied += self.sync_all()
         wait_ms = int(timeout * 1000)
         while True:
             ready = dict(self._poller.poll(wait_ms))
@@ -120,7 +134,25 @@ class KVEventSubscriber:
                         frames = source.socket.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    applied += self._receive(source, frames)
+                    if len(frames) != 3:
+                        self.num_undecodable += 1
+                        continue
+                    applied += self._receive(source, frames[1], frames[2])
+
+    def sync_all(self) -> int:
+        """Ask every replica's replay buffer for the batches after the last one applied (a batch
+        sent while a subscription was coming up, or the last one before a replica went quiet, is
+        otherwise only noticed when the next one arrives); returns how many were applied."""
+        self._next_sync = time.monotonic() + self.sync_interval
+        applied = 0
+        for source in list(self._sources.values()):
+            if source.replay_endpoint is None:
+                continue
+            start = self.index.streams[source.name].next_seq or 0
+            for seq, payload in self._replay(source, start):
+                if seq >= start:
+                    applied += self._receive(source, seq_bytes(seq), payload)
+        return applied
 
     def _drain_monitor(self, source: _Source) -> None:
         while True:
@@ -132,46 +164,61 @@ class KVEventSubscriber:
                 self.num_disconnects += 1
                 source.suspect = True
 
-    def _receive(self, source: _Source, frames: list[bytes]) -> int:
-        if len(frames) != 3:
-            self.num_undecodable += 1
-            return 0
+    def _receive(self, source: _Source, number: bytes, payload: bytes) -> int:
+        """Apply one batch of ``source`` (from the live stream or a sync); returns 1 if applied."""
         try:
-            seq = seq_from(frames[1])
+            seq = seq_from(number)
         except EventDecodeError:
             self.num_undecodable += 1
             return 0
+        name = source.name
+        applied = self._applied.setdefault(name, {})
+        digest = hashlib.blake2b(payload, digest_size=16).digest()
+        if applied.get(seq) == digest:
+            return 0  # had it already (a sync and the live stream both brought it)
         if source.suspect:
             source.suspect = False
             if not self._continues(source):
-                with self._locked():
-                    self.index.streams[source.name].restarts += 1
-                    self.index.resync(source.name)
-                self._last.pop(source.name, None)
+                self._restarted(name)
+        next_seq = self.index.streams[name].next_seq
+        if next_seq is not None and seq < next_seq:
+            self._restarted(name)  # numbers going back that are not a batch already applied
+            next_seq = None
         try:
-            batch = decode_batch(frames[2])
+            batch = decode_batch(payload)
         except EventDecodeError:
             self.num_undecodable += 1
             with self._locked():
-                self.index.lost(source.name, seq)
+                self.index.lost(name, seq)
             return 0
         # Fetch a gap's batches before taking the lock: lookups need not wait on the network.
-        next_seq = self.index.streams[source.name].next_seq
-        expected = 0 if next_seq is None or seq < next_seq else next_seq
-        replayed = self._decoded(self._replay(source, expected)) if seq > expected else []
+        expected = 0 if next_seq is None else next_seq
+        raw = self._replay(source, expected) if seq > expected else []
+        raw = [(s, p) for s, p in raw if expected <= s < seq]
+        replayed = self._decoded(raw)
         with self._locked():
-            self.index.deliver(source.name, seq, batch, lambda start: replayed)
-        self._last[source.name] = (seq, frames[2])
+            self.index.deliver(name, seq, batch, lambda start: replayed)
+        for s, p in raw:
+            applied[s] = hashlib.blake2b(p, digest_size=16).digest()
+        applied[seq] = digest
+        for old in [s for s in applied if s < seq - _REMEMBERED]:
+            del applied[old]
         return 1
+
+    def _restarted(self, name: str) -> None:
+        with self._locked():
+            self.index.streams[name].restarts += 1
+            self.index.resync(name)
+        self._applied.pop(name, None)
 
     def _continues(self, source: _Source) -> bool:
         """Whether the replica still holds the last batch applied from it, unchanged."""
-        last = self._last.get(source.name)
-        if last is None:
+        applied = self._applied.get(source.name)
+        if not applied:
             return self.index.streams[source.name].next_seq is None
-        seq, payload = last
+        seq = max(applied)
         got = self._replay(source, seq)
-        return bool(got) and got[0] == (seq, payload)
+        return bool(got) and got[0][0] == seq and hashlib.blake2b(got[0][1], digest_size=16).digest() == applied[seq]
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
