@@ -58,7 +58,8 @@ def spec_from_description(d: GroupDescription) -> KVCacheSpec:
 class ReplicaLayout:
     """A replica's groups (configured or learned) and the ``HitRules`` built from them."""
 
-    __slots__ = ("configured", "learned", "expected_groups", "max_model_len", "_rules", "_problem")
+    __slots__ = ("configured", "learned", "expected_groups", "max_model_len", "_rules", "_problem", "block_sizes",
+                 "chain_group")
 
     def __init__(self, layout: KVCacheLayout | None = None, *, expected_groups: int | None = None,
                  max_model_len: int = 1 << 20) -> None:
@@ -74,8 +75,19 @@ class ReplicaLayout:
         self.max_model_len = max_model_len
         self._rules: HitRules | None = None
         self._problem = "no store event seen yet"
+        self.block_sizes: dict[int, int] = {}
+        """Per group, its block size (set with the rules)."""
+        self.chain_group: int | None = None
+        """The first caching full-attention (downward-closed) group, if the layout has one."""
         if layout is not None:
-            self._rules = HitRules(layout, max_model_len)
+            self._set_rules(HitRules(layout, max_model_len))
+
+    def _set_rules(self, rules: HitRules | None) -> None:
+        self._rules = rules
+        self.block_sizes = {g.group: g.block_size for g in rules.groups} if rules else {}
+        self.chain_group = next((g.group for g in rules.groups if g.caching and g.downward_closed), None) if rules \
+            else None
+        if rules is not None:
             self._problem = ""
 
     @property
@@ -102,7 +114,7 @@ class ReplicaLayout:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        self._rules = None
+        self._set_rules(None)
         n = self.expected_groups if self.expected_groups is not None else max(self.learned) + 1
         missing = [g for g in range(n) if g not in self.learned]
         if missing:
@@ -117,8 +129,7 @@ class ReplicaLayout:
         except InvalidInputError as exc:
             self._problem = str(exc)
             return
-        self._rules = HitRules(KVCacheLayout(num_blocks=2, groups=tuple(groups)), self.max_model_len)
-        self._problem = ""
+        self._set_rules(HitRules(KVCacheLayout(num_blocks=2, groups=tuple(groups)), self.max_model_len))
 
     def describe(self) -> list[str]:
         """One line per known group, for status pages."""

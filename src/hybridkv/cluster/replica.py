@@ -52,21 +52,15 @@ class RequestKeys:
     """A request's tokens and, computed once per scheme and block size, its block hashes: every
     replica's prediction for one request shares them."""
 
-    __slots__ = ("token_ids", "cache_salt", "_sequence", "_chains", "_groups")
+    __slots__ = ("sequence", "token_ids", "cache_salt", "_chains", "_groups")
 
     def __init__(self, token_ids: list[int], cache_salt: str | None = None) -> None:
-        self.token_ids = token_ids
+        self.sequence = KVSequence("request", token_ids, cache_salt=cache_salt)
+        """The request as a core ``Sequence`` (its construction validates the token ids)."""
+        self.token_ids = self.sequence.token_ids
         self.cache_salt = cache_salt
-        self._sequence: KVSequence | None = None
         self._chains: dict[tuple[str, int], list[bytes]] = {}
         self._groups: dict[tuple[str, int, int, bool], list[bytes]] = {}
-
-    @property
-    def sequence(self) -> KVSequence:
-        """The request as a core ``Sequence`` (validates the token ids)."""
-        if self._sequence is None:
-            self._sequence = KVSequence("request", self.token_ids, cache_salt=self.cache_salt)
-        return self._sequence
 
     def hashes(self, scheme: HashScheme, hash_block_size: int, block_size: int, short: bool) -> list[bytes]:
         """The request's hashes at ``block_size`` (a multiple of ``hash_block_size``), cut to 8 bytes
@@ -118,13 +112,15 @@ class ReplicaView:
     """What one replica's events say it holds, and the hit it would find for a request."""
 
     __slots__ = ("name", "scheme", "layout", "media", "short_hashes", "verified", "hash_problem",
-                 "unknown_removals", "candidate")
+                 "unknown_removals", "candidate", "_order")
 
     def __init__(self, name: str, scheme: HashScheme, layout: ReplicaLayout) -> None:
         self.name = name
         self.scheme = scheme
         self.layout = layout
         self.media: dict[str, Held] = {}
+        self._order: list[tuple[str, Held]] = []
+        """``media`` in lookup order."""
         self.short_hashes: bool | None = None
         """True when the replica sends integer (64-bit) hashes; None before its first hash."""
         self.verified = False
@@ -144,7 +140,7 @@ class ReplicaView:
             elif isinstance(e, BlockRemovedEvent):
                 self._removed(e, shared)
             elif isinstance(e, AllClearedEvent):
-                self.media.clear()
+                self.clear()
         if self.candidate is not None and self.layout.rules is not None:
             self._check(self.candidate)
 
@@ -156,7 +152,7 @@ class ReplicaView:
         if self.short_hashes is None:
             self.short_hashes = isinstance(e.block_hashes[0], int)
         medium = e.medium or MEDIUM_GPU
-        held = shared[medium] if medium in shared else self.media.setdefault(medium, {})
+        held = shared[medium] if medium in shared else self._own(medium)
         group = held.setdefault(group_idx, {})
         get = group.get
         for h in e.block_hashes:
@@ -169,6 +165,13 @@ class ReplicaView:
         if not self.verified and not self.hash_problem and plain and not isinstance(
                 e.parent_block_hash, int) and len(e.token_ids) == len(e.block_hashes) * e.block_size:
             self.candidate = e  # checked once the layout (the hash block size) is known
+
+    def _own(self, medium: str) -> Held:
+        held = self.media.get(medium)
+        if held is None:
+            held = self.media[medium] = {}
+            self._order = [(m, self.media[m]) for m in media_order(list(self.media))]
+        return held
 
     def _removed(self, e: BlockRemovedEvent, shared: Mapping[str, Held]) -> None:
         medium = e.medium or MEDIUM_GPU
@@ -208,6 +211,7 @@ class ReplicaView:
     def clear(self) -> None:
         """Forget every held hash (a resync); what was learned about the layout stays."""
         self.media.clear()
+        self._order = []
 
     def num_blocks(self) -> int:
         """Hashes held over all media and groups."""
@@ -222,16 +226,24 @@ class ReplicaView:
         if rules is None or problem:
             return Prediction(self.name, 0, (), problem)
         scheme, hbs, short = self.scheme, rules.hash_block_size, bool(self.short_hashes)
-        sizes = {g.group: g.block_size for g in rules.groups}
+        sizes = self.layout.block_sizes
 
         def hashes_of(group: int) -> list[bytes]:
             return keys.hashes(scheme, hbs, sizes[group], short)
 
+        order = self._order
+        if shared:
+            order = order + [(m, shared[m]) for m in media_order(list(shared)) if m not in self.media]
+        chain = self.layout.chain_group
+        if chain is not None:
+            # A shortcut, not a rule: no hit starts without the first block of the full-attention
+            # chain, and most replicas do not hold a given prompt's first block at all.
+            first = hashes_of(chain)[:1]
+            if not first or not any(first[0] in held.get(chain, ()) for _, held in order):
+                return Prediction(self.name, 0)
         seq = keys.sequence
         tokens = 0
         found: list[tuple[str, int]] = []
-        order: list[tuple[str, Held]] = [(m, self.media[m]) for m in media_order(list(self.media))]
-        order += [(m, shared[m]) for m in media_order(list(shared)) if m not in self.media]
         for medium, held in order:
             cached: Mapping[int, Mapping[bytes, int]] = held
             if tokens:
@@ -242,4 +254,3 @@ class ReplicaView:
                 found.append((medium, n - tokens))
                 tokens = n
         return Prediction(self.name, tokens, tuple(found))
-
