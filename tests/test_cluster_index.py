@@ -202,3 +202,15 @@ def test_a_cache_salt_separates_tenants() -> None:
     assert index.lookup(tokens(0, 100), cache_salt="tenant-a")["r"].tokens == 96
     assert index.lookup(tokens(0, 100), cache_salt="tenant-b")["r"].tokens == 0
     assert index.lookup(tokens(0, 100))["r"].tokens == 0
+
+
+def test_an_index_of_the_chain_alone_predicts_hits_the_replica_cannot_serve() -> None:
+    scheme = HybridkvHashes()
+    prompt = tokens(0, 200)
+    h = scheme.chain(prompt, 16, None)
+    index = ClusterIndex()
+    index.add_replica("r", scheme=scheme, layout=layout(10, full(16), swa(40, 16)))
+    # The full chain to block 7; the window (3 blocks) only before block 4: the rest was evicted.
+    index.apply_events("r", make_batch([_stored(h[:8], 0, MEDIUM_GPU), _stored(h[1:4], 1, MEDIUM_GPU)]))
+    assert index.lookup(prompt)["r"].tokens == 64
+    assert index.lookup(prompt, chain_only=True)["r"].tokens == 128

@@ -42,7 +42,9 @@ class StreamStats:
     next_seq: int | None = None
     """The batch number expected next (None before the first batch or after a restart)."""
     batches: int = 0
+    """Batches applied, live or replayed."""
     replayed: int = 0
+    """Of those, the ones taken from the replay buffer to fill a gap."""
     gaps: int = 0
     resyncs: int = 0
     restarts: int = 0
@@ -120,6 +122,7 @@ class ClusterIndex:
             for s in range(expected, seq):
                 view.apply(got[s].events, self.shared)
             st.replayed += seq - expected
+            st.batches += seq - expected
             return
         # Some batches are gone: what the view holds may be stale. Start over from the run of
         # replayed batches that ends right before ``seq`` (a partial view, never an over-prediction).
@@ -132,6 +135,7 @@ class ClusterIndex:
         for s in range(start, seq):
             view.apply(got[s].events, self.shared)
         st.replayed += seq - start
+        st.batches += seq - start
         st.lost = (st.lost + [s for s in range(expected, start)])[-16:]
 
     def lost(self, name: str, seq: int) -> None:
@@ -149,15 +153,18 @@ class ClusterIndex:
         self.streams[name].next_seq = None
 
     # ------------------------------------------------------------------ queries
-    def lookup(self, token_ids: list[int], *, cache_salt: str | None = None,
-               replicas: Iterable[str] | None = None) -> dict[str, Prediction]:
-        """Per replica (all, or ``replicas``): the prompt tokens it would serve from its caches."""
-        return self.lookup_keys(RequestKeys(token_ids, cache_salt), replicas)
+    def lookup(self, token_ids: list[int], *, cache_salt: str | None = None, replicas: Iterable[str] | None = None,
+               chain_only: bool = False) -> dict[str, Prediction]:
+        """Per replica (all, or ``replicas``): the prompt tokens it would serve from its caches.
+        ``chain_only``: what an index of the full-attention chain alone predicts (as deployed
+        prefix-aware routers do), for comparison."""
+        return self.lookup_keys(RequestKeys(token_ids, cache_salt), replicas, chain_only=chain_only)
 
-    def lookup_keys(self, keys: RequestKeys, replicas: Iterable[str] | None = None) -> dict[str, Prediction]:
+    def lookup_keys(self, keys: RequestKeys, replicas: Iterable[str] | None = None, *,
+                    chain_only: bool = False) -> dict[str, Prediction]:
         """``lookup`` for a request whose hashes may already be computed (``RequestKeys``)."""
         names = self.views if replicas is None else replicas
-        return {name: self._view(name).predict(keys, self.shared) for name in names}
+        return {name: self._view(name).predict(keys, self.shared, chain_only=chain_only) for name in names}
 
     def num_blocks(self) -> dict[str, int]:
         """Hashes indexed per replica (and per shared medium, as ``shared:MEDIUM``)."""

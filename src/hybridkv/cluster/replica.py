@@ -7,7 +7,7 @@ are kept as 8 bytes, and the request's hashes are cut to their last 8 bytes to m
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +166,24 @@ class ReplicaView:
                 e.parent_block_hash, int) and len(e.token_ids) == len(e.block_hashes) * e.block_size:
             self.candidate = e  # checked once the layout (the hash block size) is known
 
+    def _predict_chain(self, keys: RequestKeys, shared: Mapping[str, Held], hashes_of: Callable[[int], list[bytes]],
+                       limit: int | None) -> Prediction:
+        g0, rules = self.layout.chain_group, self.layout.chain_rules
+        if g0 is None or rules is None:
+            return Prediction(self.name, 0, (), "the layout has no full-attention group")
+        media = self._order + [(m, shared[m]) for m in media_order(list(shared)) if m not in self.media]
+        size = self.layout.block_sizes[g0]
+        found: list[tuple[str, int]] = []
+        tokens = 0
+        for medium, held in media:
+            have = held.get(g0, {})
+            cached = {0: _PrefixOr(set(hashes_of(g0)[: tokens // size]), have) if tokens else have}
+            n = rules.longest_hit(keys.sequence, cached, limit=limit, hashes=lambda _: hashes_of(g0))
+            if n > tokens:
+                found.append((medium, n - tokens))
+                tokens = n
+        return Prediction(self.name, tokens, tuple(found))
+
     def _own(self, medium: str) -> Held:
         held = self.media.get(medium)
         if held is None:
@@ -218,9 +236,11 @@ class ReplicaView:
         return sum(len(g) for held in self.media.values() for g in held.values())
 
     # ------------------------------------------------------------------ predictions
-    def predict(self, keys: RequestKeys, shared: Mapping[str, Held], *, limit: int | None = None) -> Prediction:
+    def predict(self, keys: RequestKeys, shared: Mapping[str, Held], *, limit: int | None = None,
+                chain_only: bool = False) -> Prediction:
         """The hit this replica would find for ``keys``: its own media in lookup order, then the
-        shared media, each extending the hit the earlier ones found."""
+        shared media, each extending the hit the earlier ones found. ``chain_only``: what an index
+        of the full-attention chain alone would predict (windows and checkpoints ignored)."""
         rules = self.layout.rules
         problem = self.hash_problem or (self.layout.problem if rules is None else "")
         if rules is None or problem:
@@ -230,6 +250,9 @@ class ReplicaView:
 
         def hashes_of(group: int) -> list[bytes]:
             return keys.hashes(scheme, hbs, sizes[group], short)
+
+        if chain_only:
+            return self._predict_chain(keys, shared, hashes_of, limit)
 
         order = self._order
         if shared:
