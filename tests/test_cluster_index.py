@@ -214,3 +214,23 @@ def test_an_index_of_the_chain_alone_predicts_hits_the_replica_cannot_serve() ->
     index.apply_events("r", make_batch([_stored(h[:8], 0, MEDIUM_GPU), _stored(h[1:4], 1, MEDIUM_GPU)]))
     assert index.lookup(prompt)["r"].tokens == 64
     assert index.lookup(prompt, chain_only=True)["r"].tokens == 128
+
+
+def test_the_index_imports_without_the_cluster_extra() -> None:
+    import subprocess
+    import sys
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('msgpack', 'zmq', 'fastapi', 'httpx', 'uvicorn'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from hybridkv.cluster import ClusterIndex, HybridkvHashes\n"
+        "index = ClusterIndex()\n"
+        "index.add_replica('r', scheme=HybridkvHashes(), expected_groups=1)\n"
+        "print(index.lookup(list(range(40)))['r'].problem)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "no store event seen yet"
