@@ -37,6 +37,10 @@ from hybridkv.errors import InvalidInputError
 
 _REMEMBERED = 256
 """Batches remembered per replica to recognise one that arrives twice."""
+_SYNC_TIMEOUT = 0.25
+_SYNC_BACKOFF = 5.0
+"""A periodic sync waits this little for a replay buffer, and leaves one that did not answer alone
+this long: a replica that is down must not hold up the others' events."""
 
 
 @dataclass
@@ -65,6 +69,8 @@ class KVEventSubscriber:
         self._sources: dict[str, _Source] = {}
         self._by_socket: dict[zmq.Socket[bytes], _Source] = {}
         self._by_monitor: dict[zmq.Socket[bytes], _Source] = {}
+        self._quiet_until: dict[str, float] = {}
+        """Per replica, when a sync may ask it again after it did not answer."""
         self._applied: dict[str, dict[int, bytes]] = {}
         """Per replica, the digests of the recent batches applied, by number."""
         self.sync_interval = sync_interval
@@ -145,11 +151,16 @@ class KVEventSubscriber:
         otherwise only noticed when the next one arrives); returns how many were applied."""
         self._next_sync = time.monotonic() + self.sync_interval
         applied = 0
+        now = time.monotonic()
         for source in list(self._sources.values()):
-            if source.replay_endpoint is None:
+            if source.replay_endpoint is None or self._quiet_until.get(source.name, 0.0) > now:
                 continue
             start = self.index.streams[source.name].next_seq or 0
-            for seq, payload in self._replay(source, start):
+            got = self._replay(source, start, timeout=_SYNC_TIMEOUT)
+            if got is None:  # no answer: the replica is down or busy; ask again later
+                self._quiet_until[source.name] = now + _SYNC_BACKOFF
+                continue
+            for seq, payload in got:
                 if seq >= start:
                     applied += self._receive(source, seq_bytes(seq), payload)
         return applied
@@ -193,7 +204,7 @@ class KVEventSubscriber:
             return 0
         # Fetch a gap's batches before taking the lock: lookups need not wait on the network.
         expected = 0 if next_seq is None else next_seq
-        raw = self._replay(source, expected) if seq > expected else []
+        raw = (self._replay(source, expected) or []) if seq > expected else []
         raw = [(s, p) for s, p in raw if expected <= s < seq]
         replayed = self._decoded(raw)
         with self._locked():
@@ -218,7 +229,9 @@ class KVEventSubscriber:
             return self.index.streams[source.name].next_seq is None
         seq = max(applied)
         got = self._replay(source, seq)
-        return bool(got) and got[0][0] == seq and hashlib.blake2b(got[0][1], digest_size=16).digest() == applied[seq]
+        if not got or got[0][0] != seq:
+            return False
+        return hashlib.blake2b(got[0][1], digest_size=16).digest() == applied[seq]
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -237,21 +250,22 @@ class KVEventSubscriber:
                 self.num_undecodable += 1
         return out
 
-    def _replay(self, source: _Source, start: int) -> list[tuple[int, bytes]]:
-        """The batches ``source``'s replay buffer holds from ``start`` on, as ``(number, payload)``
-        (empty without a replay socket, or what arrived when it does not finish in time)."""
+    def _replay(self, source: _Source, start: int, timeout: float | None = None) -> list[tuple[int, bytes]] | None:
+        """The batches ``source``'s replay buffer holds from ``start`` on, as ``(number, payload)``;
+        None when it has no replay socket or does not finish answering within ``timeout`` (default
+        ``replay_timeout``)."""
         if source.replay_endpoint is None:
-            return []
+            return None
         out: list[tuple[int, bytes]] = []
         sock = self._ctx.socket(zmq.DEALER)
         try:
             sock.connect(source.replay_endpoint)
             sock.send_multipart((b"", seq_bytes(start)))
-            deadline = time.monotonic() + self.replay_timeout
+            deadline = time.monotonic() + (self.replay_timeout if timeout is None else timeout)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sock.poll(int(left * 1000) + 1):
-                    return out
+                    return None
                 frames = sock.recv_multipart()
                 if len(frames) != 4:
                     continue
@@ -260,7 +274,7 @@ class KVEventSubscriber:
                     return out
                 out.append((seq, frames[3]))
         except (zmq.ZMQError, EventDecodeError):
-            return out
+            return None
         finally:
             sock.close(linger=0)
 
