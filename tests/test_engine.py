@@ -22,7 +22,9 @@ from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybridkv.engine.gguf_file import GGUFFile  # noqa: E402
 from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 from hybridkv.engine.tokenizer import GemmaTokenizer  # noqa: E402
-from hybridkv.engine.weights import Gemma3Weights, default_model_path  # noqa: E402
+from hybridkv.engine.weights import Gemma3Weights  # noqa: E402
+
+import gemma  # noqa: E402
 
 BLOCK_BYTES_FP32 = 3 * 2 * 16 * 256 * 4  # 3 layers per group x K and V x 16 tokens x 256 x fp32
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -30,17 +32,17 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def gguf() -> GGUFFile:
-    return GGUFFile(default_model_path())
+    return gemma.gguf()
 
 
 @pytest.fixture(scope="module")
-def weights(gguf: GGUFFile) -> Gemma3Weights:
-    return Gemma3Weights.load(gguf)
+def weights() -> Gemma3Weights:
+    return gemma.weights()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(gguf: GGUFFile) -> GemmaTokenizer:
-    return GemmaTokenizer.from_gguf(gguf)
+def tokenizer() -> GemmaTokenizer:
+    return gemma.tokenizer()
 
 
 def engine(weights: Gemma3Weights, tokenizer: GemmaTokenizer, **kw: Any) -> LLMEngine:
@@ -275,7 +277,7 @@ def token_prompts_of(tokenizer: GemmaTokenizer, n: int) -> list[int]:
 def test_bfloat16_engine_tracks_float32(gguf: GGUFFile, weights: Gemma3Weights, tokenizer: GemmaTokenizer) -> None:
     ids = token_prompts_of(tokenizer, 300)
     ref = paged_logits(engine(weights, tokenizer), ids)
-    bf16 = Gemma3Weights.load(gguf, torch.bfloat16)
+    bf16 = gemma.weights("bfloat16")
     got = paged_logits(engine(bf16, tokenizer, dtype="bfloat16"), ids)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree > 0.85, agree

