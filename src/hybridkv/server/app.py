@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: ``/v1/completions`` and ``/v1/chat/completions`` (plain and SSE
-streaming), ``/v1/models`` and ``/v1/models/{id}``, ``/health`` and ``/metrics``.
+streaming), ``/v1/models`` and ``/v1/models/{id}``, ``/health`` and ``/metrics``, and vLLM's
+``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` (lm-eval tokenizes through them).
 
 Every error body has the OpenAI form ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -25,7 +26,8 @@ from hybridkv.server.context import ServerContext
 from hybridkv.server.errors import APIError, BodySizeLimit, install_error_handlers
 from hybridkv.server.generation import Tokenize
 from hybridkv.server.openai_format import TokenText
-from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from hybridkv.server.tokenize_api import detokenize, tokenize, tokenizer_info
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -130,6 +132,18 @@ def build_app(async_engine: AsyncEngine, model_name: str, options: ServerOptions
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_open(async_engine)
         return await create_chat_completion(body, request, ctx)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        return await tokenize(body, ctx)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        return await detokenize(body, ctx)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> dict[str, Any]:
+        return tokenizer_info(ctx)
 
     return app
 

@@ -57,6 +57,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     first = await first_or_error(request, outputs)
     if first is None:
         return Response(status_code=499)
+    if first[1].finished:
+        finish_reason(first[1])  # a request that failed or was refused at once answers with its error status
     created = int(time.time())
 
     def logprobs(output: RequestOutput, start: int) -> dict[str, Any] | None:

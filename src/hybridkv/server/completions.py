@@ -69,6 +69,8 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     first = await first_or_error(request, outputs)
     if first is None:
         return Response(status_code=499)
+    if first[1].finished:
+        finish_reason(first[1])  # a request that failed or was refused at once answers with its error status
     created = int(time.time())
 
     def prompt_text(prompt: Prompt) -> str:

@@ -124,3 +124,21 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: Text | None = None
     add_generation_prompt: bool | None = True
     """End the rendered conversation with the assistant's turn header (vLLM's field)."""
+
+
+class TokenizeRequest(_Body):
+    """The body of ``POST /tokenize`` (vLLM's endpoint; lm-eval's remote tokenizer uses it)."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    """A conversation, rendered by the chat template first (instead of ``prompt``)."""
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(_Body):
+    """The body of ``POST /detokenize``."""
+
+    model: Text | None = None
+    tokens: list[int]
