@@ -121,10 +121,8 @@ def test_chat_logprobs_list_each_token_with_its_bytes(client: Any) -> None:
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
-    ({"messages": []}, "messages", "messages is empty"),
+    ({"messages": []}, "messages", "at least 1 item"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "'tool' is not supported"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages",
-     "only text parts"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tool calling"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
@@ -132,7 +130,7 @@ def test_chat_logprobs_list_each_token_with_its_bytes(client: Any) -> None:
 ])
 def test_chat_requests_the_model_cannot_serve_get_400_naming_the_field(client: Any, body: dict[str, Any],
                                                                       param: str, message: str) -> None:
-    err = error(client, "/v1/chat/completions", {"model": MODEL, **body}, 400)
+    err = error(client, "/v1/chat/completions", {"model": MODEL, **body}, 422 if not body["messages"] else 400)
     assert err["param"] == param and message in err["message"]
 
 
@@ -314,8 +312,8 @@ def test_langchain_openai_and_chat_openai(client: Any) -> None:
 
 
 # ---------------------------------------------------------------------- requests that used to break the server
-def test_a_seed_beyond_64_bits_is_a_400_and_the_largest_one_works(client: Any) -> None:
-    err = error(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**64}, 400)
+def test_a_seed_beyond_64_bits_is_refused_and_the_largest_one_works(client: Any) -> None:
+    err = error(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**64}, 422)
     assert err["param"] == "seed"
     post(client, "/v1/completions", model=MODEL, prompt="hi", seed=2**64 - 1, max_tokens=2, temperature=1)
     assert client.get("/health").json() == {"status": "ok"}
@@ -332,10 +330,12 @@ def test_a_lone_surrogate_is_a_json_422_naming_the_field(client: Any) -> None:
     for field, value in (("prompt", "\ud800"), ("stop", ["\udfff"]), ("user", "a\ud800")):
         body = json.dumps({"model": MODEL, "prompt": "hi", field: value}).encode()  # json escapes it as \ud800
         err = error(client, "/v1/completions", None, 422, content=body)
-        assert err["param"] == field and "not valid Unicode" in err["message"]
+        assert err["param"] == field and "unicode" in err["message"].lower()
     chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text",
                                                                                   "text": "\ud800"}]}]})
-    assert error(client, "/v1/chat/completions", None, 400, content=chat.encode())["param"] == "messages"
+    assert error(client, "/v1/chat/completions", None, 422, content=chat.encode())["param"] == "messages"
+    image = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}
+    assert error(client, "/v1/chat/completions", image, 422)["param"] == "messages"
 
 
 def test_a_20_mb_prompt_is_refused_at_once_with_413(client: Any) -> None:

@@ -101,19 +101,6 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         extra = {k: v for k, v in (m.model_extra or {}).items() if v not in (None, [], "")}
         if extra:
             raise InvalidInputError(f"messages[{i}] has fields this server does not support: {', '.join(extra)}")
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                text = part.get("text")
-                if part.get("type") != "text" or not isinstance(text, str):
-                    raise InvalidInputError(f"messages[{i}].content[{j}]: only text parts "
-                                            f'({{"type": "text", "text": ...}}) are supported')
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise InvalidInputError(f"messages[{i}].content[{j}].text is not valid Unicode text") from None
-                texts.append(text)
-            content = "\n".join(texts)
+        content = m.content if not isinstance(m.content, list) else "\n".join(part.text for part in m.content)
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     return out

@@ -8,11 +8,11 @@ number finite; unknown fields are refused so a misspelt parameter never passes s
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from hybridkv.engine.sampling import MAX_LOGPROBS
+from hybridkv.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE
 
 
 def _utf8(value: str) -> str:
@@ -27,6 +27,12 @@ Text = Annotated[str, AfterValidator(_utf8)]
 
 MAX_CHOICES = 64
 """Most completions one request may ask for (prompts x n)."""
+PromptText = Annotated[str, StringConstraints(min_length=1), AfterValidator(_utf8)]
+StopText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_LENGTH), AfterValidator(_utf8)]
+TokenId = Annotated[int, Field(ge=0)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,7}$")]
+"""A token id as a JSON object key."""
 
 
 class _Body(BaseModel):
@@ -44,27 +50,27 @@ class SamplingFields(_Body):
     """Fields both endpoints share."""
 
     model: Text
-    max_tokens: int | None = None
-    """``None``: 16 for completions (OpenAI's default), up to ``max_model_len`` for chat."""
-    temperature: float | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    """Absent: 16 for completions (OpenAI's default); ``None``: up to ``max_model_len``. 0 only with ``echo``."""
+    temperature: float | None = Field(None, ge=0)
     """``None``: 1.0. Below 1e-5: greedy."""
-    top_p: float | None = None
-    n: int | None = 1
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: Text | list[Text] | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[Text, float] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[TokenKey, Bias] | None = None
     """Token id (as a string, as JSON object keys are) -> bias in [-100, 100]."""
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     user: Text | None = None
     """Accepted and logged with nothing else: the end user's id, for the operator."""
     # vLLM extensions
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1)
     """0 or -1: no top-k cut."""
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = False
     # hybridkv extensions
     cache_salt: Text | None = None
@@ -77,7 +83,9 @@ class SamplingFields(_Body):
 class CompletionRequest(SamplingFields):
     """The body of ``POST /v1/completions``."""
 
-    prompt: Text | list[Text] | list[int] | list[list[int]]
+    prompt: (PromptText | Annotated[list[PromptText], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     echo: bool | None = False
     """Return the prompt before the completion (and, with ``logprobs``, the prompt tokens' log-probabilities)."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -90,12 +98,18 @@ class CompletionRequest(SamplingFields):
     """Put ``<bos>`` before a text prompt (and before a token-id prompt where the server adds it)."""
 
 
+class TextPart(_Body):
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
-    role: Text
-    content: Text | list[dict[str, Any]] | None = None
-    """Text, or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    """``tool`` and ``function`` are refused with a reason: the model has no tool calling."""
+    content: Text | list[TextPart] | None = None
+    """Text, or a list of ``{"type": "text", "text": ...}`` parts (joined with newlines)."""
     name: Text | None = None
 
 
@@ -108,10 +122,10 @@ class ResponseFormat(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """The body of ``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     """OpenAI's newer name for ``max_tokens`` (it wins when both are given)."""
     response_format: ResponseFormat | None = None
     """Only ``{"type": "text"}``."""
