@@ -17,16 +17,16 @@ import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from hybridkv.core.layout import KVCacheLayout, plan_layout
 from hybridkv.core.manager import KVCacheManager
 from hybridkv.core.sequence import Sequence
-from hybridkv.core.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridkv.core.specs import SlidingWindowSpec
 from hybridkv.engine.batch import Batch, BatchBuilder
+from hybridkv.engine.config import EngineConfig, RequestOutput, Tokenizer
 from hybridkv.engine.gguf_file import GGUFFile
+from hybridkv.engine.kv_pool import plan_kv_layout, pool_summary
 from hybridkv.engine.metrics import EngineMetrics
 from hybridkv.engine.model import Gemma3Model, PagedKVCache
 from hybridkv.engine.sampling import (
@@ -39,9 +39,8 @@ from hybridkv.engine.sampling import (
     token_logprobs,
 )
 from hybridkv.engine.tiers import build_connector, parse_tier
-from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, default_model_path, parse_dtype
+from hybridkv.engine.weights import Gemma3Weights, default_model_path, parse_dtype
 from hybridkv.errors import InvalidInputError
-from hybridkv.planning.hf_config import layer_specs, parse_config
 from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, Status
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "build_connector", "parse_tier", "plan_kv_layout"]
@@ -50,79 +49,6 @@ logger = logging.getLogger(__name__)
 
 LOGITS_SLICE = 64
 """Rows of logits computed at once when a step scores many positions (64 x 262,144 fp32 = 64 MiB)."""
-
-
-class Tokenizer(Protocol):
-    eos_token_id: int
-
-    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
-
-    def decode(self, ids: Seq[int], skip_special_tokens: bool = True) -> str: ...
-
-    def decode_incremental(self, ids: Seq[int], prefix_offset: int, read_offset: int,
-                           skip_special_tokens: bool = True, final: bool = False) -> tuple[str, int, int]: ...
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine knobs. ``kv_cache_memory`` is the KV budget in bytes the layout is planned for."""
-
-    dtype: str = "float32"
-    device: str = "cpu"
-    kv_cache_memory: int = 256 << 20
-    max_model_len: int = 8192
-    block_size: int = 16
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 32
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    retention: str = "window"
-    policy: str = "fcfs"
-    """``fcfs`` or ``priority`` (lower ``priority`` first; the server's per-request field)."""
-    hash_algorithm: str = "sha256"
-    ignore_sliding_window: bool = False
-    """Plan every layer as full attention and attend over all tokens (a negative control: wrong outputs)."""
-    kv_tiers: tuple[str, ...] = ()
-    """External KV tiers, queried in order: ``host:SIZE``, ``disk:PATH:SIZE``, ``redis://HOST:PORT[/DB]``."""
-
-    def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
-        if not isinstance(self.device, str) or (self.device != "cpu" and not self.device.startswith("cuda")):
-            raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise InvalidInputError(f"device {self.device!r}: this torch build ({torch.__version__}) has no CUDA "
-                                    f"device available; use --device cpu")
-        for name in ("kv_cache_memory", "max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidInputError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (``text``, ``token_ids`` and ``logprobs`` are cumulative)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-    """Prompt tokens served from the device prefix cache at the request's first admission."""
-    num_external_tokens: int
-    """Prompt tokens loaded from external KV tiers at the request's first admission."""
-    ttft: float | None
-    """Seconds from arrival to the first output token."""
-    latency: float | None = None
-    """Seconds from arrival to finishing (set when finished)."""
-    logprobs: list[TokenLogprob] | None = None
-    """Per output token (``SamplingParams.logprobs``): its log-probability and the top alternatives."""
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    """Per prompt token once the prompt is computed (``SamplingParams.prompt_logprobs``); None for the first."""
-    error: str | None = None
-    """Why a request with ``finish_reason == "error"`` failed."""
 
 
 @dataclass(eq=False)
@@ -238,18 +164,7 @@ class LLMEngine:
 
     def pool_summary(self) -> str:
         """One line on the KV pool: blocks, groups, bytes, and how many tokens and requests it holds."""
-        from hybridkv.core.layout import capacity_report
-
-        cfg = self.config
-        report = capacity_report(self.layout, max_model_len=cfg.max_model_len,
-                                 max_num_batched_tokens=cfg.max_num_batched_tokens)
-        windows = sorted({w for w in self.group_windows if w is not None})
-        kinds = f"{self.group_windows.count(None)} full-attention" + (
-            f" + {len(self.group_windows) - self.group_windows.count(None)} sliding-window (W={windows[0]})"
-            if windows else "")
-        return (f"{self.layout.num_blocks - 1} blocks x {self.block_size} tokens in {len(self.layout.groups)} groups "
-                f"({kinds}), {self.kv.nbytes / (1 << 20):.0f} MiB: {report.token_capacity} tokens of context, "
-                f"{report.max_concurrency} request(s) of max_model_len={cfg.max_model_len} at once at their peak")
+        return pool_summary(self.layout, self.config, self.group_windows, self.kv.nbytes)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -418,13 +333,8 @@ class LLMEngine:
         t.scheduled_at = now
         t.num_cached_tokens = req.num_hit_tokens
         t.num_external_tokens = req.num_external_tokens
-        m = self.metrics
-        m.queue_seconds.observe(now - t.arrival)
-        m.prefix_queries += len(t.prompt_ids)
-        m.prefix_hits += req.num_hit_tokens
-        if self.connector is not None:
-            m.external_queries += len(t.prompt_ids) - req.num_hit_tokens
-            m.external_hits += req.num_external_tokens
+        self.metrics.on_admitted(now - t.arrival, len(t.prompt_ids), req.num_hit_tokens,
+                                 req.num_external_tokens if self.connector is not None else None)
 
     def _run(self, batch: Batch, scheduled: dict[str, int], sampled: dict[str, list[int]],
              failed: dict[str, str]) -> None:
@@ -552,30 +462,20 @@ class LLMEngine:
         )
 
     def _on_token(self, t: _Tracked, now: float) -> None:
-        m = self.metrics
         if t.first_token_at is None:
             t.first_token_at = now
-            m.ttft_seconds.observe(now - t.arrival)
-            m.prefill_seconds.observe(now - (t.scheduled_at or t.arrival))
-            cached = t.num_cached_tokens or 0
-            m.prompt_tokens += len(t.prompt_ids)
-            m.prompt_tokens_by_source["local_cache_hit"] += cached
-            m.prompt_tokens_by_source["external_kv_transfer"] += t.num_external_tokens
-            m.prompt_tokens_by_source["local_compute"] += len(t.prompt_ids) - cached - t.num_external_tokens
+            self.metrics.on_first_token(now - t.arrival, now - (t.scheduled_at or t.arrival), len(t.prompt_ids),
+                                        t.num_cached_tokens or 0, t.num_external_tokens)
         elif t.last_token_at is not None:
-            m.inter_token_seconds.observe(now - t.last_token_at)
+            self.metrics.inter_token_seconds.observe(now - t.last_token_at)
         t.last_token_at = now
 
     def _on_finished(self, t: _Tracked, now: float, reason: str | None) -> None:
-        m = self.metrics
-        m.finished[reason_label(reason)] += 1
-        m.e2e_seconds.observe(now - t.arrival)
-        if t.scheduled_at is not None:
-            m.inference_seconds.observe(now - t.scheduled_at)
-        if t.first_token_at is not None:
-            m.decode_seconds.observe((t.last_token_at or now) - t.first_token_at)
-            m.request_prompt_tokens.observe(len(t.prompt_ids))
-            m.request_generation_tokens.observe(t.seq.num_tokens - t.seq.num_prompt_tokens)
+        first = t.first_token_at
+        self.metrics.on_finished(reason_label(reason), now - t.arrival,
+                                 None if t.scheduled_at is None else now - t.scheduled_at,
+                                 None if first is None else (t.last_token_at or now) - first,
+                                 len(t.prompt_ids), t.seq.num_tokens - t.seq.num_prompt_tokens)
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -604,19 +504,3 @@ def reason_label(reason: str | None) -> str:
     if reason == "max_model_len":
         return "length"
     return "abort"  # rejected (could never fit) or unknown
-
-
-def plan_kv_layout(mcfg: Gemma3Config, cfg: EngineConfig, dtype: torch.dtype) -> KVCacheLayout:
-    """The hybridkv layout for this model and budget: its layer specs through the planner."""
-    kv_bytes = torch.tensor([], dtype=dtype).element_size()
-    specs: dict[str, KVCacheSpec] = dict(layer_specs(parse_config(mcfg.hf_config()), block_size=cfg.block_size,
-                                                     kv_dtype_bytes=kv_bytes))
-    if cfg.ignore_sliding_window:
-        specs = {name: FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=mcfg.num_kv_heads,
-                                         head_size=mcfg.head_dim, dtype_bytes=kv_bytes) for name in specs}
-    layout = plan_layout(specs, cfg.kv_cache_memory, max_model_len=cfg.max_model_len,
-                         max_num_batched_tokens=cfg.max_num_batched_tokens)
-    sizes = {g.spec.block_size for g in layout.groups}
-    if len(sizes) != 1 or any(g.spec.page_size_padded for g in layout.groups):
-        raise InvalidInputError(f"the engine needs one block size and unpadded pages, the layout has {sizes}")
-    return layout

@@ -118,6 +118,36 @@ class EngineMetrics:
                 h.buckets = buckets
                 h.counts = [0] * (len(buckets) + 1)
 
+    def on_admitted(self, queued: float, num_prompt: int, num_hit: int, num_external: int | None) -> None:
+        """A request's first admission after ``queued`` seconds (``num_external`` None: no external tiers)."""
+        self.queue_seconds.observe(queued)
+        self.prefix_queries += num_prompt
+        self.prefix_hits += num_hit
+        if num_external is not None:
+            self.external_queries += num_prompt - num_hit
+            self.external_hits += num_external
+
+    def on_first_token(self, ttft: float, prefill: float, num_prompt: int, num_cached: int, num_external: int) -> None:
+        """A request's first token: its prompt counts now, cached tokens included (vLLM's rule)."""
+        self.ttft_seconds.observe(ttft)
+        self.prefill_seconds.observe(prefill)
+        self.prompt_tokens += num_prompt
+        self.prompt_tokens_by_source["local_cache_hit"] += num_cached
+        self.prompt_tokens_by_source["external_kv_transfer"] += num_external
+        self.prompt_tokens_by_source["local_compute"] += num_prompt - num_cached - num_external
+
+    def on_finished(self, reason: str, e2e: float, inference: float | None, decode: float | None,
+                    num_prompt: int, num_generated: int) -> None:
+        """A finished request (``inference``/``decode`` None: it never ran / never produced a token)."""
+        self.finished[reason] += 1
+        self.e2e_seconds.observe(e2e)
+        if inference is not None:
+            self.inference_seconds.observe(inference)
+        if decode is not None:
+            self.decode_seconds.observe(decode)
+            self.request_prompt_tokens.observe(num_prompt)
+            self.request_generation_tokens.observe(num_generated)
+
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

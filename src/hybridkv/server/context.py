@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from hybridkv.engine.engine import Tokenizer
+from hybridkv.engine.config import Tokenizer
 from hybridkv.errors import InvalidInputError
 from hybridkv.server.async_engine import AsyncEngine, EngineClosedError
 from hybridkv.server.chat import ChatTemplate

@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from hybridkv.engine.engine import RequestOutput, Tokenizer
+from hybridkv.engine.config import RequestOutput, Tokenizer
 from hybridkv.engine.sampling import SamplingParamError, SamplingParams, TokenLogprob
 from hybridkv.server.errors import APIError
 from hybridkv.server.protocol import SamplingFields
