@@ -58,7 +58,7 @@ def server_url() -> str:
     from hybridkv.server.app import build_app
     from hybridkv.server.async_engine import AsyncEngine
 
-    engine = LLMEngine(weights(), tokenizer(), EngineConfig(max_model_len=SERVER_MAX_MODEL_LEN,
+    engine = LLMEngine(weights(), tokenizer(), EngineConfig(dtype="float32", max_model_len=SERVER_MAX_MODEL_LEN,
                                                              kv_cache_memory=64 << 20, max_num_batched_tokens=512))
     app = build_app(AsyncEngine(engine, MODEL_NAME), MODEL_NAME)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

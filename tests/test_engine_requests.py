@@ -25,7 +25,8 @@ DOC = "The committee met on Thursday to review the harbour budget and the new fe
 
 
 def engine(**kw: Any) -> LLMEngine:
-    return LLMEngine(gemma.weights(), gemma.tokenizer(), EngineConfig(max_model_len=512, kv_cache_memory=32 << 20,
+    return LLMEngine(gemma.weights(), gemma.tokenizer(), EngineConfig(dtype="float32", max_model_len=512,
+                                                                      kv_cache_memory=32 << 20,
                                                                       **kw))
 
 

@@ -172,7 +172,8 @@ def test_echo_with_logprobs_scores_every_prompt_token_like_the_model_does(client
     ids = gemma.tokenizer().encode(PROMPT)  # <bos> first: not echoed, so every echoed token has a log-prob
     assert len(lp["tokens"]) == len(ids) - 1 + 1
     chunks: list[Any] = []
-    eng = LLMEngine(gemma.weights(), gemma.tokenizer(), EngineConfig(max_model_len=256, kv_cache_memory=16 << 20))
+    eng = LLMEngine(gemma.weights(), gemma.tokenizer(), EngineConfig(dtype="float32", max_model_len=256,
+                                                                         kv_cache_memory=16 << 20))
     eng.add_request("score", ids, SamplingParams(max_tokens=1), logits_sink=lambda _pos, lg: chunks.append(lg))
     while eng.has_unfinished:
         eng.step()
