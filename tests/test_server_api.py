@@ -183,6 +183,14 @@ def test_echo_with_logprobs_scores_every_prompt_token_like_the_model_does(client
     assert all(len(top) >= 1 for top in lp["top_logprobs"])
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_without_generating(client: Any) -> None:
+    out = post(client, "/v1/completions", model=MODEL, prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)
+    choice = out["choices"][0]
+    assert choice["text"] == PROMPT and out["usage"]["completion_tokens"] == 0
+    assert "".join(choice["logprobs"]["tokens"]) == PROMPT
+    assert all(lp is not None and lp < 0 for lp in choice["logprobs"]["token_logprobs"])
+
+
 def test_token_id_prompts_get_a_hidden_bos_unless_they_start_with_one(client: Any) -> None:
     ids = gemma.tokenizer().encode(PROMPT)
     with_bos = post(client, "/v1/completions", prompt=ids, return_token_ids=True, **GREEDY)["choices"][0]
@@ -343,6 +351,9 @@ def test_a_20_mb_prompt_is_refused_at_once_with_413(client: Any) -> None:
     start = time.monotonic()
     err = error(client, "/v1/completions", {"model": MODEL, "prompt": "x" * 20_000_000}, 413)
     assert err["code"] == "request_too_large"
+    chunked = client.post("/v1/completions", headers={"content-type": "application/json"},  # no content-length
+                          content=iter([b'{"model": "x", "prompt": "', b"y" * 9_000_000, b'"}']))
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
     long_but_small = "word " * 200_000  # 1 MB: under the body limit, over what 1024 tokens can hold
     err = error(client, "/v1/completions", {"model": MODEL, "prompt": long_but_small}, 400)
     assert err["param"] == "prompt" and "characters" in err["message"]

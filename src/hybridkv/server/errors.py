@@ -86,7 +86,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, f"{exc.detail} ({request.method} {request.url.path})",
-                        type="invalid_request_error" if exc.status_code < 500 else "server_error").response()
+                        type="invalid_request_error" if exc.status_code < 500 else "server_error",
+                        code="request_too_large" if exc.status_code == 413 else None).response()
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
