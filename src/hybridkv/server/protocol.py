@@ -65,7 +65,7 @@ class SamplingFields(_Body):
     """Token id (as a string, as JSON object keys are) -> bias in [-100, 100]."""
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     user: Text | None = None
-    """Accepted and logged with nothing else: the end user's id, for the operator."""
+    """Accepted (OpenAI clients send it) and not used."""
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1)
     """0 or -1: no top-k cut."""
