@@ -92,6 +92,7 @@ def serve_main(args: argparse.Namespace) -> int:
     """
     from hybridkv.errors import InvalidInputError
 
+    start = time.perf_counter()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.access_log_metrics:
@@ -102,8 +103,8 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         sock = _bind(args.host, args.port)
         port = sock.getsockname()[1]
-        logger.info("port %d is free; loading the model", port)
-        return _serve(args, sock)
+        logger.info("port %d is free; importing torch and the server", port)
+        return _serve(args, sock, start)
     except InvalidInputError as exc:
         print(f"hybridkv serve: {exc}", file=sys.stderr)
         return 2
@@ -111,14 +112,15 @@ def serve_main(args: argparse.Namespace) -> int:
         return 130
 
 
-def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+def _serve(args: argparse.Namespace, sock: socket.socket, start: float) -> int:
+    mark = time.perf_counter()
     import uvicorn
 
     from hybridkv.engine.engine import LLMEngine
     from hybridkv.server.app import ServerOptions, build_app, build_context
     from hybridkv.server.async_engine import AsyncEngine
 
-    start = time.perf_counter()
+    logger.info("imported in %.1f s", time.perf_counter() - mark)
     engine = LLMEngine.from_package(engine_config(args))
     async_engine = AsyncEngine(engine, args.model_name)
     options = ServerOptions(chat_template=args.chat_template, max_request_bytes=args.max_request_bytes,
@@ -129,6 +131,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         async_engine.shutdown(graceful=False)
         raise
     logger.info("chat template: %s", context.chat_template.origin)
+    logger.info("serving as model %r; bodies over %d bytes get 413; a shutdown drains for up to %g s",
+                args.model_name, args.max_request_bytes, args.shutdown_timeout)
     app = build_app(async_engine, args.model_name, options, context)
     timeout = args.shutdown_timeout
     host = f"[{args.host}]" if ":" in args.host else args.host
