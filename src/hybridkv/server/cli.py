@@ -52,7 +52,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM/Ctrl-C, how long requests in flight may finish before they are ended "
                              "with an error (default: %(default)s)")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: %(default)s)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                        help="how much the server logs (default: %(default)s)")
     parser.add_argument("--access-log-metrics", action="store_true",
                         help="also log GET /metrics and /health in the access log (off by default: scrapers "
                              "would flood it)")
