@@ -30,13 +30,22 @@ from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 from hybridkv.engine.tokenizer import GemmaTokenizer  # noqa: E402
 from hybridkv.engine.weights import Gemma3Weights  # noqa: E402
 
+import gemma  # noqa: E402
+
 BLOCK_BYTES = 3 * 2 * 16 * 256 * 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 SHARED = ("The committee met on Thursday to review the harbour budget. The treasurer presented the figures "
           "for dredging, lighting and the new ferry pier, and members asked about maintenance costs. ") * 14
 
 
-# weights and tokenizer: the session's one loaded model (tests/conftest.py)
+@pytest.fixture(scope="module")
+def weights() -> Gemma3Weights:
+    return gemma.weights()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> GemmaTokenizer:
+    return gemma.tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +97,7 @@ def test_host_and_disk_tiers_supply_an_evicted_prefix_with_identical_outputs(
         assert [o.token_ids for o in later] == baseline[1:], tiers
         loaded = [o.num_cached_tokens + o.num_external_tokens for o in later]
         assert all(n >= shared_len - 32 for n in loaded), (tiers, loaded, shared_len)  # most of the prefix
-        assert later[0].num_external_tokens > 0 and eng.metrics.external_tokens > 0
+        assert later[0].num_external_tokens > 0 and eng.metrics.external_hits > 0
         assert eng.connector is not None and sum(eng.connector.stats.faults.values()) == 0
     # The disk tier survives a restart: a new engine on the same directory loads the prefix at once.
     eng = small_engine(weights, tokenizer, (f"disk:{tmp_path / 'kv'}:256MiB",))

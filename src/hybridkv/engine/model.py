@@ -80,6 +80,9 @@ class StepInputs:
     """Attention parts by the window of the groups they serve (``None``: full attention)."""
     logits_rows: torch.Tensor
     """Rows of the packed batch whose next-token logits are needed."""
+    hidden_only: bool = False
+    """Return the final-normed hidden states of ``logits_rows`` instead of logits: the caller runs
+    ``Gemma3Model.lm_head`` on slices of them (scoring every prompt position at once would not fit)."""
 
 
 class PagedKVCache:
@@ -164,7 +167,11 @@ class Gemma3Model:
         if not len(step.logits_rows):  # only prefill chunks that end mid-prompt: no LM head
             return torch.empty(0, cfg.vocab_size)
         x = rms_norm(x[step.logits_rows], self.w.final_norm, cfg.rms_norm_eps)
-        return linear(x, self.w.embed).float()
+        return x if step.hidden_only else self.lm_head(x)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` of final-normed hidden states (the tied embedding)."""
+        return linear(hidden, self.w.embed).float()
 
     def _attention(self, layer: LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    step: StepInputs, local: bool, group: int, slot: int) -> torch.Tensor:
