@@ -468,8 +468,9 @@ class KVCacheManager:
     def free(self, seq: Sequence | str) -> None:
         """Release every block of the sequence (finished or preempted). Idempotent.
 
-        Blocks registered for tokens the sequence never computed (a step allocated but not run)
-        leave the prefix cache first: they must never serve a hit.
+        Blocks registered for tokens the sequence never computed (a step allocated but not run, or
+        one that failed: free its sequences before advancing their computed counts) leave the prefix
+        cache first: they must never serve a hit.
         """
         if isinstance(seq, Sequence):
             sid = seq.seq_id
@@ -484,10 +485,9 @@ class KVCacheManager:
         computed = stored.num_computed_tokens
         if type(computed) is int and computed >= 0:
             self._register_computed(stored)
-            ref = self.pool.ref_cnt
             for g in self._caching:
-                stale = [b for b in g.uncomputed_blocks(sid, computed) if ref[b] == 1]
-                if stale:
+                stale = g.uncomputed_blocks(sid, computed)
+                if stale:  # a sequence admitted in the same step on these blocks keeps them, uncached
                     self.pool.uncache(stale)
         tables = [g.pop_table(sid) for g in self.groups]
         self.retainer.release_sequence(stored, tables)
