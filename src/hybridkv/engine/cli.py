@@ -34,6 +34,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store", default=None, metavar="URL",
                    help="a KV store shared by several engine instances, e.g. redis://127.0.0.1:6379 "
                         "(queried after the --kv-tier tiers)")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ",
+                   help="publish KV-cache events in vLLM's wire format on this ZMQ endpoint, e.g. "
+                        "tcp://127.0.0.1:5557 (needs the cluster extra; default: off)")
+    p.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ",
+                   help="serve missed event batches here, e.g. tcp://127.0.0.1:5558 (default: off)")
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -44,7 +49,8 @@ def engine_config(args: argparse.Namespace) -> Any:
     options: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     tiers = [*getattr(args, "kv_tier", []), *([args.kv_store] if getattr(args, "kv_store", None) else [])]
     return EngineConfig(dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
-                        kv_tiers=tuple(tiers), **options)
+                        kv_tiers=tuple(tiers), kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
+                        kv_events_replay_endpoint=getattr(args, "kv_events_replay_endpoint", None), **options)
 
 
 def add_parser(sub: Any) -> None:

@@ -46,6 +46,10 @@ class EngineConfig:
     """Plan every layer as full attention and attend over all tokens (a negative control: wrong outputs)."""
     kv_tiers: tuple[str, ...] = ()
     """External KV tiers, queried in order: ``host:SIZE``, ``disk:PATH:SIZE``, ``redis://HOST:PORT[/DB]``."""
+    kv_events_endpoint: str | None = None
+    """Publish KV-cache events (vLLM's wire format) on this ZMQ endpoint, e.g. ``tcp://127.0.0.1:5557``."""
+    kv_events_replay_endpoint: str | None = None
+    """Serve missed event batches on this ZMQ endpoint (needs ``kv_events_endpoint``)."""
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -54,6 +58,8 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidInputError(f"device {self.device!r}: this torch build ({torch.__version__}) has no CUDA "
                                     f"device available; use --device cpu")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise InvalidInputError("kv_events_replay_endpoint needs kv_events_endpoint")
         for name in ("kv_cache_memory", "max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -107,7 +108,14 @@ class LLMEngine:
         self.manager = KVCacheManager(
             self.layout, cfg.max_model_len, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
             retention=cfg.retention, hash_algorithm=cfg.hash_algorithm,  # type: ignore[arg-type]
+            enable_events=cfg.kv_events_endpoint is not None,
         )
+        self.events: Any = None
+        """The KV-event publisher (vLLM's wire format on ZMQ) when ``kv_events_endpoint`` is set."""
+        if cfg.kv_events_endpoint is not None:
+            from hybridkv.cluster.publisher import KVEventPublisher
+
+            self.events = KVEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint)
         self.connector = build_connector(cfg, self.manager) if cfg.kv_tiers else None
         self.scheduler = Scheduler(self.manager, connector=self.connector, config=SchedulerConfig(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
@@ -132,7 +140,12 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._aborted: list[str] = []
         self._uncached_requests = 0
-        self._prefix_cache_poisoned = False
+
+    def close(self) -> None:
+        """Release what the engine holds outside Python objects (the KV-event sockets). Idempotent."""
+        if self.events is not None:
+            self.events.close()
+            self.events = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -298,8 +311,9 @@ class LLMEngine:
             except Exception as exc:
                 logger.exception("the model step failed; ending every running request with an error")
                 sampled.clear()
+                # Every running request ends; freed before their computed counts advance, the blocks
+                # this step was to compute leave the prefix cache (the manager's free).
                 failed = {r.seq_id: f"the model step failed: {exc!r}" for r in self.scheduler.running}
-                self._prefix_cache_poisoned = True
             self.metrics.computed_tokens += out.total_tokens
             self.metrics.iteration_tokens.observe(out.total_tokens)
         for sid, message in failed.items():
@@ -317,8 +331,8 @@ class LLMEngine:
             if o.finished:  # a long-running engine keeps nothing of finished requests
                 del self._tracked[sid]
                 self.scheduler.forget(sid)
-        if self._prefix_cache_poisoned and self.manager.reset_prefix_cache():
-            self._prefix_cache_poisoned = False
+        if self.events is not None:
+            self.events.publish_manager(self.manager)
         self.metrics.generation_tokens += len(sampled)
         self.metrics.steps += 1
         self.metrics.step_seconds.observe(time.perf_counter() - start)

@@ -171,6 +171,7 @@ class AsyncEngine:
         self._thread.join()
         if self._drain_timer is not None:
             self._drain_timer.cancel()
+        self._engine.close()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
