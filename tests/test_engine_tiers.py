@@ -60,7 +60,8 @@ def prompts(tokenizer: GemmaTokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def baseline(weights: Gemma3Weights, tokenizer: GemmaTokenizer, prompts: list[list[int]]) -> list[list[int]]:
-    eng = LLMEngine(weights, tokenizer, EngineConfig(max_model_len=1024, enable_prefix_caching=False))
+    eng = LLMEngine(weights, tokenizer, EngineConfig(dtype="float32", max_model_len=1024,
+                                                     enable_prefix_caching=False))
     return [o.token_ids for o in eng.generate(prompts[:3], GREEDY)]
 
 
@@ -68,7 +69,8 @@ def small_engine(weights: Gemma3Weights, tokenizer: GemmaTokenizer, tiers: tuple
                  ) -> LLMEngine:
     # 330 usable blocks: a 600-token sequence holds ~40 full + 5 x 33 window blocks, so two fillers
     # evict the shared prefix from the device pool.
-    return LLMEngine(weights, tokenizer, EngineConfig(max_model_len=1024, kv_cache_memory=331 * BLOCK_BYTES,
+    return LLMEngine(weights, tokenizer, EngineConfig(dtype="float32", max_model_len=1024,
+                                                      kv_cache_memory=331 * BLOCK_BYTES,
                                                       max_num_batched_tokens=128, kv_tiers=tiers, **kw))
 
 

@@ -25,7 +25,7 @@ from hybridkv.engine.gguf_file import GGUFFile
 from hybridkv.engine.metrics import EngineMetrics
 from hybridkv.engine.model import AttentionPart, Gemma3Model, PagedKVCache, StepInputs
 from hybridkv.engine.sampling import SamplingParams, make_generator, sample
-from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, default_model_path, parse_dtype
+from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, default_model_path, parse_dtype, weights_format
 from hybridkv.errors import InvalidInputError
 from hybridkv.planning.hf_config import layer_specs, parse_config
 from hybridkv.scheduling.scheduler import Request, Scheduler, SchedulerConfig, Status
@@ -47,7 +47,10 @@ class Tokenizer(Protocol):
 class EngineConfig:
     """Engine knobs. ``kv_cache_memory`` is the KV budget in bytes the layout is planned for."""
 
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
+    """KV-cache and attention dtype; ``float32`` with dense weights is the exact path."""
+    weights: str = "auto"
+    """``dense``, ``gguf`` (the GGUF's own codes, CPU int4 kernels) or ``auto`` (``weights_format``)."""
     device: str = "cpu"
     kv_cache_memory: int = 256 << 20
     max_model_len: int = 8192
@@ -66,7 +69,7 @@ class EngineConfig:
     """External KV tiers, queried in order: ``host:SIZE``, ``disk:PATH:SIZE``, ``redis://HOST:PORT[/DB]``."""
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        weights_format(self)
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("kv_cache_memory", "max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -125,11 +128,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = torch.device(cfg.device)
         dtype = parse_dtype(cfg.dtype)
-        if weights.embed.dtype != dtype or weights.embed.device != self.device:
-            raise InvalidInputError(
-                f"weights are {weights.embed.dtype} on {weights.embed.device}; the config asks for "
-                f"{dtype} on {self.device}"
-            )
+        fmt = weights.format if cfg.weights == "auto" else cfg.weights
+        if weights.dtype != dtype or weights.device != self.device or weights.format != fmt:
+            raise InvalidInputError(f"weights are {weights.format} {weights.dtype} on {weights.device}; the config "
+                                    f"asks for {fmt} {dtype} on {self.device}")
         mcfg = weights.config
         if cfg.max_model_len > mcfg.max_position_embeddings:
             raise InvalidInputError(
@@ -171,7 +173,7 @@ class LLMEngine:
 
         config = config or EngineConfig()
         gguf = GGUFFile(default_model_path())
-        weights = Gemma3Weights.load(gguf, parse_dtype(config.dtype))
+        weights = Gemma3Weights.load(gguf, parse_dtype(config.dtype), weights_format(config))
         if config.device != "cpu":
             weights = weights.to(torch.device(config.device))
         return cls(weights, GemmaTokenizer.from_gguf(gguf), config)
