@@ -130,6 +130,11 @@ Linear = DenseLinear | GGUFLinear
 Embedding = DenseEmbedding | ScreenedEmbedding
 
 
+LINEARS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+           "down": ("ffn_down",)}
+"""The matmuls of a layer and the GGUF matrices stacked into each (one matmul instead of several)."""
+
+
 def required_tensors(config: Gemma3Config) -> list[str]:
     """The GGUF tensor names the forward pass reads."""
     per_layer = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
@@ -191,41 +196,40 @@ class Gemma3Weights:
             t = gguf.tensors[name]
             return gguf_codes(t.qtype, t.data, t.shape) or float_codes(gguf.dequantize(name))
 
-        # numpy/torch release the GIL in the heavy parts of dequantization.
+        def linear(names: tuple[str, ...]) -> Linear:
+            if format == "dense":
+                return DenseLinear(torch.cat([tensors[n].to(dtype) for n in names]))
+            return GGUFLinear(GroupCodes.stack([codes(n) for n in names]))
+
+        def embedding() -> Embedding:
+            if format == "dense":
+                return DenseEmbedding(tensors["token_embd.weight"].to(dtype))
+            return ScreenedEmbedding(codes("token_embd.weight"))
+
+        matrices = {(i, field): tuple(f"blk.{i}.{n}.weight" for n in names)
+                    for i in range(config.num_layers) for field, names in LINEARS.items()}
+        # numpy/torch release the GIL in the heavy parts of dequantization and packing.
         names = [n for n in gguf.tensors if format == "dense" or n.endswith("norm.weight")]
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
             tensors = dict(zip(names, pool.map(gguf.dequantize, names)))
-            if format == "gguf":
-                matrices = [n for n in gguf.tensors if n not in tensors]
-                all_codes = dict(zip(matrices, pool.map(codes, matrices)))
+            embed = pool.submit(embedding)
+            linears = dict(zip(matrices, pool.map(linear, matrices.values())))
 
         def norm(name: str) -> torch.Tensor:
             return tensors[name]
-
-        def linear(*names: str) -> Linear:
-            if format == "dense":
-                return DenseLinear(torch.cat([tensors[n].to(dtype) for n in names]))
-            return GGUFLinear(GroupCodes.stack([all_codes.pop(n) for n in names]))
 
         layers = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
             q_norm, k_norm = norm(p + "attn_q_norm.weight"), norm(p + "attn_k_norm.weight")
             layers.append(LayerWeights(
-                attn_norm=norm(p + "attn_norm.weight"),
-                qkv=linear(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                attn_norm=norm(p + "attn_norm.weight"), qkv=linears[i, "qkv"],
                 qk_norm=torch.stack([q_norm] * config.num_heads + [k_norm] * config.num_kv_heads),
-                o=linear(p + "attn_output.weight"), post_attn_norm=norm(p + "post_attention_norm.weight"),
-                ffn_norm=norm(p + "ffn_norm.weight"),
-                gate_up=linear(p + "ffn_gate.weight", p + "ffn_up.weight"),
-                down=linear(p + "ffn_down.weight"), post_ffn_norm=norm(p + "post_ffw_norm.weight"),
+                o=linears[i, "o"], post_attn_norm=norm(p + "post_attention_norm.weight"),
+                ffn_norm=norm(p + "ffn_norm.weight"), gate_up=linears[i, "gate_up"], down=linears[i, "down"],
+                post_ffn_norm=norm(p + "post_ffw_norm.weight"),
             ))
-        embed: Embedding
-        if format == "dense":
-            embed = DenseEmbedding(tensors["token_embd.weight"].to(dtype))
-        else:
-            embed = ScreenedEmbedding(all_codes.pop("token_embd.weight"))
-        return cls(config, embed, norm("output_norm.weight"), layers, dtype, format,
+        return cls(config, embed.result(), norm("output_norm.weight"), layers, dtype, format,
                    load_seconds=time.perf_counter() - start)
 
     def to(self, device: torch.device) -> Gemma3Weights:
