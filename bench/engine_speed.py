@@ -228,9 +228,9 @@ def main() -> int:
             cached = side.cached_ttft(warm, probe)
             if cached is not None:
                 best(lambda cached=cached: 1 / cached, r, "cached TTFT 1/s")
-        print(f"round {rep + 1}/{args.repeat} done", file=sys.stderr)
-    table = report(results)
-    print(table)
+        if rep + 1 < args.repeat:  # the best so far: a slow shared machine may not wait for the end
+            print(f"after round {rep + 1} of {args.repeat}:\n{report(results)}", file=sys.stderr, flush=True)
+    print(report(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": args.threads, "repeat": args.repeat, "results": results}, f, indent=2)
