@@ -8,6 +8,7 @@ the Gemma 3 forward pass reads and writes KV through the block tables.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
@@ -132,6 +133,7 @@ class LLMEngine:
         if weights.dtype != dtype or weights.device != self.device or weights.format != fmt:
             raise InvalidInputError(f"weights are {weights.format} {weights.dtype} on {weights.device}; the config "
                                     f"asks for {fmt} {dtype} on {self.device}")
+        self.config = cfg = dataclasses.replace(cfg, weights=weights.format)  # "auto" resolved: tiers, metrics
         mcfg = weights.config
         if cfg.max_model_len > mcfg.max_position_embeddings:
             raise InvalidInputError(
