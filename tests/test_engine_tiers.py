@@ -167,7 +167,7 @@ def test_two_engine_processes_share_a_prefix_through_redis(weights: Gemma3Weight
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     first = subprocess.run(
         [sys.executable, "-m", "hybridkv.cli", "generate", "--prompt-file", str(prompt_file), "--max-tokens", "2",
-         "--max-model-len", "1024", "--kv-store", redis_url],
+         "--max-model-len", "1024", "--kv-store", redis_url, "--dtype", "float32"],
         capture_output=True, text=True, env=env, timeout=600)
     assert first.returncode == 0, first.stderr
     eng = small_engine(weights, tokenizer, (redis_url,))
