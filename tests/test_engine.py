@@ -46,7 +46,7 @@ def tokenizer() -> GemmaTokenizer:
 
 
 def engine(weights: Gemma3Weights, tokenizer: GemmaTokenizer, **kw: Any) -> LLMEngine:
-    cfg: dict[str, Any] = {"max_model_len": 2048, "kv_cache_memory": 1200 * BLOCK_BYTES_FP32,
+    cfg: dict[str, Any] = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory": 1200 * BLOCK_BYTES_FP32,
                            "max_num_batched_tokens": 512}
     cfg.update(kw)
     return LLMEngine(weights, tokenizer, EngineConfig(**cfg))

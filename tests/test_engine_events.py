@@ -34,7 +34,7 @@ def _poll_until(sub: KVEventSubscriber, engine: LLMEngine, timeout: float = 10.0
 
 def test_the_index_predicts_the_engines_next_prefix_hits_from_its_events() -> None:
     engine = LLMEngine(gemma.weights(), gemma.tokenizer(), EngineConfig(
-        kv_cache_memory=64 << 20, max_model_len=1024, max_num_batched_tokens=256,
+        dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024, max_num_batched_tokens=256,
         kv_events_endpoint="tcp://127.0.0.1:0", kv_events_replay_endpoint="tcp://127.0.0.1:0"))
     index = ClusterIndex()
     index.add_replica("engine", scheme=HybridkvHashes(), layout=engine.layout)

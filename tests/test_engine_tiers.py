@@ -61,7 +61,8 @@ def prompts(tokenizer: GemmaTokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def baseline(weights: Gemma3Weights, tokenizer: GemmaTokenizer, prompts: list[list[int]]) -> list[list[int]]:
-    eng = LLMEngine(weights, tokenizer, EngineConfig(max_model_len=1024, enable_prefix_caching=False))
+    eng = LLMEngine(weights, tokenizer, EngineConfig(dtype="float32", max_model_len=1024,
+                                                     enable_prefix_caching=False))
     return [o.token_ids for o in eng.generate(prompts[:3], GREEDY)]
 
 
@@ -69,7 +70,8 @@ def small_engine(weights: Gemma3Weights, tokenizer: GemmaTokenizer, tiers: tuple
                  ) -> LLMEngine:
     # 330 usable blocks: a 600-token sequence holds ~40 full + 5 x 33 window blocks, so two fillers
     # evict the shared prefix from the device pool.
-    return LLMEngine(weights, tokenizer, EngineConfig(max_model_len=1024, kv_cache_memory=331 * BLOCK_BYTES,
+    return LLMEngine(weights, tokenizer, EngineConfig(dtype="float32", max_model_len=1024,
+                                                      kv_cache_memory=331 * BLOCK_BYTES,
                                                       max_num_batched_tokens=128, kv_tiers=tiers, **kw))
 
 
@@ -166,7 +168,7 @@ def test_two_engine_processes_share_a_prefix_through_redis(weights: Gemma3Weight
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     first = subprocess.run(
         [sys.executable, "-m", "hybridkv.cli", "generate", "--prompt-file", str(prompt_file), "--max-tokens", "2",
-         "--max-model-len", "1024", "--kv-store", redis_url],
+         "--max-model-len", "1024", "--kv-store", redis_url, "--dtype", "float32"],
         capture_output=True, text=True, env=env, timeout=600)
     assert first.returncode == 0, first.stderr
     eng = small_engine(weights, tokenizer, (redis_url,))

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from hybridkv.engine.sampling import TokenLogprob
-from hybridkv.engine.weights import parse_dtype
+from hybridkv.engine.weights import weights_format
 from hybridkv.errors import InvalidInputError
 
 
@@ -29,7 +29,10 @@ class Tokenizer(Protocol):
 class EngineConfig:
     """Engine knobs. ``kv_cache_memory`` is the KV budget in bytes the layout is planned for."""
 
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
+    """KV-cache and attention dtype; ``float32`` with dense weights is the exact path."""
+    weights: str = "auto"
+    """``dense``, ``gguf`` (the GGUF's own codes, CPU int4 kernels) or ``auto`` (``weights_format``)."""
     device: str = "cpu"
     kv_cache_memory: int = 256 << 20
     max_model_len: int = 8192
@@ -52,7 +55,7 @@ class EngineConfig:
     """Serve missed event batches on this ZMQ endpoint (needs ``kv_events_endpoint``)."""
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        weights_format(self)
         if not isinstance(self.device, str) or (self.device != "cpu" and not self.device.startswith("cuda")):
             raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

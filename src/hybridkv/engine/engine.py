@@ -12,6 +12,7 @@ clears the prefix cache (the blocks it was writing hold nothing valid). The loop
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -38,7 +39,7 @@ from hybridkv.engine.sampling import (
     token_logprobs,
 )
 from hybridkv.engine.tiers import build_connector, parse_tier
-from hybridkv.engine.weights import Gemma3Weights, default_model_path, parse_dtype
+from hybridkv.engine.weights import Gemma3Weights, default_model_path, parse_dtype, weights_format
 from hybridkv.errors import InvalidInputError
 from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, Status
 
@@ -94,11 +95,11 @@ class LLMEngine:
         """The GGUF's ``tokenizer.chat_template`` (None: the model has none)."""
         self.device = torch.device(cfg.device)
         dtype = parse_dtype(cfg.dtype)
-        if weights.embed.dtype != dtype or weights.embed.device != self.device:
-            raise InvalidInputError(
-                f"weights are {weights.embed.dtype} on {weights.embed.device}; the config asks for "
-                f"{dtype} on {self.device}"
-            )
+        fmt = weights.format if cfg.weights == "auto" else cfg.weights
+        if weights.dtype != dtype or weights.device != self.device or weights.format != fmt:
+            raise InvalidInputError(f"weights are {weights.format} {weights.dtype} on {weights.device}; the config "
+                                    f"asks for {fmt} {dtype} on {self.device}")
+        self.config = cfg = dataclasses.replace(cfg, weights=weights.format)  # "auto" resolved: tiers, metrics
         mcfg = weights.config
         if cfg.max_model_len > mcfg.max_position_embeddings:
             raise InvalidInputError(
@@ -160,7 +161,7 @@ class LLMEngine:
         path = default_model_path()
         logger.info("loading Gemma 3 270M weights (%s, %s) from %s", config.dtype, config.device, path)
         gguf = GGUFFile(path)
-        weights = Gemma3Weights.load(gguf, parse_dtype(config.dtype))
+        weights = Gemma3Weights.load(gguf, parse_dtype(config.dtype), weights_format(config))
         if config.device != "cpu":
             weights = weights.to(torch.device(config.device))
         logger.info("weights loaded in %.1f s", time.perf_counter() - start)

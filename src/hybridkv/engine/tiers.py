@@ -14,11 +14,11 @@ if TYPE_CHECKING:
 
 
 def build_connector(cfg: EngineConfig, manager: KVCacheManager) -> KVConnector:
-    """The connector of ``cfg.kv_tiers`` (see ``parse_tier``), namespaced by model and dtype."""
-    from hybridkv.engine.weights import parse_dtype
+    """The connector of ``cfg.kv_tiers`` (see ``parse_tier``), namespaced by model, dtype and weights format."""
+    from hybridkv.engine.weights import parse_dtype, weights_format
 
     return KVConnector([parse_tier(spec) for spec in cfg.kv_tiers], manager,
-                       namespace=f"gemma-3-270m-q4_k_m/{parse_dtype(cfg.dtype)}")
+                       namespace=f"gemma-3-270m-q4_k_m/{parse_dtype(cfg.dtype)}/{weights_format(cfg)}")
 
 
 def parse_tier(spec: str) -> KVTier:
