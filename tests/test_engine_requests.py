@@ -60,25 +60,28 @@ def test_a_request_whose_sampler_fails_ends_alone_with_an_error(monkeypatch: pyt
     assert eng.metrics.finished["error"] == 1
 
 
-def test_a_failed_forward_pass_ends_the_running_requests_and_clears_the_prefix_cache() -> None:
+def test_a_failed_forward_pass_ends_the_running_requests_and_uncaches_only_what_it_did_not_compute() -> None:
     eng = engine()
     expected = run(eng, {"warm": (DOC, GREEDY)})["warm"].token_ids  # DOC's blocks are now cached
+    other = "A ferry timetable for the winter months lists seven crossings a day. " * 4
+    other_expected = run(engine(), {"o": (other, GREEDY)})["o"].token_ids
     forward = eng.model.forward
     calls = {"n": 0}
 
     def failing_once(step: Any) -> torch.Tensor:
         calls["n"] += 1
-        if calls["n"] == 2:  # mid-decode
+        if calls["n"] == 1:  # the prefill of ``other``: none of its blocks were ever computed
             raise RuntimeError("out of memory")
         return forward(step)
 
     eng.model.forward = failing_once  # type: ignore[method-assign]
-    done = run(eng, {"x": (DOC, GREEDY), "y": ("Once upon a time", GREEDY)})
+    done = run(eng, {"x": (DOC, GREEDY), "y": (other, GREEDY)})
     assert {o.finish_reason for o in done.values()} == {"error"}
     assert all("out of memory" in (o.error or "") for o in done.values())
-    again = run(eng, {"z": (DOC, GREEDY)})["z"]
-    assert again.num_cached_tokens == 0  # the cache that the failed step may have half-written is gone
-    assert again.token_ids == expected
+    again = run(eng, {"z": (DOC, GREEDY), "w": (other, GREEDY)})
+    # What earlier steps computed still serves hits; what the failed step was to write is gone.
+    assert again["z"].num_cached_tokens > 0 and again["z"].token_ids == expected
+    assert again["w"].num_cached_tokens == 0 and again["w"].token_ids == other_expected
 
 
 def test_bad_input_is_refused_before_anything_is_queued() -> None:

@@ -86,6 +86,7 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.fail_at_steps = fail_at_steps
         self.thread_ids: set[int] = set()
+        self.closed = False
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     cache_salt: str | None = None, priority: int = 0) -> None:
@@ -125,6 +126,9 @@ class ScriptedEngine:
                                          ("abort" if aborted else "length") if done else None, 0, 0, None))
         return outputs
 
+    def close(self) -> None:
+        self.closed = True
+
 
 async def collect(outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
     return [o async for o in outputs]
@@ -148,6 +152,7 @@ def test_async_engine_streams_from_one_thread_and_drains_on_graceful_shutdown() 
         assert outputs[-1].finished and outputs[-1].finish_reason == "length"
     assert len(engine.thread_ids) == 1 and threading.get_ident() not in engine.thread_ids
     assert engine.metrics.steps == 20  # the three requests were stepped together
+    assert engine.closed  # shutdown closes the engine (its KV-event publisher, tier threads)
     assert 'hybridkv_engine_steps_total{model_name="gemma-3-270m"} 20.0' in async_engine.metrics_text()
 
 
@@ -248,7 +253,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with log.open("w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hybridkv.server", "--port", "0", "--max-model-len", str(MAX_MODEL_LEN),
-             "--kv-cache-memory", "64MiB", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)],
+             "--kv-cache-memory", "64MiB", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
+             "--dtype", "float32"],  # the exact dense path: batched greedy outputs equal solo ones
             stdout=subprocess.PIPE, stderr=err, text=True,
         )
     assert proc.stdout is not None

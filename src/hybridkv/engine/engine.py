@@ -71,6 +71,9 @@ class _Tracked:
     sent: int = 0
     """Characters of ``text`` already returned in ``new_text``."""
     stopped: str | None = None
+    """Why the engine itself ended the request (a stop string, an error, an abort)."""
+    finish_reason: str | None = None
+    """Why the scheduler ended it (``length``, ``stop``, ``rejected: ...``), kept as it forgets the request."""
     error: str | None = None
     done: bool = False
     num_seen: int = 0
@@ -321,7 +324,13 @@ class LLMEngine:
             self.scheduler.abort(sid)
             t = self._tracked[sid]
             t.stopped, t.error = "error", message
-        finished = {r.seq_id for r in self.scheduler.update(out, sampled)}
+        finished = set()
+        for r in self.scheduler.update(out, sampled):
+            finished.add(r.seq_id)
+            self._tracked[r.seq_id].finish_reason = r.finish_reason
+        for sid, reason in out.rejected:
+            if sid in self._tracked:
+                self._tracked[sid].finish_reason = reason
         now = time.monotonic()
         outputs: dict[str, RequestOutput] = {}
         for sid in [*sampled, *failed, *(sid for sid, _ in out.rejected), *self._aborted]:
@@ -452,7 +461,7 @@ class LLMEngine:
                         finished = True
             t.text = text
         req = self.scheduler.requests.get(sid)
-        reason = t.stopped or (req.finish_reason if req is not None else None)
+        reason = t.stopped or t.finish_reason or (req.finish_reason if req is not None else None)
         emit_to = len(t.text)
         if finished:
             t.done = True
