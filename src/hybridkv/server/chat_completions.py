@@ -16,7 +16,7 @@ from hybridkv.errors import InvalidInputError
 from hybridkv.server.chat import plain_messages
 from hybridkv.server.context import ServerContext, cancel_on_disconnect, first_or_error
 from hybridkv.server.errors import APIError
-from hybridkv.server.generation import Choice, make_choices, run_choices
+from hybridkv.server.generation import Choice, collect_finals, make_choices, run_choices
 from hybridkv.server.openai_format import chat_logprobs, check_n, finish_reason, sampling_params, sse, usage
 from hybridkv.server.protocol import MAX_CHOICES, ChatCompletionRequest
 
@@ -73,16 +73,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return {"id": request_id, "object": obj, "created": created, "model": ctx.model_name, **fields}
 
     if not body.stream:
-        async def collect() -> dict[int, tuple[Choice, RequestOutput]]:
-            finals = {first[0].index: first}
-            async for choice, output in outputs:
-                finals[choice.index] = (choice, output)
-            return finals
-
-        finals = await cancel_on_disconnect(request, collect())
-        if finals is None:
+        ordered = await cancel_on_disconnect(request, collect_finals(first, outputs))
+        if ordered is None:
             return Response(status_code=499)
-        ordered = [finals[i] for i in sorted(finals)]
         replies = [{"index": c.index, "message": {"role": "assistant", "content": o.text, "refusal": None,
                                                    "tool_calls": []},
                     "logprobs": logprobs(o, 0), "finish_reason": finish_reason(o), **extras(o)} for c, o in ordered]

@@ -16,7 +16,7 @@ from hybridkv.engine.engine import RequestOutput
 from hybridkv.errors import InvalidInputError
 from hybridkv.server.context import ServerContext, cancel_on_disconnect, first_or_error
 from hybridkv.server.errors import APIError
-from hybridkv.server.generation import Choice, Prompt, make_choices, run_choices
+from hybridkv.server.generation import Choice, Prompt, collect_finals, make_choices, run_choices
 from hybridkv.server.openai_format import check_n, completion_logprobs, finish_reason, sampling_params, sse, usage
 from hybridkv.server.protocol import MAX_CHOICES, CompletionRequest
 
@@ -101,16 +101,9 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         return {"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name, **fields}
 
     if not body.stream:
-        async def collect() -> dict[int, tuple[Choice, RequestOutput]]:
-            finals = {first[0].index: first}
-            async for choice, output in outputs:
-                finals[choice.index] = (choice, output)
-            return finals
-
-        finals = await cancel_on_disconnect(request, collect())
-        if finals is None:
+        ordered = await cancel_on_disconnect(request, collect_finals(first, outputs))
+        if ordered is None:
             return Response(status_code=499)
-        ordered = [finals[i] for i in sorted(finals)]
         body_choices = []
         for choice, output in ordered:
             reason = finish_reason(output)

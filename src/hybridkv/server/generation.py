@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from hybridkv.engine.engine import RequestOutput
@@ -163,3 +163,12 @@ async def run_choices(engine: AsyncEngine, request_id: str, choices: list[Choice
             task.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_finals(first: tuple[Choice, RequestOutput],
+                         outputs: AsyncIterator[tuple[Choice, RequestOutput]]) -> list[tuple[Choice, RequestOutput]]:
+    """Every choice's last output (``first`` already taken from ``outputs``), in choice order."""
+    finals = {first[0].index: first}
+    async for choice, output in outputs:
+        finals[choice.index] = (choice, output)
+    return [finals[i] for i in sorted(finals)]
