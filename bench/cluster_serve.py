@@ -1,6 +1,6 @@
 """A real cluster on this machine: N ``hybridkv serve`` replicas, the KV-aware router, a shared Redis tier.
 
-    python bench/cluster_serve.py [--replicas 3] [--pool 24MiB] [--prefixes 6] [--requests 36]
+    python bench/cluster_serve.py [--replicas 3] [--pool 24MiB] [--prefixes 9] [--requests 54]
         [--policies hybrid_exact,prefix,round_robin,least_loaded] [--no-redis] [--kill] [--json FILE]
 
 Each replica serves the embedded Gemma 3 270M with a small KV pool and publishes its KV events
@@ -12,7 +12,7 @@ flight) goes through it; the cached prompt tokens the replicas report in ``usage
 into those served from the replica's own device cache (what routing controls) and those loaded
 from the shared tier.
 A single replica with REPLICAS times the pool serves the same workload as the reference point.
-With ``--kill`` one replica is killed (SIGKILL) halfway through the ``hybrid_exact`` run: every
+With ``--kill`` one more ``hybrid_exact`` run kills one replica (SIGKILL) halfway through: every
 request must still be answered (the router retries on another replica).
 
 Prints, per configuration: cached prompt tokens, their share of prompt tokens, the router's
@@ -164,11 +164,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--pool", default="24MiB", help="KV pool per replica (default: %(default)s)")
-    ap.add_argument("--prefixes", type=int, default=6)
-    ap.add_argument("--requests", type=int, default=36)
+    ap.add_argument("--prefixes", type=int, default=9,
+                    help="shared documents; the default outgrows one replica's pool, not three (default: %(default)s)")
+    ap.add_argument("--requests", type=int, default=54)
     ap.add_argument("--policies", default="hybrid_exact,prefix,round_robin,least_loaded")
     ap.add_argument("--no-redis", action="store_true", help="no shared Redis tier")
-    ap.add_argument("--kill", action="store_true", help="kill one replica halfway through the hybrid_exact run")
+    ap.add_argument("--kill", action="store_true",
+                    help="one more hybrid_exact run in which one replica is killed halfway through")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     env = {**os.environ, "HYBRIDKV_TIER_KEY": os.environ.get("HYBRIDKV_TIER_KEY", "bench-cluster-tier-key-0123456789")}
@@ -187,7 +189,11 @@ def main() -> int:
         redis_url = f"redis://127.0.0.1:{port}"
     rows: dict[str, Any] = {}
     try:
-        for policy in [p for p in args.policies.split(",") if p]:
+        runs = [(p, False) for p in args.policies.split(",") if p]
+        if args.kill:
+            runs.append(("hybrid_exact", True))
+        for policy, killing in runs:
+            name = f"{policy}, one replica killed" if killing else policy
             if redis is not None:
                 subprocess.run([shutil.which("redis-cli") or "redis-cli", "-u", redis_url or "", "FLUSHALL"],
                                stdout=subprocess.DEVNULL, check=False)
@@ -206,17 +212,17 @@ def main() -> int:
                 wait_ready(rurl, router, 60)
                 time.sleep(1.0)  # the router subscribes to every replica's events
                 victim = replicas[-1]
-                kill = (lambda v=victim: v.stop(kill=True)) if args.kill and policy == "hybrid_exact" else None
-                row = send_all(rurl, prompts, salt=f"run-{policy}", kill=kill)
+                kill = (lambda v=victim: v.stop(kill=True)) if killing else None
+                row = send_all(rurl, prompts, salt=f"run-{name}", kill=kill)
                 row.update(router_counters(rurl))
-                rows[policy] = row
+                rows[name] = row
             finally:
                 if router is not None and router.poll() is None:
                     router.terminate()
                     router.wait(30)
                 for r in replicas:
                     r.stop()
-            print(f"{policy:>14}: {row}", flush=True)
+            print(f"{name:>14}: {row}", flush=True)
         big = Replica("single-big", _times(args.pool, args.replicas), redis_url=None, env=env, log_dir=tmp)
         try:
             wait_ready(big.url, big.proc)
