@@ -22,7 +22,9 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
-        shown = not (default is None or default is False or default == argparse.SUPPRESS) and action.option_strings
+        # A flag's own presence says what it does: its stored True/False is no default worth showing.
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        shown = not (default is None or flag or default == argparse.SUPPRESS) and action.option_strings
         if shown and "%(default)" not in text and "(default:" not in text and not isinstance(default, (list, tuple)):
             text += " (default: %(default)s)"
         return text
