@@ -22,7 +22,8 @@ from hybridkv.sim.workloads import ClosedLoop, Workload, shared_prefix
 # tokens do not fit in it, so without tiers most prefixes are recomputed.
 CFG = SimConfig(model="gemma-3-1b", gpu="l4-24gb", max_model_len=8192, max_num_batched_tokens=2048,
                 kv_cache_tokens=30_000, retention="none")
-TIER_KEYS = ("tiers", "tier_hit_tokens", "tier_hit_rate", "total_hit_rate", "tier_load_s", "tier_stats")
+TIER_KEYS = ("tiers", "tier_hit_tokens", "tier_hit_rate", "total_hit_rate", "tier_load_s", "tier_stats", "tier_loads",
+             "tier_storage", "tier_stored_bytes", "tier_lookup_probes")
 
 
 @pytest.fixture(scope="module")

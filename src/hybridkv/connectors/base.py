@@ -58,3 +58,8 @@ class KVTier(ABC):
     @abstractmethod
     def delete(self, key: bytes) -> None:
         """Forget ``key`` (no error if absent)."""
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` recently used, the last one most recently (absent keys are skipped). A tier that
+        keeps no eviction order of its own (Redis evicts by its own policy) ignores it."""
+        return None

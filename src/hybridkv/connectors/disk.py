@@ -227,6 +227,14 @@ class DiskTier(KVTier):
     def delete(self, key: bytes) -> None:
         self._remove(self._name(key))
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            name = self._name(key)
+            if name in self._index:
+                self._index.move_to_end(name)
+                with contextlib.suppress(OSError):  # the order survives a restart where it can
+                    os.utime(os.path.join(self.path, name))
+
     # ------------------------------------------------------------------ eviction and accounting
     def _evict(self, incoming: int) -> None:
         """Remove least recently used files until ``incoming`` more bytes fit."""

@@ -52,6 +52,12 @@ class HostTier(KVTier):
             self.stats.puts += 1
             self.stats.bytes_written += len(value)
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        entries = self._entries
+        for k in keys:
+            if k in entries:
+                entries.move_to_end(k)
+
     def delete(self, key: bytes) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
