@@ -12,7 +12,10 @@ window before some hit point.
 
 * growing groups: every block;
 * recurrent groups: every state the device cache registered (the manager writes states only at its
-  own checkpoints: junctions, the prompt's end, ``checkpoint_interval``);
+  own checkpoints: junctions, the prompt's end, ``checkpoint_interval``). A state enters the cache
+  once its step is reported computed, and the sequence drops it at its next allocation, so a store
+  call keeps the states of a step only when it comes after the step is reported computed
+  (``seq.num_computed_tokens`` advanced), as the simulator does;
 * every other group: the blocks of ``hit_span(group, P)`` for each *checkpoint* ``P``:
 
   - a shared-prefix junction: where a lookup (the device's, remembered by window retention, or a
@@ -54,11 +57,6 @@ class StoragePolicy:
         ``junctions`` are extra checkpoint positions (token counts) the caller knows of."""
         raise NotImplementedError
 
-    def lookback(self, manager: KVCacheManager) -> int:
-        """Tokens before ``start`` a store call looks at again for recurrent states registered late
-        (a state enters the cache once its step is reported computed, after the step's store call)."""
-        return manager.max_num_batched_tokens
-
 
 @dataclass(frozen=True)
 class StoreAll(StoragePolicy):
@@ -68,12 +66,7 @@ class StoreAll(StoragePolicy):
 
     def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
                junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
-        back = max(0, start - self.lookback(manager))
-        out = {}
-        for g in manager.caching_groups:
-            lo = back if _recurrent(manager, g) else start
-            out[g] = manager.registered_blocks(seq, g, lo, end)
-        return out
+        return {g: manager.registered_blocks(seq, g, start, end) for g in manager.caching_groups}
 
 
 @dataclass(frozen=True)
@@ -123,7 +116,7 @@ class StoreHitSpans(StoragePolicy):
                 out[g] = manager.registered_blocks(seq, g, start, end)
                 continue
             if _recurrent(manager, g):
-                out[g] = manager.registered_blocks(seq, g, max(0, start - self.lookback(manager)), end)
+                out[g] = manager.registered_blocks(seq, g, start, end)
                 continue
             if points is None:
                 points = self.checkpoints(manager, seq, start, end, junctions)

@@ -329,10 +329,11 @@ def simulate(workload: Workload, cfg: SimConfig, *,
         steps += 1
         peak_running = max(peak_running, len(sched.running))
         sampled = {}
+        stores: list[tuple[str, Sequence, int, int]] = []
         for sid, n in out.num_scheduled_tokens.items():
             seq = sched.requests[sid].seq
-            if tiers is not None:  # write-through after the forward pass, before blocks are freed
-                tiers.store(seq, seq.num_computed_tokens, n)
+            if tiers is not None:
+                stores.append((sid, seq, seq.num_computed_tokens, n))
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sampled[sid] = (1,)
                 if sid in first_token:
@@ -341,7 +342,22 @@ def simulate(workload: Workload, cfg: SimConfig, *,
                     first_token[sid] = now
                 last_token[sid] = now
                 output_tokens += 1
+        if stores:  # write-through of what the step computed
+            # After the step is reported computed (a recurrent state enters the cache only then), but a
+            # sequence this step finishes is freed by ``update``: its blocks are stored before.
+            later = []
+            for sid, seq, start, n in stores:
+                scheduled = sched.requests[sid]
+                if sid in sampled and (seq.num_output_tokens + 1 >= scheduled.max_new_tokens
+                                       or seq.num_tokens + 1 >= mgr.max_model_len):
+                    tiers.store(seq, start, n)  # type: ignore[union-attr]
+                else:
+                    later.append((seq, start, n))
         finished = sched.update(out, sampled)
+        if stores:
+            for seq, start, n in later:
+                tiers.store(seq, start, n)  # type: ignore[union-attr]
+            stores.clear()
         ended = [r.seq_id for r in finished] + [sid for sid, _ in out.rejected]
         rejected += len(out.rejected)
         for sid in ended:
