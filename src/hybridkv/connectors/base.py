@@ -33,7 +33,8 @@ class KVTier(ABC):
     """One external store of framed KV blocks.
 
     Methods raise ``TierError`` (or ``TierTimeout``) on faults and never return partial answers:
-    a result lists one entry per key, ``None`` for a key the tier does not hold.
+    a result lists one entry per key, ``None`` for a key the tier does not hold. A tier may be called
+    from two threads at once (a background load beside the engine's stores): it guards its own state.
     """
 
     name: str = "tier"

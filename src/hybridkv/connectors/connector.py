@@ -133,7 +133,7 @@ class KVConnector:
     ``write_through``, else to the first only; what it writes is ``storage``'s choice (default
     ``StoreHitSpans()``: per group, what a hit can use). Tier faults never raise: they are counted
     in ``stats.faults`` and read as misses. ``loads``: ``BackgroundLoads`` runs ``start_load`` on
-    a worker thread (every tier call is then serialised by a lock); None runs it in the caller's.
+    worker threads (tiers are thread-safe); None runs it in the caller's.
 
     Frames are HMAC-signed with ``auth_key``, else, when a tier is shared, with the key from
     ``HYBRIDKV_TIER_KEY`` or ``HYBRIDKV_TIER_KEY_FILE`` (``connectors.auth``); a shared tier without
@@ -188,7 +188,7 @@ class KVConnector:
         # never resume from an external prefix.
         self._possible = manager.hits_possible
         self._junctions = JunctionMemory()
-        self._lock = threading.RLock()  # tier calls and counters: a background load runs beside store()
+        self._lock = threading.RLock()  # counters and junctions: a background load runs beside store()
 
     # ------------------------------------------------------------------ keys and windows
     def key(self, group: int, block_hash: bytes) -> bytes:
@@ -482,8 +482,7 @@ class KVConnector:
     def _safe(self, method: Callable[[_A], _T], arg: _A) -> _T | Literal[_Failed.FAILED]:
         """``method(arg)`` (a tier method), or ``_FAILED`` and a counted fault if it raised."""
         try:
-            with self._lock:
-                return method(arg)
+            return method(arg)
         except Exception as exc:  # a tier fault must never take the engine down
             kind: FaultKind = "timeout" if isinstance(exc, (TierTimeout, TimeoutError)) else "error"
             self._fault(kind, f"{method.__qualname__}: {exc!r}")

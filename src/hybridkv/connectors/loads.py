@@ -6,7 +6,7 @@ one of:
 
 * ``DoneLoad`` -- finished when started (the synchronous connector: the lookup and the reads run in
   the caller's thread, as before);
-* ``ThreadLoad`` -- running on ``BackgroundLoads``' worker thread; ``done()`` once the reads have
+* ``ThreadLoad`` -- running on one of ``BackgroundLoads``' worker threads; ``done()`` once the reads have
   finished or ``timeout_s`` has passed. A load that timed out or failed is a miss: ``result()`` then
   holds no tokens (the worker's late answer is dropped), and the request computes its prompt.
 
@@ -93,13 +93,16 @@ class ThreadLoad(PendingLoad):
 
 
 class BackgroundLoads:
-    """One worker thread that runs tier loads, each a miss after ``timeout_s`` seconds."""
+    """``workers`` threads that run tier loads (a slow one does not hold up the others), each a miss
+    after ``timeout_s`` seconds."""
 
-    def __init__(self, timeout_s: float = 5.0) -> None:
+    def __init__(self, timeout_s: float = 5.0, workers: int = 4) -> None:
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise InvalidInputError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(workers, int) or workers < 1:
+            raise InvalidInputError(f"workers must be a positive integer, got {workers!r}")
         self.timeout_s = float(timeout_s)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridkv-tier-load")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hybridkv-tier-load")
         self._finished = threading.Event()
 
     def submit(self, work: Callable[[], FetchedKV], miss: FetchedKV, on_timeout: Callable[[], None]) -> ThreadLoad:
