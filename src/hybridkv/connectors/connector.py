@@ -47,7 +47,7 @@ from hybridkv.connectors.frame import (
     tier_key,
 )
 from hybridkv.connectors.loads import BackgroundLoads, DoneLoad, PendingLoad
-from hybridkv.connectors.lookup import HeldBlocks, by_position, positions, probe_hit
+from hybridkv.connectors.lookup import by_position, positions, probe_hit
 from hybridkv.connectors.storage import JunctionMemory, StoragePolicy, StoreHitSpans
 from hybridkv.core import NULL_BLOCK, KVCacheLayout, KVCacheManager, Sequence
 from hybridkv.errors import InvalidInputError
@@ -307,9 +307,10 @@ class KVConnector:
         stop = start_token
         if end > start_token and self._possible:
             bs = self._block_size
-            items = [(g, i) for g in self._groups for i in self._needed(g, start_token, end)]
-            items.sort(key=lambda it: ((it[1] + 1) * bs[it[0]], it[0]))  # token order
-            keys = [self.key(g, hashes[g][i]) for g, i in items]
+            order = sorted(((i + 1) * bs[g], g, i) for g in self._groups for i in self._needed(g, start_token, end))
+            items = [(g, i) for _, g, i in order]  # token order: a fault ends the prefix where it happens
+            key = self.key
+            keys = [key(g, hashes[g][i]) for g, i in items]
             for lo in range(0, len(items), self.batch_blocks):
                 got = self._get(keys[lo : lo + self.batch_blocks])
                 for (g, i), payload in zip(items[lo : lo + self.batch_blocks], got):
@@ -317,15 +318,15 @@ class KVConnector:
                         payloads[(g, i)] = payload
                 if None in got:
                     break
-            present: dict[int, dict[int, int]] = {g: {} for g in self._groups}
+            # What this cache holds per group: the local hit's blocks and the blocks read.
+            held: dict[int, dict[int, int]] = {g: dict.fromkeys(range(start_token // bs[g]), 1) for g in self._groups}
             for g, i in payloads:
-                present[g][i] = 1
-            local = {g: start_token // bs[g] for g in self._groups}
+                held[g][i] = 1
             sizes = {g: len(hashes[g]) for g in self._groups}
-            held = {g: HeldBlocks(local[g], present[g]) for g in self._groups}
             stop = max(start_token, self._rules.longest_hit(seq, by_position(held), limit=end, hashes=positions(sizes)))
-        keep = {(g, i) for g in self._groups for i in self._needed(g, start_token, stop)}
-        payloads = {k: v for k, v in payloads.items() if k in keep}
+        if stop < end:
+            keep = {(g, i) for g in self._groups for i in self._needed(g, start_token, stop)}
+            payloads = {k: v for k, v in payloads.items() if k in keep}
         with self._lock:
             self.stats.fetched_tokens += stop - start_token
         return FetchedKV(seq.seq_id, start_token, stop - start_token, payloads)
@@ -335,6 +336,8 @@ class KVConnector:
         out: list[bytes | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         rejected: set[int] = set()  # counted as a fault already
+        loaded = promoted = 0
+        decoded = self._decoded
         for depth, tier in enumerate(self.tiers):
             if not pending:
                 break
@@ -349,22 +352,23 @@ class KVConnector:
                     still.append(j)
                     continue
                 try:
-                    out[j] = self._decoded(keys[j], value)
+                    out[j] = decoded(keys[j], value)
                 except FrameError as exc:
                     self._fault(exc.kind, f"tier {tier.name}: {exc}")
                     rejected.add(j)
                     still.append(j)
                     self._safe(tier.delete, keys[j])
                     continue
-                with self._lock:
-                    self.stats.bytes_loaded += len(value)
+                loaded += len(value)
                 promote.append((keys[j], value))
             if depth and self.promote and promote:
                 for upper in self.tiers[:depth]:
                     self._safe(upper.put_many, promote)
-                with self._lock:
-                    self.stats.promoted_blocks += len(promote)
+                promoted += len(promote)
             pending = still
+        with self._lock:
+            self.stats.bytes_loaded += loaded
+            self.stats.promoted_blocks += promoted
         for j in pending:
             if j not in rejected:
                 self._fault("missing", "no tier holds a block it was asked for")

@@ -108,30 +108,6 @@ class _OnDemand(Mapping[int, int]):
         return sum(self.known.values())
 
 
-class HeldBlocks(Mapping[int, int]):
-    """Blocks of one group a fetch holds: those before ``local`` (the local hit) and those it read."""
-
-    __slots__ = ("local", "read")
-
-    def __init__(self, local: int, read: dict[int, int]) -> None:
-        self.local = local
-        self.read = read
-
-    def get(self, index: int, default: int | None = None) -> int | None:  # type: ignore[override]
-        return 1 if index < self.local or index in self.read else default
-
-    def __getitem__(self, index: int) -> int:
-        if self.get(index) is None:
-            raise KeyError(index)
-        return 1
-
-    def __iter__(self) -> Iterator[int]:
-        return iter([*range(self.local), *self.read])
-
-    def __len__(self) -> int:
-        return self.local + len(self.read)
-
-
 def chain_end(group: int, first: int, end: int, probe: Probe, fanout: int) -> int:
     """The index after the last block of ``group`` a tier holds, searching ``[first, end)`` and
     assuming the tier holds a prefix of the chain (blocks before ``first`` are held already)."""

@@ -3,13 +3,13 @@
 A simulated tier (``SimTier``) implements the connectors' ``KVTier`` interface but keeps only
 keys and the *nominal* size of each block (the bytes the block of that group really has for the
 simulated model), never the payload: a Gemma 3 27B block of 16 tokens and 10 layers is 1.25 MiB.
-Everything else is the real path: the scheduler asks the real ``KVConnector`` at admission how
-many tokens past the local hit the tiers can supply (``num_external_tokens``: the manager's
-window rules per group) and fetches them (``fetch``: frames verified, lower-tier hits promoted to
-the tiers above); after each step the simulator stores the blocks the step computed
-(``KVConnector.store``, write-through to every tier, as the engine does). To pass the frame
-check, a tier answers a hit with a real frame (``encode_frame``) around a 1-byte placeholder
-payload naming the tier, so the simulator knows which tier served each loaded block.
+Everything else is the real path: the scheduler asks the real ``KVConnector`` at admission to
+start a load (``start_load``: the probed lookup under the manager's hit rules, then the reads,
+lower-tier hits promoted to the tiers above); after each step the simulator stores what the step
+computed through the connector's storage policy (``KVConnector.offered``, write-through to every
+tier, as the engine does). A tier answers a read with a 1-byte value naming itself, so the
+simulator knows which tier served each loaded block (there are no frames to check: a simulated
+tier cannot corrupt anything).
 
 **Spec** (``--tier``, repeatable; tiers are queried in the order given)::
 
@@ -27,17 +27,20 @@ PCIe 4 NVMe drive's sequential read), 100 us; net 3 GB/s (a 25 GbE link), 1 ms. 
 
 * Capacity and bandwidth are per GPU (one tensor-parallel rank's shard of the KV), like the cost
   model's ``tier_bandwidth``. A block of group ``g`` takes ``layers(g) * real page bytes`` of its
-  tier; a tier evicts its least recently used (stored or read) entries to stay within capacity,
-  and skips a block larger than its whole capacity.
-* Loads: for each sequence the scheduler admits with tier tokens, every block it loads costs its
-  bytes at the bandwidth of the tier that served it, plus that tier's latency once per sequence;
-  the sum over the step's admissions is added to the step time, not overlapped with compute (the
-  cost model's ``extra_load_s``). The loaded tokens are not computed.
-* Stores: write-through of every full block a step computed (prompt and output), to every tier,
-  assumed to overlap with compute (no time is charged), but they take capacity and evict.
-  A block is written whole: all its layers, including sliding-window layers whose blocks a later
-  hit needs only within the window -- the connector cannot know at store time which blocks a hit
-  will need.
+  tier; a tier evicts its least recently used (stored, read or touched) entries to stay within
+  capacity, and skips a block larger than its whole capacity.
+* Loads (``SimConfig.tier_loads``): every block a load reads costs its bytes at the bandwidth of
+  the tier that served it, plus that tier's latency once per load. ``async`` (the default, as the
+  engine's ``BackgroundLoads``): the request waits that long in the queue while the others run,
+  then is admitted with the loaded tokens; a load longer than ``tier_load_timeout_s`` is a miss.
+  ``blocking``: the load's time is added to the step that admits the request (the cost model's
+  ``extra_load_s``). The loaded tokens are not computed.
+* Stores: write-through of what each step computed, to every tier, assumed to overlap with compute
+  (no time is charged); they take capacity and evict. What is written is the storage policy's
+  choice (``connectors.storage``): ``StoreHitSpans`` (default) keeps growing layers for every block
+  and the other groups' blocks only around checkpoints, ``StoreAll`` every layer of every block.
+  The call that completes a prompt touches its chain head last, so a prompt's tail is evicted
+  before the prefix it shares.
 * Tier reads for an admission that did not fit yet count in the tier's hit counters
   (``tier_stats``), not in the load time (charged once, at admission).
 """
@@ -53,7 +56,6 @@ from typing import Any
 
 from hybridkv.connectors.base import KVTier
 from hybridkv.connectors.connector import BlockTables, FetchedKV, KVConnector, ReadBlock
-from hybridkv.connectors.frame import encode_frame
 from hybridkv.connectors.loads import PendingLoad
 from hybridkv.connectors.storage import StoragePolicy
 from hybridkv.core import KVCacheManager
@@ -199,8 +201,8 @@ def _key_group(key: bytes) -> bytes:
 class SimTier(KVTier):
     """A ``KVTier`` of keys and nominal block sizes under a byte budget, least recently used evicted.
 
-    ``get_many`` answers a held key with a valid frame around a 1-byte payload, the tier's
-    ``index``: the connector's checks pass and the caller learns which tier served the block.
+    ``get_many`` answers a held key with a 1-byte value, the tier's ``index``: the caller learns which
+    tier served the block (``SimConnector`` takes it as the payload; there is no frame to check).
     """
 
     def __init__(self, spec: TierSpec, index: int, block_bytes: Mapping[int, int]) -> None:
@@ -230,7 +232,7 @@ class SimTier(KVTier):
             self._entries.move_to_end(k)
             self.stats.hits += 1
             self.stats.bytes_read += size
-            out.append(encode_frame(k, self._tag))
+            out.append(self._tag)
         return out
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
@@ -263,6 +265,14 @@ class SimTier(KVTier):
         for k in keys:
             if k in entries:
                 entries.move_to_end(k)
+
+    def entries_per_group(self) -> dict[int, int]:
+        """How many blocks of each group the tier holds."""
+        out: dict[int, int] = {}
+        for k in self._entries:
+            g = int(_key_group(k))
+            out[g] = out.get(g, 0) + 1
+        return out
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -330,6 +340,10 @@ class SimConnector(KVConnector):
         self.async_loads = async_loads
         self.load_timeout_s = load_timeout_s
         self.sim_tiers = list(tiers)
+
+    def _decoded(self, key: bytes, value: bytes) -> bytes:
+        """A simulated tier holds no frames (and cannot corrupt one): the value is the serving tier's index."""
+        return value
 
     def load_seconds(self, fetched: FetchedKV) -> float:
         """Simulated seconds to load ``fetched``: per serving tier, its bytes at its bandwidth plus its latency."""
