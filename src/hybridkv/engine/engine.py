@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from hybridkv.connectors import DiskTier, HostTier, KVConnector, KVTier, RedisTier
+from hybridkv.connectors.loads import BackgroundLoads
 from hybridkv.core.layout import KVCacheLayout, plan_layout
 from hybridkv.core.manager import KVCacheManager
 from hybridkv.core.sequence import Sequence
@@ -269,6 +270,8 @@ class LLMEngine:
                 self.metrics.prefix_queries += len(t.prompt_ids)
                 self.metrics.prefix_hits += t.req.num_hit_tokens
         self.metrics.preemptions += len(out.preempted)
+        if not out.num_scheduled_tokens and self.connector is not None and self.connector.loads is not None:
+            self.connector.loads.wait(0.005)  # only tier loads are in flight: wait for one, do not spin
         if self.connector is not None:
             for sid, fetched in out.external.items():
                 self.metrics.external_tokens += self.connector.write(
@@ -471,9 +474,10 @@ def reason_label(reason: str | None) -> str:
 
 
 def build_connector(cfg: EngineConfig, manager: KVCacheManager) -> KVConnector:
-    """The connector of ``cfg.kv_tiers`` (see ``parse_tier``), namespaced by model and dtype."""
+    """The connector of ``cfg.kv_tiers`` (see ``parse_tier``), namespaced by model and dtype; tier loads
+    run on background threads (a request waits for its load while the others run)."""
     return KVConnector([parse_tier(spec) for spec in cfg.kv_tiers], manager,
-                       namespace=f"gemma-3-270m-q4_k_m/{parse_dtype(cfg.dtype)}")
+                       namespace=f"gemma-3-270m-q4_k_m/{parse_dtype(cfg.dtype)}", loads=BackgroundLoads())
 
 
 def parse_tier(spec: str) -> KVTier:

@@ -316,9 +316,12 @@ class Scheduler:
         if self.connector is None:
             return None
         load = req.load
-        if load is None or load.start_token != local_hit:
-            if load is not None:
-                load.cancel()
+        if load is not None and load.start_token != local_hit:
+            if load.done() and local_hit >= load.start_token + load.result().num_tokens:
+                return None  # the device cache now holds all the load brought (another request computed it)
+            load.cancel()
+            load = None
+        if load is None:
             load = req.load = self.connector.start_load(req.seq, local_hit)
         if not load.done():
             return _LOADING
