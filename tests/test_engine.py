@@ -24,15 +24,29 @@ from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 from hybridkv.engine.tokenizer import GemmaTokenizer  # noqa: E402
 from hybridkv.engine.weights import Gemma3Weights  # noqa: E402
 
+import gemma  # noqa: E402
+
 BLOCK_BYTES_FP32 = 3 * 2 * 16 * 256 * 4  # 3 layers per group x K and V x 16 tokens x 256 x fp32
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-# gguf, weights and tokenizer: the session's one loaded model (tests/conftest.py)
+@pytest.fixture(scope="module")
+def gguf() -> GGUFFile:
+    return gemma.gguf()
+
+
+@pytest.fixture(scope="module")
+def weights() -> Gemma3Weights:
+    return gemma.weights()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> GemmaTokenizer:
+    return gemma.tokenizer()
 
 
 def engine(weights: Gemma3Weights, tokenizer: GemmaTokenizer, **kw: Any) -> LLMEngine:
-    cfg: dict[str, Any] = {"max_model_len": 2048, "kv_cache_memory": 1200 * BLOCK_BYTES_FP32,
+    cfg: dict[str, Any] = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory": 1200 * BLOCK_BYTES_FP32,
                            "max_num_batched_tokens": 512}
     cfg.update(kw)
     return LLMEngine(weights, tokenizer, EngineConfig(**cfg))
@@ -263,7 +277,7 @@ def token_prompts_of(tokenizer: GemmaTokenizer, n: int) -> list[int]:
 def test_bfloat16_engine_tracks_float32(gguf: GGUFFile, weights: Gemma3Weights, tokenizer: GemmaTokenizer) -> None:
     ids = token_prompts_of(tokenizer, 300)
     ref = paged_logits(engine(weights, tokenizer), ids)
-    bf16 = Gemma3Weights.load(gguf, torch.bfloat16)
+    bf16 = gemma.weights("bfloat16")
     got = paged_logits(engine(bf16, tokenizer, dtype="bfloat16"), ids)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree > 0.85, agree

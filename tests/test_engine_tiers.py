@@ -31,13 +31,22 @@ from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 from hybridkv.engine.tokenizer import GemmaTokenizer  # noqa: E402
 from hybridkv.engine.weights import Gemma3Weights  # noqa: E402
 
+import gemma  # noqa: E402
+
 BLOCK_BYTES = 3 * 2 * 16 * 256 * 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 SHARED = ("The committee met on Thursday to review the harbour budget. The treasurer presented the figures "
           "for dredging, lighting and the new ferry pier, and members asked about maintenance costs. ") * 14
 
 
-# weights and tokenizer: the session's one loaded model (tests/conftest.py)
+@pytest.fixture(scope="module")
+def weights() -> Gemma3Weights:
+    return gemma.weights()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> GemmaTokenizer:
+    return gemma.tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +62,8 @@ def prompts(tokenizer: GemmaTokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def baseline(weights: Gemma3Weights, tokenizer: GemmaTokenizer, prompts: list[list[int]]) -> list[list[int]]:
-    eng = LLMEngine(weights, tokenizer, EngineConfig(max_model_len=1024, enable_prefix_caching=False))
+    eng = LLMEngine(weights, tokenizer, EngineConfig(dtype="float32", max_model_len=1024,
+                                                     enable_prefix_caching=False))
     return [o.token_ids for o in eng.generate(prompts[:3], GREEDY)]
 
 
@@ -61,7 +71,8 @@ def small_engine(weights: Gemma3Weights, tokenizer: GemmaTokenizer, tiers: tuple
                  ) -> LLMEngine:
     # 330 usable blocks: a 600-token sequence holds ~40 full + 5 x 33 window blocks, so two fillers
     # evict the shared prefix from the device pool.
-    return LLMEngine(weights, tokenizer, EngineConfig(max_model_len=1024, kv_cache_memory=331 * BLOCK_BYTES,
+    return LLMEngine(weights, tokenizer, EngineConfig(dtype="float32", max_model_len=1024,
+                                                      kv_cache_memory=331 * BLOCK_BYTES,
                                                       max_num_batched_tokens=128, kv_tiers=tiers, **kw))
 
 
@@ -89,7 +100,7 @@ def test_host_and_disk_tiers_supply_an_evicted_prefix_with_identical_outputs(
         assert [o.token_ids for o in later] == baseline[1:], tiers
         loaded = [o.num_cached_tokens + o.num_external_tokens for o in later]
         assert all(n >= shared_len - 32 for n in loaded), (tiers, loaded, shared_len)  # most of the prefix
-        assert later[0].num_external_tokens > 0 and eng.metrics.external_tokens > 0
+        assert later[0].num_external_tokens > 0 and eng.metrics.external_hits > 0
         assert eng.connector is not None and sum(eng.connector.stats.faults.values()) == 0
     # The disk tier survives a restart: a new engine on the same directory loads the prefix at once.
     eng = small_engine(weights, tokenizer, (f"disk:{tmp_path / 'kv'}:256MiB",))
@@ -224,7 +235,7 @@ def test_two_engine_processes_share_a_prefix_through_redis(weights: Gemma3Weight
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     first = subprocess.run(
         [sys.executable, "-m", "hybridkv.cli", "generate", "--prompt-file", str(prompt_file), "--max-tokens", "2",
-         "--max-model-len", "1024", "--kv-store", redis_url],
+         "--max-model-len", "1024", "--kv-store", redis_url, "--dtype", "float32"],
         capture_output=True, text=True, env=env, timeout=600)
     assert first.returncode == 0, first.stderr
     eng = small_engine(weights, tokenizer, (redis_url,))

@@ -118,8 +118,16 @@ def gguf(gguf_path: Path) -> GGUFFile:
 
 
 @pytest.fixture(scope="session")
-def tok(gguf: GGUFFile) -> GemmaTokenizer:
-    return GemmaTokenizer.from_gguf(gguf)
+def tok(gguf: GGUFFile, gguf_path: Path) -> GemmaTokenizer:
+    try:
+        from hybridkv.engine.weights import default_model_path
+    except ImportError:
+        return GemmaTokenizer.from_gguf(gguf)
+    if gguf_path != default_model_path():
+        return GemmaTokenizer.from_gguf(gguf)
+    import gemma
+
+    return gemma.tokenizer()  # type: ignore[no-any-return]  # the one the other test modules share
 
 
 @pytest.fixture(scope="session")

@@ -180,3 +180,16 @@ def test_interval_checkpoints_when_the_spec_asks_for_them() -> None:
     run(mgr, Sequence("a", tokens(0, 1100)))
     for n in (256, 512, 768, 1024):
         assert mgr.lookup(Sequence(f"p{n}", tokens(0, n) + [9] * 20)).num_tokens == n
+
+
+def test_a_failed_step_leaves_no_block_it_should_have_computed_in_the_cache() -> None:
+    mgr = manager(200, full(), max_model_len=4096, batch=4096)
+    a = Sequence("a", tokens(0, 1000))
+    assert mgr.allocate(a, 1000) is not None
+    b = Sequence("b", tokens(0, 1000) + tokens(5000, 50))  # admitted in the same step on a's blocks
+    hit = mgr.lookup(b)
+    assert hit.num_tokens == 992 and mgr.allocate(b, 58, hit=hit) is not None
+    mgr.free(a)  # the step failed: both are freed without advancing their computed counts
+    mgr.free(b)
+    assert mgr.lookup(Sequence("c", tokens(0, 1000))).num_tokens == 0
+    mgr.check_invariants()

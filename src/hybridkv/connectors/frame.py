@@ -29,7 +29,7 @@ import hmac
 import struct
 from typing import Literal
 
-from hybridkv.core.layout import KVCacheLayout
+from hybridkv.core import KVCacheLayout
 
 FaultKind = Literal["error", "timeout", "short", "corrupt", "wrong_key", "wrong_size", "missing"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("error", "timeout", "short", "corrupt", "wrong_key", "wrong_size", "missing")

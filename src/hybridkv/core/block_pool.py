@@ -281,6 +281,21 @@ class BlockPool:
         """Fill ``out`` up to ``num_blocks`` from the cached tiers (``low``, ``lru``, then ``kept``)."""
         low, lru = self._low, self._lru
         kept = self.kept
+        if not kept:
+            # No kept blocks: an eviction releases none into ``low``, so each tier is drained in
+            # turn, with ``_evict`` inline for the common block whose hash has no duplicate.
+            hashes, groups, index, dups = self.block_hash, self.block_group, self.index, self._dups
+            for od in (low, lru):
+                while od and len(out) < num_blocks:
+                    b = od.popitem(last=False)[0]
+                    group, h = groups[b], hashes[b]
+                    if self.enable_events or h in dups[group]:
+                        self._evict(b)
+                    else:  # the only block holding h
+                        del index[group][h]  # type: ignore[arg-type]
+                        hashes[b] = None
+                        self.evictions += 1
+                    out.append(b)
         while len(out) < num_blocks:
             if low:
                 b = low.popitem(last=False)[0]

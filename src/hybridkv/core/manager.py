@@ -28,7 +28,7 @@ from hybridkv.core.hashing import BlockHasher, HashAlgorithm
 from hybridkv.core.hits import CacheHit, HitRules, agreed_hit, verify_group_hit
 from hybridkv.core.kinds import NEVER, KindManager, MambaManager, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
-from hybridkv.core.retention import RetentionPolicy, make_policy
+from hybridkv.core.retention import Retainer, RetentionPolicy, make_policy
 from hybridkv.core.sequence import Sequence
 from hybridkv.core.specs import ChunkedLocalAttentionSpec
 from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequenceError
@@ -130,6 +130,7 @@ class KVCacheManager:
         self._deferred = [g for g in caching if g.registers_when_computed]
         self._checkpointing = [g for g in self._deferred if isinstance(g, MambaManager) and g.align]
         self._preparing = [g for g in self.groups if type(g).prepare is not KindManager.prepare]
+        self._tracks_admissions = type(self.retainer).on_admit is not Retainer.on_admit
         self._seqs: dict[str, Sequence] = {}
         # Per running Sequence object (keyed by identity): the slot count up to which a step has
         # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
@@ -369,7 +370,7 @@ class KVCacheManager:
             live = list(chain.from_iterable(b if not b or b[0] else filter(None, b) for b in hit_blocks))
             ref = pool.ref_cnt
             free = [b for b in live if not ref[b]]
-            need += self.retainer.admission_cost(free)
+            need += self.retainer.admission_cost(free) if pool.kept is not None else len(free)
             if need > pool.num_admissible_blocks:
                 self._stats.allocation_failures += 1
                 for g in self._preparing:
@@ -395,7 +396,8 @@ class KVCacheManager:
             st.queried_tokens += seq.num_tokens
             st.hit_tokens += computed
             st.external_tokens += num_external_tokens
-            self.retainer.on_admit(seq, adopted)
+            if self._tracks_admissions:
+                self.retainer.on_admit(seq, adopted)
         return new_blocks
 
     def _whole_sequence_need(self, seq: Sequence, plans: list[range | list[int]],
@@ -445,7 +447,8 @@ class KVCacheManager:
             if g.registers_when_computed:
                 g.note_step(sid, computed, external, known)  # type: ignore[attr-defined]
             elif known // g.block_size > g.num_cached[sid]:  # hashes only when the step completes a block
-                g.register(sid, self.block_hashes(seq, g), computed, known, self._event_tokens(seq))
+                g.register(sid, self.block_hashes(seq, g), computed, known,
+                           self._event_tokens(seq) if self.pool.enable_events else None)
 
     def _register_computed(self, seq: Sequence) -> None:
         """Enter the recurrent checkpoints whose tokens the caller reports computed."""
@@ -465,8 +468,9 @@ class KVCacheManager:
     def free(self, seq: Sequence | str) -> None:
         """Release every block of the sequence (finished or preempted). Idempotent.
 
-        Blocks registered for tokens the sequence never computed (a step allocated but not run)
-        leave the prefix cache first: they must never serve a hit.
+        Blocks registered for tokens the sequence never computed (a step allocated but not run, or
+        one that failed: free its sequences before advancing their computed counts) leave the prefix
+        cache first: they must never serve a hit.
         """
         if isinstance(seq, Sequence):
             sid = seq.seq_id
@@ -481,10 +485,9 @@ class KVCacheManager:
         computed = stored.num_computed_tokens
         if type(computed) is int and computed >= 0:
             self._register_computed(stored)
-            ref = self.pool.ref_cnt
             for g in self._caching:
-                stale = [b for b in g.uncomputed_blocks(sid, computed) if ref[b] == 1]
-                if stale:
+                stale = g.uncomputed_blocks(sid, computed)
+                if stale:  # a sequence admitted in the same step on these blocks keeps them, uncached
                     self.pool.uncache(stale)
         tables = [g.pop_table(sid) for g in self.groups]
         self.retainer.release_sequence(stored, tables)

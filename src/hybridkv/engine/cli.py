@@ -14,8 +14,11 @@ from hybridkv.sizes import size_arg
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine options shared by ``generate``, ``engine-demo`` and ``serve`` (unset: ``EngineConfig``'s defaults)."""
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), default="float32",
-                   help="weights, activations and KV-cache dtype (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), default="bfloat16",
+                   help="KV-cache and attention dtype; float32 runs the exact dense path (default: %(default)s)")
+    p.add_argument("--weights", choices=("auto", "gguf", "dense"), default="auto",
+                   help="gguf: the GGUF's own 4/8-bit codes on torch's int4 CPU kernels; dense: dequantized to "
+                        "--dtype; auto: gguf for bfloat16 on the CPU, else dense (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--kv-cache-memory", type=size_arg, default=None, metavar="BYTES",
                    help="KV-cache budget the block pool is planned for: bytes, or e.g. 512MiB, 1GiB (default 256MiB)")
@@ -34,6 +37,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store", default=None, metavar="URL",
                    help="a KV store shared by several engine instances, e.g. redis://127.0.0.1:6379 "
                         "(queried after the --kv-tier tiers)")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ",
+                   help="publish KV-cache events in vLLM's wire format on this ZMQ endpoint, e.g. "
+                        "tcp://127.0.0.1:5557 (needs the cluster extra; default: off)")
+    p.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ",
+                   help="serve missed event batches here, e.g. tcp://127.0.0.1:5558 (default: off)")
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -43,8 +51,10 @@ def engine_config(args: argparse.Namespace) -> Any:
     names = ("kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "retention", "policy")
     options: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     tiers = [*getattr(args, "kv_tier", []), *([args.kv_store] if getattr(args, "kv_store", None) else [])]
-    return EngineConfig(dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
-                        kv_tiers=tuple(tiers), **options)
+    return EngineConfig(dtype=args.dtype, weights=getattr(args, "weights", "auto"), device=args.device,
+                        enable_prefix_caching=not args.no_prefix_caching, kv_tiers=tuple(tiers),
+                        kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
+                        kv_events_replay_endpoint=getattr(args, "kv_events_replay_endpoint", None), **options)
 
 
 def add_parser(sub: Any) -> None:

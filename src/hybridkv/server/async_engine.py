@@ -5,6 +5,10 @@ commands through a locked queue; the engine thread drains it before every step, 
 request is unfinished, sleeps on a condition variable when idle, and hands each ``RequestOutput``
 to the submitting event loop with ``call_soon_threadsafe``. Requests from many clients share the
 one engine, so they are batched together.
+
+A step that raises (the engine isolates per-request failures itself; this is the last line) ends
+every request in flight with ``finish_reason == "error"`` and the loop goes on; only an engine that
+fails ``MAX_CONSECUTIVE_FAILURES`` steps in a row is declared dead.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from hybridkv.engine.sampling import SamplingParams
 from hybridkv.errors import HybridKVError, InvalidInputError
 
 logger = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_FAILURES = 3
 
 
 class EngineClosedError(HybridKVError):
@@ -48,6 +54,8 @@ class _Add:
     cache_salt: str | None
     priority: int
     stream: _Stream
+    n: int | None = None
+    """The request's ``n`` (counted once per request, by its first choice)."""
 
 
 @dataclass(frozen=True)
@@ -58,16 +66,22 @@ class _Abort:
 class AsyncEngine:
     """Runs ``engine`` on a background thread started here; ``generate`` streams outputs per request."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str = "gemma-3-270m") -> None:
         self._engine = engine
+        self.model_name = model_name
         self.config: EngineConfig = engine.config
+        self.tokenizer = engine.tokenizer
+        """Thread-safe for encoding and decoding: the server tokenizes prompts on worker threads."""
+        self.model_chat_template: str | None = getattr(engine, "chat_template", None)
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []
         self._streams: dict[str, _Stream] = {}
         """Requests in flight; guarded by ``_cond``."""
         self._accepting = True
         self._stopping = False
+        self._drain_timer: threading.Timer | None = None
         self._failure: BaseException | None = None
+        self._metrics_text = ""
         self._metrics_text = self._render_metrics()
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
@@ -82,8 +96,14 @@ class AsyncEngine:
         """Prometheus text as of the engine thread's last step (or idle moment)."""
         return self._metrics_text
 
+    @property
+    def is_draining(self) -> bool:
+        """True once shutdown began (requests in flight may still be finishing)."""
+        return not self._accepting
+
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       cache_salt: str | None = None, *, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                       cache_salt: str | None = None, *, priority: int = 0,
+                       n: int | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs until the finished one.
 
         Errors from ``LLMEngine.add_request`` (bad or too-long prompt) are raised from the first
@@ -97,7 +117,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InvalidInputError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, prompt, params, cache_salt, priority, stream))
+            self._commands.append(_Add(request_id, prompt, params, cache_salt, priority, stream, n))
             self._cond.notify()
         finished = False
         try:
@@ -117,6 +137,29 @@ class AsyncEngine:
             self._commands.append(_Abort(request_id))
             self._cond.notify()
 
+    def begin_drain(self, timeout: float | None) -> None:
+        """Stop accepting requests; after ``timeout`` seconds abort the ones still in flight (their
+        streams end with an error event). ``None``: wait for them however long they take."""
+        with self._cond:
+            if not self._accepting:
+                return
+            self._accepting = False
+            in_flight = len(self._streams)
+        logger.info("draining %d request(s) in flight%s", in_flight,
+                    "" if timeout is None else f" for up to {timeout:g} s")
+        if timeout is not None:
+            self._drain_timer = threading.Timer(timeout, self.abort_all, kwargs={"why": "the drain timeout passed"})
+            self._drain_timer.daemon = True
+            self._drain_timer.start()
+
+    def abort_all(self, why: str = "") -> None:
+        """Abort every request in flight (each ends with ``finish_reason == "abort"``)."""
+        with self._cond:
+            if self._streams:
+                logger.warning("aborting %d request(s) in flight%s", len(self._streams), f": {why}" if why else "")
+            self._commands.extend(_Abort(rid) for rid in self._streams)
+            self._cond.notify()
+
     def shutdown(self, graceful: bool = True) -> None:
         """Stop accepting requests; let in-flight ones finish (``graceful``) or abort them; join the thread."""
         with self._cond:
@@ -126,10 +169,14 @@ class AsyncEngine:
                 self._commands.extend(_Abort(rid) for rid in self._streams)
             self._cond.notify()
         self._thread.join()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        self._engine.close()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         engine = self._engine
+        failures = 0
         try:
             while True:
                 with self._cond:
@@ -140,7 +187,16 @@ class AsyncEngine:
                 for command in commands:
                     self._apply(command)
                 if engine.has_unfinished:
-                    outputs = engine.step()
+                    try:
+                        outputs = engine.step()
+                    except Exception as exc:
+                        failures += 1
+                        if failures >= MAX_CONSECUTIVE_FAILURES:
+                            raise
+                        logger.exception("an engine step failed; ending every request in flight with an error")
+                        outputs = self._fail_in_flight(exc)
+                    else:
+                        failures = 0
                     self._metrics_text = self._render_metrics()
                     self._deliver(outputs)
                 elif stopping:
@@ -155,24 +211,49 @@ class AsyncEngine:
             for stream in streams.values():
                 stream.put(exc)
 
+    def _fail_in_flight(self, exc: BaseException) -> list[RequestOutput]:
+        """Abort every request the engine holds; a finished ``error`` output for each request in flight."""
+        with self._cond:
+            ids = list(self._streams)
+        outputs = []
+        for rid in ids:
+            with contextlib.suppress(Exception):
+                self._engine.abort(rid)
+            outputs.append(RequestOutput(rid, [], [], "", "", True, "error", 0, 0, None,
+                                         error=f"the engine step failed: {exc!r}"))
+        with contextlib.suppress(Exception):
+            while self._engine.has_unfinished:  # collect the aborts so the engine holds nothing
+                self._engine.step()
+        return outputs
+
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            self._engine.abort(command.request_id)
+            try:
+                self._engine.abort(command.request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", command.request_id)
             return
         try:
             self._engine.add_request(command.request_id, command.prompt, command.params,
                                      cache_salt=command.cache_salt, priority=command.priority)
+            if command.n is not None:
+                self._engine.metrics.request_n.observe(command.n)
         except Exception as exc:
             with self._cond:
-                del self._streams[command.request_id]
+                self._streams.pop(command.request_id, None)
             command.stream.put(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._cond:
-            targets = [(self._streams.pop(o.request_id) if o.finished else self._streams[o.request_id], o)
+            targets = [(self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id), o)
                        for o in outputs]
         for stream, output in targets:
-            stream.put(output)
+            if stream is not None:
+                stream.put(output)
 
     def _render_metrics(self) -> str:
-        return self._engine.metrics_text()
+        try:
+            return self._engine.metrics_text(self.model_name)
+        except Exception:
+            logger.exception("rendering the metrics failed")
+            return self._metrics_text

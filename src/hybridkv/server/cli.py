@@ -2,16 +2,29 @@
 
 Only the standard library is imported here; the engine, FastAPI and uvicorn load when
 ``serve_main`` runs, so building the ``hybridkv`` parser stays cheap.
+
+Start-up talks: the port is bound first (a port in use fails in a second, before the model
+loads), then one log line per phase (weights, tokenizer, KV pool and its capacity, chat template,
+listening). SIGTERM or Ctrl-C stops accepting requests, lets those in flight finish for up to
+``--shutdown-timeout`` seconds, then ends the rest (streams get an error event) and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
+import socket
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from hybridkv.engine.cli import add_engine_arguments, engine_config
+from hybridkv.sizes import size_arg
+
+logger = logging.getLogger("hybridkv.server")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_parser(sub: Any) -> None:
@@ -28,45 +41,128 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                                                                "(default: %(default)s)")
     parser.add_argument("--model-name", default="gemma-3-270m",
                         help="the model id clients send and /v1/models lists (default: %(default)s)")
+    parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                        help="Jinja chat template for /v1/chat/completions (default: the GGUF's own, else "
+                             "Gemma's <start_of_turn>/<end_of_turn> turns)")
+    parser.add_argument("--max-request-bytes", type=size_arg, default=8 << 20, metavar="BYTES",
+                        help="larger request bodies get 413 (default: 8MiB)")
+    parser.add_argument("--no-bos-for-token-prompts", dest="bos_for_token_prompts", action="store_false",
+                        help="send token-id prompts as given; by default <bos> is put before one that lacks it "
+                             "(it is not echoed)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM/Ctrl-C, how long requests in flight may finish before they are ended "
+                             "with an error (default: %(default)s)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                        help="how much the server logs (default: %(default)s)")
+    parser.add_argument("--access-log-metrics", action="store_true",
+                        help="also log GET /metrics and /health in the access log (off by default: scrapers "
+                             "would flood it)")
     add_engine_arguments(parser)
 
 
-def serve_main(args: argparse.Namespace) -> int:
-    """Load the embedded model and serve it until SIGINT/SIGTERM; in-flight requests finish first.
+class _QuietProbes(logging.Filter):
+    """Drops uvicorn access-log records of /metrics and /health."""
 
-    Returns 0 after a graceful shutdown, 2 for a bad engine configuration.
-    """
-    import uvicorn
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) > 2 else ""
+        return not (isinstance(path, str) and path.split("?", 1)[0] in ("/metrics", "/health"))
 
-    from hybridkv.engine.engine import LLMEngine
-    from hybridkv.errors import InvalidInputError
-    from hybridkv.server.app import build_app
-    from hybridkv.server.async_engine import AsyncEngine
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (checked before the model loads)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        engine = LLMEngine.from_package(engine_config(args))
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        from hybridkv.errors import InvalidInputError
+
+        raise InvalidInputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Load the embedded model and serve it until SIGINT/SIGTERM.
+
+    Returns 0 after a shutdown, 2 for a bad option (port in use, bad engine configuration or chat template).
+    """
+    from hybridkv.errors import InvalidInputError
+
+    start = time.perf_counter()
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.access_log_metrics:
+        logging.getLogger("uvicorn.access").addFilter(_QuietProbes())
+    if args.shutdown_timeout < 0:
+        print("hybridkv serve: --shutdown-timeout must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        sock = _bind(args.host, args.port)
+        port = sock.getsockname()[1]
+        logger.info("port %d is free; importing torch and the server", port)
+        return _serve(args, sock, start)
     except InvalidInputError as exc:
         print(f"hybridkv serve: {exc}", file=sys.stderr)
         return 2
-    async_engine = AsyncEngine(engine)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, start: float) -> int:
+    mark = time.perf_counter()
+    import uvicorn
+
+    from hybridkv.engine.engine import LLMEngine
+    from hybridkv.server.app import ServerOptions, build_app, build_context
+    from hybridkv.server.async_engine import AsyncEngine
+
+    logger.info("imported in %.1f s", time.perf_counter() - mark)
+    engine = LLMEngine.from_package(engine_config(args))
+    async_engine = AsyncEngine(engine, args.model_name)
+    options = ServerOptions(chat_template=args.chat_template, max_request_bytes=args.max_request_bytes,
+                            bos_for_token_prompts=args.bos_for_token_prompts)
+    try:
+        context = build_context(async_engine, args.model_name, options)
+    except BaseException:
+        async_engine.shutdown(graceful=False)
+        raise
+    logger.info("chat template: %s", context.chat_template.origin)
+    logger.info("serving as model %r; bodies over %d bytes get 413; a shutdown drains for up to %g s",
+                args.model_name, args.max_request_bytes, args.shutdown_timeout)
+    app = build_app(async_engine, args.model_name, options, context)
+    timeout = args.shutdown_timeout
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    port = sock.getsockname()[1]
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:
-                port = self.servers[0].sockets[0].getsockname()[1]
-                host = f"[{args.host}]" if ":" in args.host else args.host
+                logger.info("listening on http://%s:%d (ready %.1f s after start)", host, port,
+                            time.perf_counter() - start)
                 print(f"hybridkv serve: {args.model_name} ready at http://{host}:{port}/v1", flush=True)
 
-    server = Server(uvicorn.Config(build_app(async_engine, args.model_name), host=args.host, port=args.port))
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            async_engine.begin_drain(timeout)  # streams still open after the timeout end with an error event
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=port, log_config=None, log_level=args.log_level,
+                            timeout_graceful_shutdown=timeout + 5)
+    server = Server(config)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then restores the previous handlers and re-raises the
     # signal; a no-op SIGTERM handler and catching KeyboardInterrupt make that a normal return.
     previous = signal.signal(signal.SIGTERM, lambda _signum, _frame: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
         async_engine.shutdown(graceful=False)  # returns at once when the app's shutdown already drained it
+        logger.info("stopped")
     return 0

@@ -1,0 +1,137 @@
+"""Arguments and entry point of ``hybridkv route`` (the KV-aware router).
+
+Only the standard library is imported at module level; FastAPI, uvicorn, httpx and pyzmq load when
+the router runs. ``main(argv)`` runs it standalone; ``add_parser(sub)`` registers it as a
+subcommand of ``hybridkv``.
+
+    hybridkv route --port 8000 \\
+        --backend http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 \\
+        --backend http://127.0.0.1:8002,events=tcp://127.0.0.1:5567,replay=tcp://127.0.0.1:5568
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from hybridkv.errors import InvalidInputError
+
+_BACKEND_HELP = (
+    "a backend: URL[,events=ZMQ_ENDPOINT][,replay=ZMQ_ENDPOINT][,hash=SCHEME][,groups=N]; repeat for each. "
+    "events/replay: where it publishes KV events (vLLM's format); hash: vllm (sha256, vLLM's default), "
+    "vllm:xxhash:SEED, hybridkv or hybridkv:xxh3_128 (default: --hash); groups: its KV-cache group count "
+    "(its layout is learned from the store events; with groups, predictions wait until every group was seen)"
+)
+
+
+def parse_backend(spec: str, default_hash: str = "vllm") -> Any:
+    """A ``BackendSpec`` from ``URL[,key=value...]``; ``InvalidInputError`` naming the bad part."""
+    from hybridkv.cluster.router import BackendSpec
+
+    url, *options = [part.strip() for part in spec.split(",")]
+    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+        raise InvalidInputError(f"--backend {spec!r}: the first part must be an http:// or https:// URL")
+    fields: dict[str, Any] = {"hash_scheme": default_hash}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not value:
+            raise InvalidInputError(f"--backend {spec!r}: {option!r} is not key=value")
+        if key in ("events", "replay"):
+            if not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise InvalidInputError(f"--backend {spec!r}: {key} must be a ZMQ endpoint like tcp://HOST:PORT")
+            fields[key] = value
+        elif key == "hash":
+            fields["hash_scheme"] = value
+        elif key == "groups":
+            if not value.isdigit() or int(value) < 1:
+                raise InvalidInputError(f"--backend {spec!r}: groups must be a positive integer, got {value!r}")
+            fields["groups"] = int(value)
+        else:
+            raise InvalidInputError(f"--backend {spec!r}: unknown option {key!r} (events, replay, hash, groups)")
+    if "replay" in fields and "events" not in fields:
+        raise InvalidInputError(f"--backend {spec!r}: a replay endpoint needs an events endpoint")
+    return BackendSpec(url.rstrip("/"), **fields)
+
+
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``hybridkv route`` options."""
+    from hybridkv.cluster.routing import POLICIES
+
+    parser.add_argument("--backend", action="append", required=True, metavar="SPEC", help=_BACKEND_HELP)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--policy", default="hybrid_exact", choices=POLICIES,
+                        help="how to choose a backend (default: %(default)s)")
+    parser.add_argument("--hash", default="vllm", help="the backends' block-hash scheme unless a --backend "
+                                                       "says otherwise (default: %(default)s)")
+    parser.add_argument("--load-weight", type=float, default=256.0,
+                        help="prompt tokens one queued request is worth when weighing load against a predicted "
+                             "hit (default: %(default)s)")
+    parser.add_argument("--kv-weight", type=float, default=1024.0,
+                        help="prompt tokens a full KV cache is worth (default: %(default)s)")
+    parser.add_argument("--metrics-interval", type=float, default=0.5,
+                        help="seconds between scrapes of each backend's /metrics (default: %(default)s)")
+    parser.add_argument("--shared-medium", action="append", default=[], metavar="MEDIUM",
+                        help="a medium every backend reads (a shared tier such as Redis); its events, from any "
+                             "backend, extend every backend's predicted hit")
+
+
+def add_parser(sub: Any) -> None:
+    """The ``route`` subcommand of ``hybridkv``."""
+    p = sub.add_parser("route", help="a KV-aware OpenAI-compatible router in front of several backends")
+    add_route_arguments(p)
+    p.set_defaults(func=route_main)
+
+
+def route_main(args: argparse.Namespace) -> int:
+    """Run the router until SIGINT/SIGTERM. Returns 0, or 2 for bad arguments."""
+    try:
+        import uvicorn
+
+        from hybridkv.cluster.hashes import scheme_named
+        from hybridkv.cluster.router import ClusterRouter, RouterConfig, build_app
+        from hybridkv.cluster.routing import Policy
+    except ImportError as exc:
+        print(f"hybridkv route: needs the cluster extra (pip install 'hybridkv[cluster]'): {exc}", file=sys.stderr)
+        return 2
+    try:
+        backends = [parse_backend(spec, args.hash) for spec in args.backend]
+        names = [b.name for b in backends]
+        if len(set(names)) != len(names):
+            raise InvalidInputError(f"--backend: the same URL given twice ({', '.join(names)})")
+        for b in backends:
+            scheme_named(b.hash_scheme)
+        Policy(args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight)
+        if args.metrics_interval <= 0:
+            raise InvalidInputError(f"--metrics-interval must be positive, got {args.metrics_interval}")
+        if not 0 <= args.port <= 65535:
+            raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
+        config = RouterConfig(backends, policy=args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight,
+                              metrics_interval=args.metrics_interval, shared_media=args.shared_medium)
+        router = ClusterRouter(config)
+    except InvalidInputError as exc:
+        print(f"hybridkv route: {exc}", file=sys.stderr)
+        return 2
+    print(f"hybridkv route: {len(backends)} backends, policy {args.policy}, listening on "
+          f"http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning")
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hybridkv route`` as a program of its own."""
+    parser = argparse.ArgumentParser(prog="hybridkv route", description=__doc__.split("\n\n")[0])
+    add_route_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+        return route_main(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""Which backend serves a request: predicted cache hits against load (pure; no I/O).
+
+A policy ranks the healthy backends (all of them when none is healthy) and the router tries them
+in that order, the next one only when a backend dies before answering:
+
+* ``hybrid_exact`` (default) and ``prefix``: the least estimated work, in prompt tokens::
+
+      cost(b) = (prompt_tokens - predicted_hit(b)) + load_weight * load(b) + kv_weight * kv_usage(b)
+
+  where ``predicted_hit`` comes from the index (``hybrid_exact``: the hybrid rule;
+  ``prefix``: the full-attention chain alone, what deployed prefix-aware routers use), ``load`` is
+  the larger of the requests this router has in flight there and the running + waiting requests
+  the backend last reported, ``kv_usage`` its KV-cache usage (0..1);
+* ``least_loaded``: the same cost without the hit term;
+* ``round_robin``: in turn.
+
+Ties go to the backend with fewer requests in flight, then rotate from one request to the next.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hybridkv.cluster.scrape import BackendLoad
+from hybridkv.errors import InvalidInputError
+
+POLICIES = ("hybrid_exact", "prefix", "least_loaded", "round_robin")
+
+
+@dataclass
+class BackendState:
+    """What the router knows about one backend right now."""
+
+    name: str
+    url: str
+    healthy: bool = True
+    load: BackendLoad = field(default_factory=BackendLoad)
+    inflight: int = 0
+    failures: int = 0
+    """Consecutive failed attempts (requests or scrapes); reset by a success."""
+    down_since: float | None = None
+
+    def mark_failed(self) -> None:
+        """A request or scrape failed: out of rotation until a scrape succeeds."""
+        self.failures += 1
+        if self.healthy:
+            self.healthy = False
+            self.down_since = time.monotonic()
+
+    def mark_ok(self, load: BackendLoad | None = None) -> None:
+        """A scrape or request succeeded."""
+        self.failures = 0
+        self.healthy = True
+        self.down_since = None
+        if load is not None:
+            self.load = load
+
+    @property
+    def queue(self) -> float:
+        """Requests ahead of a new one here: the router's own or the reported ones, whichever is more."""
+        return max(float(self.inflight), self.load.running + self.load.waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The backends to try in order, each with its predicted hit and cost."""
+
+    order: tuple[str, ...]
+    predicted: dict[str, int]
+    costs: dict[str, float]
+    reason: str
+    """``hit`` when a hit is predicted on the chosen backend, ``load`` when none is (load or turn
+    decided), ``round_robin`` for that policy."""
+
+
+class Policy:
+    """Ranks backends for one request."""
+
+    def __init__(self, name: str = "hybrid_exact", *, load_weight: float = 256.0, kv_weight: float = 1024.0) -> None:
+        if name not in POLICIES:
+            raise InvalidInputError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+        if load_weight < 0 or kv_weight < 0:
+            raise InvalidInputError(f"load_weight and kv_weight must be >= 0, got {load_weight}, {kv_weight}")
+        self.name = name
+        self.load_weight = load_weight
+        self.kv_weight = kv_weight
+        self._turn = 0
+
+    @property
+    def uses_hits(self) -> bool:
+        return self.name in ("hybrid_exact", "prefix")
+
+    def rank(self, backends: list[BackendState], predicted: dict[str, int], prompt_tokens: int) -> Decision:
+        """The order to try ``backends`` in (healthy ones first) for a prompt of ``prompt_tokens``."""
+        if not backends:
+            raise InvalidInputError("no backends to route to")
+        healthy = [b for b in backends if b.healthy]
+        pool = healthy or backends
+        rest = [b for b in backends if b not in pool]
+        if self.name == "round_robin":
+            start = self._turn % len(pool)
+            self._turn += 1
+            order = pool[start:] + pool[:start] + rest
+            return Decision(tuple(b.name for b in order), predicted, {}, "round_robin")
+        hits = predicted if self.uses_hits else {}
+        costs = {b.name: (prompt_tokens - hits.get(b.name, 0)) + self.load_weight * b.queue
+                 + self.kv_weight * b.load.kv_usage for b in backends}
+        # Equal costs (an idle cluster, a prompt nobody holds) rotate, so new prefixes spread out.
+        turn = self._turn
+        self._turn += 1
+        position = {b.name: (i - turn) % len(backends) for i, b in enumerate(backends)}
+        ranked = sorted(pool, key=lambda b: (costs[b.name], b.inflight, position[b.name]))
+        ranked += sorted(rest, key=lambda b: (costs[b.name], position[b.name]))
+        reason = "hit" if self.uses_hits and hits.get(ranked[0].name, 0) > 0 else "load"
+        return Decision(tuple(b.name for b in ranked), predicted, costs, reason)

@@ -1,0 +1,131 @@
+"""Packing one step: the scheduler's token counts become the forward pass's ``StepInputs``.
+
+Each scheduled sequence contributes its next tokens as consecutive rows of one packed batch;
+its K/V slots come from its block tables; attention runs per part (one per prefill chunk, one for
+all single-token decodes), keys gathered from the first block its window needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.core import Sequence
+from hybridkv.engine.model import AttentionPart, StepInputs
+
+Tables = tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class Batch:
+    """A packed step and where each request's logits rows are."""
+
+    inputs: StepInputs
+    sampling_rows: dict[str, int] = field(default_factory=dict)
+    """Per request that samples this step: its row in the logits."""
+    spans: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Per request that needs every position's logits: (first logits row, rows, first position)."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens (first computation or recomputation) in the step."""
+
+    @property
+    def num_logits_rows(self) -> int:
+        return len(self.inputs.logits_rows)
+
+
+class BatchBuilder:
+    """Builds ``Batch`` es for a model whose groups attend over ``group_windows`` (``None``: full)."""
+
+    def __init__(self, block_size: int, group_windows: list[int | None], device: torch.device) -> None:
+        self.block_size = block_size
+        self.group_windows = group_windows
+        self.device = device
+        self.windows: list[int | None] = [*sorted({w for w in group_windows if w is not None})]
+        if None in group_windows:
+            self.windows.append(None)
+
+    def build(self, scheduled: Mapping[str, int], seqs: Mapping[str, Sequence], tables: Callable[[str], Tables],
+              every_row: Callable[[str], bool]) -> Batch:
+        """The batch of ``scheduled`` (request -> tokens this step); ``every_row(request)`` asks for
+        the logits of every position it computes, not only the one it samples from."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[list[int]] = [[] for _ in self.group_windows]
+        logits_rows: list[int] = []
+        sampling_rows: dict[str, int] = {}
+        spans: dict[str, tuple[int, int, int]] = {}
+        num_prompt_tokens = 0
+        decodes: list[tuple[int, int, Tables]] = []  # (row, position, tables)
+        parts: dict[int | None, list[AttentionPart]] = {w: [] for w in self.windows}
+        for sid, n in scheduled.items():
+            seq = seqs[sid]
+            start = seq.num_computed_tokens
+            num_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+            row = len(ids)
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            table = tables(sid)
+            for g, group_table in enumerate(table):
+                slots[g].extend(group_table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if every_row(sid):
+                spans[sid] = (len(logits_rows), n, start)
+                logits_rows.extend(range(row, row + n))
+                if start + n == seq.num_tokens:
+                    sampling_rows[sid] = len(logits_rows) - 1
+            elif start + n == seq.num_tokens:
+                sampling_rows[sid] = len(logits_rows)
+                logits_rows.append(row + n - 1)
+            if n == 1:
+                decodes.append((row, start, table))
+            else:
+                for w in self.windows:
+                    parts[w].append(self._part([(row, start, n, table)], w))
+        if decodes:
+            for w in self.windows:
+                parts[w].append(self._part([(row, pos, 1, table) for row, pos, table in decodes], w))
+
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        inputs = StepInputs(input_ids=index(ids), positions=index(positions),
+                            slot_mapping=[index(s) for s in slots], parts=parts, logits_rows=index(logits_rows))
+        return Batch(inputs, sampling_rows, spans, num_prompt_tokens)
+
+    def _part(self, members: list[tuple[int, int, int, Tables]], window: int | None) -> AttentionPart:
+        """One attention call for ``members`` = (first row, first position, tokens, block tables), all
+        with the same number of tokens; keys from the first block the window needs to the end."""
+        bs = self.block_size
+        q = members[0][2]
+        key_starts = [0 if window is None else max(0, pos - window + 1) // bs * bs for _, pos, _, _ in members]
+        lengths = [pos + n - ks for (_, pos, n, _), ks in zip(members, key_starts)]
+        width = max(lengths)
+        dev = self.device
+        offs = torch.arange(width, device=dev)
+        kpos = torch.tensor(key_starts, device=dev)[:, None] + offs[None, :]  # [B, L]
+        qpos = torch.tensor([pos for _, pos, _, _ in members], device=dev)[:, None] + torch.arange(q, device=dev)
+        mask = (kpos[:, None, :] <= qpos[:, :, None]) & (offs[None, None, :] < torch.tensor(lengths, device=dev)
+                                                          [:, None, None])
+        if window is not None:
+            mask &= kpos[:, None, :] > qpos[:, :, None] - window
+        rows = torch.tensor([row for row, _, _, _ in members], device=dev)[:, None] + torch.arange(q, device=dev)
+        part = AttentionPart(query_rows=rows, mask=mask[:, None])
+        nblocks = -(-width // bs)
+        for g, w in enumerate(self.group_windows):
+            if w != window:
+                continue
+            table_rows = []
+            for (_, pos, n, tables), ks in zip(members, key_starts):
+                blocks = list(tables[g][ks // bs:-(-(pos + n) // bs)])
+                if 0 in blocks:
+                    raise RuntimeError(
+                        f"group {g}: the manager gave the null block for a position the window still sees "
+                        f"(positions {ks}..{pos + n - 1}): {blocks}"
+                    )
+                table_rows.append(blocks + [0] * (nblocks - len(blocks)))
+            block_ids = torch.tensor(table_rows, device=dev)
+            key_slots = (block_ids[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(len(members), -1)
+            part.key_slots[g] = key_slots[:, :width]
+        return part

@@ -1,0 +1,96 @@
+"""The engine's public data types: its configuration, what a step returns per request, and the
+tokenizer it needs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from hybridkv.engine.sampling import TokenLogprob
+from hybridkv.engine.weights import weights_format
+from hybridkv.errors import InvalidInputError
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Seq[int], skip_special_tokens: bool = True) -> str: ...
+
+    def decode_incremental(self, ids: Seq[int], prefix_offset: int, read_offset: int,
+                           skip_special_tokens: bool = True, final: bool = False) -> tuple[str, int, int]: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs. ``kv_cache_memory`` is the KV budget in bytes the layout is planned for."""
+
+    dtype: str = "bfloat16"
+    """KV-cache and attention dtype; ``float32`` with dense weights is the exact path."""
+    weights: str = "auto"
+    """``dense``, ``gguf`` (the GGUF's own codes, CPU int4 kernels) or ``auto`` (``weights_format``)."""
+    device: str = "cpu"
+    kv_cache_memory: int = 256 << 20
+    max_model_len: int = 8192
+    block_size: int = 16
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 32
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    retention: str = "window"
+    policy: str = "fcfs"
+    """``fcfs`` or ``priority`` (lower ``priority`` first; the server's per-request field)."""
+    hash_algorithm: str = "sha256"
+    ignore_sliding_window: bool = False
+    """Plan every layer as full attention and attend over all tokens (a negative control: wrong outputs)."""
+    kv_tiers: tuple[str, ...] = ()
+    """External KV tiers, queried in order: ``host:SIZE``, ``disk:PATH:SIZE``, ``redis://HOST:PORT[/DB]``."""
+    kv_events_endpoint: str | None = None
+    """Publish KV-cache events (vLLM's wire format) on this ZMQ endpoint, e.g. ``tcp://127.0.0.1:5557``."""
+    kv_events_replay_endpoint: str | None = None
+    """Serve missed event batches on this ZMQ endpoint (needs ``kv_events_endpoint``)."""
+
+    def __post_init__(self) -> None:
+        weights_format(self)
+        if not isinstance(self.device, str) or (self.device != "cpu" and not self.device.startswith("cuda")):
+            raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidInputError(f"device {self.device!r}: this torch build ({torch.__version__}) has no CUDA "
+                                    f"device available; use --device cpu")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise InvalidInputError("kv_events_replay_endpoint needs kv_events_endpoint")
+        for name in ("kv_cache_memory", "max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidInputError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (``text``, ``token_ids`` and ``logprobs`` are cumulative)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    """Prompt tokens served from the device prefix cache at the request's first admission."""
+    num_external_tokens: int
+    """Prompt tokens loaded from external KV tiers at the request's first admission."""
+    ttft: float | None
+    """Seconds from arrival to the first output token."""
+    latency: float | None = None
+    """Seconds from arrival to finishing (set when finished)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Per output token (``SamplingParams.logprobs``): its log-probability and the top alternatives."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Per prompt token once the prompt is computed (``SamplingParams.prompt_logprobs``); None for the first."""
+    error: str | None = None
+    """Why a request with ``finish_reason == "error"`` failed."""

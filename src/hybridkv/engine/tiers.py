@@ -1,0 +1,48 @@
+"""External KV tiers of an engine from their command-line specs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridkv.connectors import DiskTier, HostTier, KVConnector, KVTier, RedisTier
+from hybridkv.connectors.loads import BackgroundLoads
+from hybridkv.core import KVCacheManager
+from hybridkv.errors import InvalidInputError
+from hybridkv.sizes import parse_bytes
+
+if TYPE_CHECKING:
+    from hybridkv.engine.engine import EngineConfig
+
+
+def build_connector(cfg: EngineConfig, manager: KVCacheManager) -> KVConnector:
+    """The connector of ``cfg.kv_tiers`` (see ``parse_tier``), namespaced by model, dtype and weights format;
+    tier loads run on background threads (a request waits for its load while the others run)."""
+    from hybridkv.engine.weights import parse_dtype, weights_format
+
+    return KVConnector([parse_tier(spec) for spec in cfg.kv_tiers], manager,
+                       namespace=f"gemma-3-270m-q4_k_m/{parse_dtype(cfg.dtype)}/{weights_format(cfg)}",
+                       loads=BackgroundLoads())
+
+
+def parse_tier(spec: str) -> KVTier:
+    """``host:SIZE``, ``disk:PATH:SIZE`` or ``redis://HOST:PORT[/DB]`` (SIZE like 512MiB, 4GiB)."""
+    def size(text: str) -> int:
+        try:
+            value = parse_bytes(text)
+        except InvalidInputError:
+            value = 0
+        if value <= 0:
+            raise InvalidInputError(f"KV tier {spec!r}: {text!r} is not a positive size (e.g. 512MiB, 4GiB)")
+        return value
+
+    if spec.startswith(("redis://", "rediss://")):
+        return RedisTier(spec)
+    kind, _, rest = spec.partition(":")
+    if kind == "host" and rest:
+        return HostTier(size(rest))
+    if kind == "disk" and ":" in rest:
+        path, _, budget = rest.rpartition(":")
+        return DiskTier(path, size(budget))
+    raise InvalidInputError(f"KV tier {spec!r}: expected host:SIZE, disk:PATH:SIZE or redis://HOST:PORT[/DB]")
+
+

@@ -1,0 +1,132 @@
+"""``POST /v1/chat/completions``: a conversation rendered by the chat template, ``n`` replies, each
+ending at the model's end-of-turn token; ``logprobs``/``top_logprobs``; streamed or whole."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hybridkv.engine.engine import RequestOutput
+from hybridkv.errors import InvalidInputError
+from hybridkv.server.chat import plain_messages
+from hybridkv.server.context import ServerContext, cancel_on_disconnect, first_or_error
+from hybridkv.server.errors import APIError
+from hybridkv.server.generation import Choice, make_choices, run_choices
+from hybridkv.server.openai_format import chat_logprobs, check_n, finish_reason, sampling_params, sse, usage
+from hybridkv.server.protocol import MAX_CHOICES, ChatCompletionRequest
+
+
+def _check_unsupported(body: ChatCompletionRequest) -> None:
+    if body.tools:
+        raise APIError(400, "tools are not supported: the model has no tool calling", param="tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice is not supported: the model has no tool calling", param="tool_choice")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, f"response_format {body.response_format.type!r} is not supported: only 'text'",
+                       param="response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext) -> Response:
+    ctx.check_model(body.model)
+    _check_unsupported(body)
+    try:
+        text = ctx.chat_template.render(plain_messages(body.messages), body.add_generation_prompt is not False)
+        prompt = await ctx.tokenize.text(text, False, "the rendered conversation")
+    except InvalidInputError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+    n = check_n(body.n, 1, MAX_CHOICES)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens must be a positive integer, got {max_tokens}",
+                       param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    stops = () if ctx.end_of_turn_id is None or body.ignore_eos else (ctx.end_of_turn_id,)
+    params = sampling_params(body, max_tokens=ctx.max_model_len if max_tokens is None else max_tokens,
+                             vocab_size=ctx.tokenize.vocab_size, logprobs=k, stop_token_ids=stops)
+    choices = make_choices([prompt], params, n)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    outputs = run_choices(ctx.engine, request_id, choices, cache_salt=body.cache_salt, priority=body.priority or 0,
+                          n=n)
+    first = await first_or_error(request, outputs)
+    if first is None:
+        return Response(status_code=499)
+    if first[1].finished:
+        finish_reason(first[1])  # a request that failed or was refused at once answers with its error status
+    created = int(time.time())
+
+    def logprobs(output: RequestOutput, start: int) -> dict[str, Any] | None:
+        return None if k is None else chat_logprobs((output.logprobs or [])[start:], ctx.token_text)
+
+    def extras(output: RequestOutput) -> dict[str, Any]:
+        if not body.return_token_ids:
+            return {}
+        return {"prompt_token_ids": output.prompt_token_ids, "token_ids": output.token_ids}
+
+    def envelope(obj: str, **fields: Any) -> dict[str, Any]:
+        return {"id": request_id, "object": obj, "created": created, "model": ctx.model_name, **fields}
+
+    if not body.stream:
+        async def collect() -> dict[int, tuple[Choice, RequestOutput]]:
+            finals = {first[0].index: first}
+            async for choice, output in outputs:
+                finals[choice.index] = (choice, output)
+            return finals
+
+        finals = await cancel_on_disconnect(request, collect())
+        if finals is None:
+            return Response(status_code=499)
+        ordered = [finals[i] for i in sorted(finals)]
+        replies = [{"index": c.index, "message": {"role": "assistant", "content": o.text, "refusal": None,
+                                                   "tool_calls": []},
+                    "logprobs": logprobs(o, 0), "finish_reason": finish_reason(o), **extras(o)} for c, o in ordered]
+        return JSONResponse(envelope("chat.completion", choices=replies,
+                                     usage=usage({0: ordered[0][1]}, [o for _, o in ordered])))
+
+    include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        sent_tokens: dict[int, int] = {}
+        finals: dict[int, tuple[Choice, RequestOutput]] = {}
+        pending = [first]
+        try:
+            while pending or len(finals) < len(choices):
+                choice, output = pending.pop() if pending else await anext(outputs)
+                i = choice.index
+                if i not in sent_tokens:
+                    sent_tokens[i] = 0
+                    yield sse(envelope("chat.completion.chunk", choices=[
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]))
+                reason = None
+                if output.finished:
+                    try:
+                        reason = finish_reason(output)
+                    except APIError as exc:
+                        yield sse(exc.body())
+                        break
+                    finals[i] = (choice, output)
+                start = sent_tokens[i]
+                if not (output.new_text or reason or (k is not None and len(output.token_ids) > start)):
+                    continue
+                sent_tokens[i] = len(output.token_ids)
+                delta = {"content": output.new_text} if output.new_text or not reason else {}
+                yield sse(envelope("chat.completion.chunk", choices=[
+                    {"index": i, "delta": delta, "logprobs": logprobs(output, start), "finish_reason": reason,
+                     **(extras(output) if reason else {})}]))
+            else:
+                if include_usage:
+                    ordered = [finals[j] for j in sorted(finals)]
+                    yield sse(envelope("chat.completion.chunk", choices=[],
+                                       usage=usage({0: ordered[0][1]}, [o for _, o in ordered])))
+            yield sse("[DONE]")
+        finally:
+            await outputs.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

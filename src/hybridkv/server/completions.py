@@ -1,0 +1,167 @@
+"""``POST /v1/completions``: one or many prompts (text or token ids), ``n`` choices each, ``echo``,
+``logprobs`` (for the completion and, with ``echo``, for the prompt: what lm-eval's loglikelihood
+tasks read), streamed as server-sent events or answered whole."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hybridkv.engine.engine import RequestOutput
+from hybridkv.errors import InvalidInputError
+from hybridkv.server.context import ServerContext, cancel_on_disconnect, first_or_error
+from hybridkv.server.errors import APIError
+from hybridkv.server.generation import Choice, Prompt, make_choices, run_choices
+from hybridkv.server.openai_format import check_n, completion_logprobs, finish_reason, sampling_params, sse, usage
+from hybridkv.server.protocol import MAX_CHOICES, CompletionRequest
+
+
+async def _prompts(body: CompletionRequest, ctx: ServerContext) -> list[Prompt]:
+    raw = body.prompt
+    items: list[str | list[int]]
+    if isinstance(raw, str):
+        items = [raw]
+    elif raw and all(isinstance(p, int) for p in raw):
+        items = [cast("list[int]", raw)]
+    else:
+        items = cast("list[str | list[int]]", list(raw))
+    if not items:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    add_bos = body.add_special_tokens is not False
+    out = []
+    for i, item in enumerate(items):
+        what = "the prompt" if len(items) == 1 else f"prompt[{i}]"
+        try:
+            out.append(await ctx.tokenize.text(item, add_bos, what) if isinstance(item, str)
+                       else ctx.tokenize.token_ids(item, add_bos, what))
+        except InvalidInputError as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
+    return out
+
+
+async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext) -> Response:
+    ctx.check_model(body.model)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported: the model has no fill-in-the-middle mode", param="suffix")
+    prompts = await _prompts(body, ctx)
+    n = check_n(body.n, len(prompts), MAX_CHOICES)
+    if body.best_of is not None and body.best_of != n:
+        raise APIError(400, f"best_of must be None or equal to n ({n}): every generated completion is returned",
+                       param="best_of")
+    echo = bool(body.echo)
+    max_tokens = 16 if "max_tokens" not in body.model_fields_set else body.max_tokens
+    if max_tokens is not None and max_tokens < (0 if echo else 1):
+        raise APIError(400, f"max_tokens must be a positive integer{' (or 0 with echo)' if echo else ''}, "
+                            f"got {max_tokens}", param="max_tokens")
+    prompt_only = max_tokens == 0  # echo the prompt (and score it) without generating
+    params = sampling_params(body, max_tokens=ctx.max_model_len if max_tokens is None else max(1, max_tokens),
+                             vocab_size=ctx.tokenize.vocab_size, logprobs=body.logprobs,
+                             prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None)
+    choices = make_choices(prompts, params, n)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    outputs = run_choices(ctx.engine, request_id, choices, cache_salt=body.cache_salt, priority=body.priority or 0,
+                          n=n)
+    first = await first_or_error(request, outputs)
+    if first is None:
+        return Response(status_code=499)
+    if first[1].finished:
+        finish_reason(first[1])  # a request that failed or was refused at once answers with its error status
+    created = int(time.time())
+
+    def prompt_text(prompt: Prompt) -> str:
+        return prompt.text if prompt.text is not None else ctx.tokenizer.decode(prompt.token_ids[prompt.num_added:])
+
+    def logprobs(choice: Choice, output: RequestOutput, start: int, with_prompt: bool, offset: int
+                 ) -> dict[str, Any] | None:
+        if body.logprobs is None:
+            return None
+        entries: list[tuple[int, Any]] = []
+        if with_prompt:
+            skip = choice.prompt.num_added
+            scores = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+            entries += list(zip(output.prompt_token_ids[skip:], scores[skip:]))
+        if not prompt_only:
+            entries += list(zip(output.token_ids[start:], (output.logprobs or [])[start:]))
+        return completion_logprobs(entries, ctx.token_text, offset)
+
+    def choice_body(choice: Choice, output: RequestOutput, text: str, reason: str | None,
+                    lp: dict[str, Any] | None) -> dict[str, Any]:
+        data: dict[str, Any] = {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": reason}
+        if body.return_token_ids:
+            data |= {"prompt_token_ids": output.prompt_token_ids,
+                     "token_ids": [] if prompt_only else output.token_ids}
+        return data
+
+    def envelope(**fields: Any) -> dict[str, Any]:
+        return {"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name, **fields}
+
+    if not body.stream:
+        async def collect() -> dict[int, tuple[Choice, RequestOutput]]:
+            finals = {first[0].index: first}
+            async for choice, output in outputs:
+                finals[choice.index] = (choice, output)
+            return finals
+
+        finals = await cancel_on_disconnect(request, collect())
+        if finals is None:
+            return Response(status_code=499)
+        ordered = [finals[i] for i in sorted(finals)]
+        body_choices = []
+        for choice, output in ordered:
+            reason = finish_reason(output)
+            head = prompt_text(choice.prompt) if echo else ""
+            text = head + ("" if prompt_only else output.text)
+            body_choices.append(choice_body(choice, output, text, reason, logprobs(choice, output, 0, echo, 0)))
+        per_prompt = {c.prompt_index: o for c, o in reversed(ordered)}
+        return JSONResponse(envelope(choices=body_choices, usage=usage(per_prompt, [] if prompt_only else
+                                                                         [o for _, o in ordered])))
+
+    include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        sent_tokens: dict[int, int] = {}
+        sent_chars: dict[int, int] = {}
+        finals: dict[int, tuple[Choice, RequestOutput]] = {}
+        pending: list[tuple[Choice, RequestOutput]] = [first]
+        try:
+            while pending or len(finals) < len(choices):
+                choice, output = pending.pop() if pending else await anext(outputs)
+                i = choice.index
+                text, with_prompt = "", False
+                if i not in sent_tokens:  # the choice's first chunk carries the echoed prompt
+                    sent_tokens[i], sent_chars[i] = 0, 0
+                    if echo:
+                        text, with_prompt = prompt_text(choice.prompt), True
+                reason = None
+                if output.finished:
+                    try:
+                        reason = finish_reason(output)
+                    except APIError as exc:
+                        yield sse(exc.body())
+                        break
+                    finals[i] = (choice, output)
+                if not prompt_only:
+                    text += output.new_text
+                start = sent_tokens[i]
+                if not (text or reason or (body.logprobs is not None and len(output.token_ids) > start)):
+                    continue
+                lp = logprobs(choice, output, start, with_prompt, sent_chars[i])
+                sent_tokens[i] = len(output.token_ids)
+                sent_chars[i] += len(text)
+                yield sse(envelope(choices=[choice_body(choice, output, text, reason, lp)]))
+            else:
+                if include_usage:
+                    ordered = [finals[k] for k in sorted(finals)]
+                    per_prompt = {c.prompt_index: o for c, o in reversed(ordered)}
+                    yield sse(envelope(choices=[], usage=usage(per_prompt, [] if prompt_only else
+                                                               [o for _, o in ordered])))
+            yield sse("[DONE]")
+        finally:
+            await outputs.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

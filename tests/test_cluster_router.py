@@ -1,0 +1,351 @@
+"""The KV-aware router in front of small fake backends.
+
+A fake backend (this file run as a program) is a tiny OpenAI-style server around a real hybridkv
+``KVCacheManager`` (full attention + a sliding window, a small pool): a request is looked up,
+admitted, "computed" after a short sleep, freed; its events go out through ``KVEventPublisher``;
+its response reports the cached tokens the manager found. Tokens are a prompt's UTF-8 bytes.
+
+* Routed by predicted hits, a shared-prefix workload gets >= 2x the cached tokens round-robin gets,
+  and the router's predicted cached tokens equal what the backends report.
+* A backend killed mid-run loses no request: what it had not answered is retried elsewhere.
+* Streams pass through; chat completions are tokenized by a backend; the router's /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hybridkv.cluster.router_cli import main as route_main
+from hybridkv.cluster.routing import BackendState, Policy
+from hybridkv.cluster.scrape import BackendLoad, parse_load
+
+from helpers import full, manager, swa
+
+HERE = Path(__file__).resolve()
+
+
+# ---------------------------------------------------------------------- pure parts
+def test_metrics_of_both_engines_are_read() -> None:
+    ours = "# TYPE hybridkv_num_requests_running gauge\nhybridkv_num_requests_running 3\n" \
+           "hybridkv_num_requests_waiting 2\nhybridkv_kv_cache_usage 0.5\n"
+    vllm = 'vllm:num_requests_running{model_name="m",engine="0"} 1.0\n' \
+           'vllm:num_requests_running{model_name="m",engine="1"} 2.0\n' \
+           'vllm:num_requests_waiting{model_name="m",engine="0"} 4.0\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+    assert parse_load(ours) == BackendLoad(3, 2, 0.5)
+    assert parse_load(vllm) == BackendLoad(3, 4, 0.25)
+    assert parse_load("up 1\n") is None
+
+
+def test_a_predicted_hit_outweighs_a_short_queue_but_not_a_long_one() -> None:
+    a, b = BackendState("a", "http://a"), BackendState("b", "http://b")
+    policy = Policy("hybrid_exact", load_weight=256)
+    b.load = BackendLoad(running=2)
+    decision = policy.rank([a, b], {"b": 1000}, prompt_tokens=1200)
+    assert decision.order == ("b", "a") and decision.reason == "hit"  # 200 + 512 < 1200
+    b.load = BackendLoad(running=5)
+    assert policy.rank([a, b], {"b": 1000}, prompt_tokens=1200).order == ("a", "b")  # 200 + 1280 > 1200
+
+
+def test_a_failed_backend_is_tried_last() -> None:
+    a, b, c = (BackendState(n, f"http://{n}") for n in "abc")
+    a.mark_failed()
+    assert Policy("hybrid_exact").rank([a, b, c], {"a": 5000}, 6000).order == ("b", "c", "a")
+    assert Policy("round_robin").rank([a, b, c], {}, 0).order[-1] == "a"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--backend", "127.0.0.1:8001"], "must be an http:// or https:// URL"),
+    (["--backend", "http://h:1,events=h:2"], "events must be a ZMQ endpoint"),
+    (["--backend", "http://h:1,replay=tcp://h:3"], "a replay endpoint needs an events endpoint"),
+    (["--backend", "http://h:1,groups=zero"], "groups must be a positive integer"),
+    (["--backend", "http://h:1,colour=red"], "unknown option 'colour'"),
+    (["--backend", "http://h:1", "--backend", "http://h:1"], "the same URL given twice"),
+    (["--backend", "http://h:1,hash=md5"], "unknown hash scheme 'md5'"),
+])
+def test_a_bad_command_line_is_one_line_and_exit_2(argv: list[str], message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert route_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------- processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Fake:
+    """A fake backend process."""
+
+    def __init__(self, num_blocks: int = 120, delay: float = 0.0) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(HERE), "--fake-backend", str(num_blocks), str(delay)],
+                                     stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
+        assert self.proc.stdout is not None
+        info = json.loads(self.proc.stdout.readline())
+        self.url, self.events, self.replay = info["url"], info["events"], info["replay"]
+
+    @property
+    def spec(self) -> str:
+        return f"{self.url},events={self.events},replay={self.replay},hash=hybridkv,groups=2"
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+class Router:
+    def __init__(self, backends: list[Fake], policy: str = "hybrid_exact") -> None:
+        self.port = _free_port()
+        argv = [sys.executable, "-m", "hybridkv.cluster.router_cli", "--port", str(self.port), "--policy", policy,
+                "--metrics-interval", "0.2"]
+        for b in backends:
+            argv += ["--backend", b.spec]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, self.proc.stderr.read() if self.proc.stderr else ""
+            assert time.monotonic() < deadline, "router did not start"
+            time.sleep(0.1)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def total(self, family: str) -> float:
+        return sum(v for k, v in self.metrics().items() if k.startswith(f"hybridkv_router_{family}"))
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest) -> Any:
+    made: list[Any] = []
+
+    def make(n: int, policy: str = "hybrid_exact", **kw: Any) -> tuple[Router, list[Fake]]:
+        fakes = [Fake(**kw) for _ in range(n)]
+        made.extend(fakes)
+        router = Router(fakes, policy)
+        made.append(router)
+        return router, fakes
+
+    yield make
+    for thing in made:
+        if isinstance(thing, Router):
+            thing.close()
+        elif thing.proc.poll() is None:
+            thing.kill()
+
+
+def _synced(router: Router, fakes: list[Fake]) -> None:
+    """Wait until the router has applied every batch the backends published."""
+    deadline = time.monotonic() + 10
+    while True:
+        published = sum(httpx.get(f"{f.url}/published").json()["published"] for f in fakes if f.proc.poll() is None)
+        if router.total("event_batches_total") >= published:
+            return
+        assert time.monotonic() < deadline, "the router's index did not catch up"
+        time.sleep(0.05)
+
+
+def _prompts() -> list[str]:
+    """35 requests over 5 shared prefixes of ~370 tokens: one backend's pool holds 4 of them at most;
+    5 prefixes over 3 backends in turn means every backend sees every prefix."""
+    heads = [f"system prompt {p}: " + "you are a helpful assistant. " * 12 for p in range(5)]
+    return [heads[i % 5] + f"question {i}?" for i in range(35)]
+
+
+def _cached_tokens(policy: str, cluster: Any) -> tuple[float, float]:
+    router, fakes = cluster(3, policy)
+    with httpx.Client(timeout=30) as client:
+        for prompt in _prompts():
+            _synced(router, fakes)
+            r = client.post(f"{router.url}/v1/completions", json={"model": "fake", "prompt": prompt, "max_tokens": 4})
+            assert r.status_code == 200, r.text
+    return router.total("reported_cached_tokens_total"), router.total("predicted_cached_tokens_total")
+
+
+def test_routing_by_predicted_hits_doubles_the_cached_tokens_of_round_robin(cluster: Any) -> None:
+    hybrid, predicted = _cached_tokens("hybrid_exact", cluster)
+    round_robin, _ = _cached_tokens("round_robin", cluster)
+    assert hybrid >= 2 * round_robin, (hybrid, round_robin)
+    assert predicted == hybrid  # every prediction was what the backend then found
+
+
+def test_a_backend_killed_mid_run_loses_no_request(cluster: Any) -> None:
+    router, fakes = cluster(3, delay=0.4)
+    prompts = _prompts()
+
+    def send(prompt: str) -> int:
+        with httpx.Client(timeout=60) as client:
+            r = client.post(f"{router.url}/v1/completions", json={"model": "fake", "prompt": prompt, "max_tokens": 2})
+            return r.status_code
+
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(send, p) for p in prompts]
+        deadline = time.monotonic() + 20
+        while parse_load(httpx.get(f"{fakes[0].url}/metrics").text).running < 1:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "no request reached the first backend"
+            time.sleep(0.02)
+        fakes[0].kill()  # with requests in flight there, and others about to be routed to it
+        codes = [f.result() for f in futures]
+    assert codes == [200] * len(prompts)
+    m = router.metrics()
+    assert m["hybridkv_router_retries_total"] >= 1
+    assert m[f'hybridkv_router_backend_healthy{{backend="{fakes[0].url.split("://")[1]}"}}'] == 0
+
+
+def test_a_stream_passes_through_with_its_usage(cluster: Any) -> None:
+    router, fakes = cluster(2)
+    body = {"model": "fake", "prompt": "hello " * 40, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=30) as client:
+        for _ in range(2):
+            _synced(router, fakes)
+            with client.stream("POST", f"{router.url}/v1/completions", json=body) as r:
+                lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1] if '"choices": [{' in line]
+    assert texts == ["t0", "t1", "t2", "t3", "t4"]
+    assert router.total("reported_cached_tokens_total") == router.total("predicted_cached_tokens_total") == 224
+
+
+def test_chat_completions_are_tokenized_by_a_backend_and_routed_by_hits(cluster: Any) -> None:
+    router, fakes = cluster(3)
+    messages = [{"role": "system", "content": "be brief. " * 30}, {"role": "user", "content": "hi"}]
+    with httpx.Client(timeout=30) as client:
+        for _ in range(3):
+            _synced(router, fakes)
+            r = client.post(f"{router.url}/v1/chat/completions", json={"model": "fake", "messages": messages})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    m = router.metrics()
+    assert sorted(v for k, v in m.items() if k.startswith("hybridkv_router_requests_total")) == [0, 0, 3]
+    assert (m['hybridkv_router_decisions_total{reason="load"}'], m['hybridkv_router_decisions_total{reason="hit"}']) \
+        == (1, 2)
+
+
+# ---------------------------------------------------------------------- the fake backend
+def _fake_backend(num_blocks: int, delay: float) -> None:  # pragma: no cover - runs in a subprocess
+    import asyncio
+
+    import uvicorn
+
+    from hybridkv import Sequence
+    from hybridkv.cluster.publisher import KVEventPublisher
+
+    mgr = manager(num_blocks, full(16), swa(64, 16), max_model_len=4096, batch=4096, enable_events=True)
+    pub = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    app = FastAPI()
+    state = {"running": 0, "n": 0}
+
+    def tokens(text: str) -> list[int]:
+        return list(text.encode())
+
+    async def generate(prompt: list[int], salt: str | None) -> int:
+        state["n"] += 1
+        seq = Sequence(f"r{state['n']}", prompt, cache_salt=salt)
+        hit = mgr.lookup(seq)
+        state["running"] += 1
+        try:
+            while mgr.allocate(seq, seq.num_tokens - hit.num_tokens, hit=hit) is None:
+                await asyncio.sleep(0.01)
+                hit = mgr.lookup(seq)
+            pub.publish_manager(mgr)
+            await asyncio.sleep(delay)
+            seq.num_computed_tokens = seq.num_tokens
+            mgr.free(seq)
+            pub.publish_manager(mgr)
+            return hit.num_tokens
+        finally:
+            state["running"] -= 1
+
+    def usage(prompt: list[int], cached: int, n: int) -> dict[str, Any]:
+        return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        prompt = body["prompt"] if isinstance(body["prompt"], list) else tokens(body["prompt"])
+        cached = await generate(prompt, body.get("cache_salt"))
+        n = body.get("max_tokens", 4)
+        if not body.get("stream"):
+            return JSONResponse({"object": "text_completion", "choices": [{"index": 0, "text": " ok" * n}],
+                                 "usage": usage(prompt, cached, n)})
+
+        async def sse() -> Any:
+            for i in range(n):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n"
+                await asyncio.sleep(0.01)
+            yield f"data: {json.dumps({'choices': [], 'usage': usage(prompt, cached, n)})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    def chat_tokens(messages: list[dict[str, str]]) -> list[int]:
+        return tokens("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        prompt = chat_tokens(body["messages"])
+        cached = await generate(prompt, body.get("cache_salt"))
+        return {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                                   "content": "ok"}}],
+                "usage": usage(prompt, cached, 1)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        ids = chat_tokens(body["messages"]) if "messages" in body else tokens(body["prompt"])
+        return {"tokens": ids, "count": len(ids)}
+
+    @app.get("/metrics", response_model=None)
+    async def metrics() -> Response:
+        return Response(f"hybridkv_num_requests_running {state['running']}\nhybridkv_num_requests_waiting 0\n"
+                        f"hybridkv_kv_cache_usage {mgr.usage}\n")
+
+    @app.get("/published")
+    async def published() -> dict[str, int]:
+        return {"published": pub.num_published}
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    print(json.dumps({"url": f"http://127.0.0.1:{sock.getsockname()[1]}", "events": pub.endpoint,
+                      "replay": pub.replay_endpoint}), flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="error")).run(sockets=[sock])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--fake-backend"]:  # pragma: no cover
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    _fake_backend(int(sys.argv[2]), float(sys.argv[3]))
