@@ -9,6 +9,10 @@ load time; the JSON keys are documented in ``sim.simulator``. What tiers keep: `
 ``--tier-checkpoint-interval`` and ``--tier-end-align``; tier loads are asynchronous (a request
 waits for its load while the others run) unless ``--tier-loads blocking``.
 
+A cluster: ``--instances N --router hybrid_exact|prefix|least_loaded|round_robin`` simulates N
+replicas behind a KV-aware router (``sim.cluster``); ``--compare router=round_robin,hybrid_exact``
+compares routers (``instances=2,4`` cluster sizes).
+
 Traces: ``--workload trace --trace FILE`` reads hybridkv's JSON Lines (``sim.trace``) or, with
 ``--trace-format mooncake``, a Mooncake trace (``sim.mooncake``); ``--requests N`` replays its first
 N requests, ``--time-scale S`` replays the logged arrivals S times slower (open loop; 0.5 is twice
@@ -28,6 +32,7 @@ from typing import Any
 from hybridkv.cli_args import (
     count_arg,
     input_file_arg,
+    non_negative_float_arg,
     non_negative_int_arg,
     output_path_arg,
     positive_float_arg,
@@ -35,6 +40,7 @@ from hybridkv.cli_args import (
     write_output,
 )
 from hybridkv.errors import InvalidInputError
+from hybridkv.sim.cluster import CLUSTER_OPTIONS, ROUTERS, ClusterConfig, cluster_variants, simulate_cluster
 from hybridkv.sim.simulator import SimConfig, SimResult, simulate
 from hybridkv.sim.tiers import parse_tiers, tier_arg
 from hybridkv.sim.workloads import (
@@ -75,6 +81,17 @@ TIER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("tier storage / bytes written", lambda s: f"{s['tier_storage']} / {s['tier_stored_bytes'] / 2**30:,.1f} GiB"),
 ]
 """Rows added to the summary when any variant has tiers."""
+
+
+CLUSTER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("replicas / router", lambda s: f"{s['instances']} / {s['router']}"),
+    ("requests per replica (min - max)", lambda s: f"{min(s['routed'].values())} - {max(s['routed'].values())}"),
+    ("hit found =, <, > prediction", lambda s: f"{s['prediction_equal']}, {s['prediction_over']}, "
+                                               f"{s['prediction_under']}"),
+    ("chain-only index over-predicts", lambda s: f"{s['chain_over_requests']} requests, "
+                                                 f"{s['chain_over_tokens']:,} tokens"),
+]
+"""Rows added to the summary of a cluster (``--instances``)."""
 
 
 RETENTION_SENTENCE = ("retention=none is plain LRU: the sliding-window blocks a shared prefix needs are freed as "
@@ -144,6 +161,17 @@ def add_parser(sub: Any) -> None:
                              "time is added to the step that admits it")
     system.add_argument("--tier-load-timeout", type=positive_float_arg, default=None, metavar="SECONDS",
                         help="a tier load longer than this is a miss (the prompt is computed)")
+    cl = p.add_argument_group("a cluster of replicas (sim.cluster)")
+    cl.add_argument("--instances", type=positive_int_arg, default=None, metavar="N",
+                    help="simulate N replicas of the engine behind a router (each its own device pool; net tiers "
+                         "are shared by all, host and disk tiers are per replica)")
+    cl.add_argument("--router", choices=ROUTERS, default=None,
+                    help="with --instances: how requests are routed (default hybrid_exact: predicted hit tokens "
+                         "from the replicas' KV events against load; prefix: the full-attention chain alone)")
+    cl.add_argument("--load-weight", type=non_negative_float_arg, default=256.0, metavar="TOKENS",
+                    help="with --instances: prompt tokens one queued request weighs against a predicted hit")
+    cl.add_argument("--kv-weight", type=non_negative_float_arg, default=1024.0, metavar="TOKENS",
+                    help="with --instances: prompt tokens a full KV cache weighs against a predicted hit")
     work = p.add_argument_group("the workload")
     work.add_argument("--workload", choices=("shared-prefix", "multi-turn", "chat", "trace"), required=True,
                       help="shared-prefix: requests over a few long shared prefixes; multi-turn: conversations "
@@ -294,6 +322,31 @@ def variants(base: SimConfig, compare: str | None) -> list[tuple[str, SimConfig]
     return out
 
 
+def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
+    """The cluster the options describe (None: one engine)."""
+    if args.instances is None:
+        if args.router is not None:
+            raise InvalidInputError("--router needs --instances N (the replicas it routes to)")
+        return None
+    return ClusterConfig(instances=args.instances, router=args.router or "hybrid_exact",
+                         load_weight=args.load_weight, kv_weight=args.kv_weight)
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[str, SimConfig, ClusterConfig | None]]:
+    """``[(label, system, cluster)]`` for each variant ``--compare`` asks for (router and cluster options
+    vary the cluster, the others the simulated system)."""
+    base = sim_config(args)
+    cluster = cluster_config(args)
+    key = (args.compare or "").split("=", 1)[0].strip().replace("-", "_")
+    if key in CLUSTER_OPTIONS:
+        if cluster is None:
+            raise InvalidInputError(f"--compare {key}=...: needs --instances N (a cluster to route in)")
+        return [(label, base, c) for label, c in cluster_variants(cluster, args.compare)]
+    if cluster is not None and args.plot:
+        raise InvalidInputError("--plot draws one engine's timeline; a cluster (--instances) has none")
+    return [(label, cfg, cluster) for label, cfg in variants(base, args.compare)]
+
+
 def _progress(label: str, enabled: bool) -> Callable[[int, int], None] | None:
     if not enabled:
         return None
@@ -325,12 +378,14 @@ def run(args: argparse.Namespace) -> int:
 
         require_matplotlib()  # before the simulation, not after it
     workload = build_workload(args)
-    configs = variants(sim_config(args), args.compare)
+    configs = _variants(args)
     results: list[tuple[str, SimResult]] = []
     show = not args.no_progress
-    for label, cfg in configs:
+    for label, cfg, cluster in configs:
         t0 = time.perf_counter()
-        res = simulate(workload, cfg, progress=_progress(label or "simulating", show))
+        report = _progress(label or "simulating", show)
+        res = (simulate(workload, cfg, progress=report) if cluster is None
+               else simulate_cluster(workload, cfg, cluster, progress=report))
         res.summary["wall_s"] = time.perf_counter() - t0
         results.append((label, res))
     if args.json:
@@ -342,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
             write_output(args.json, text + "\n")
     if args.json != "-":
         print_summary(workload, results)
-        if {cfg.retention for _, cfg in configs} == {"none", "window"}:
+        if {cfg.retention for _, cfg, _ in configs} == {"none", "window"}:
             print_text(RETENTION_SENTENCE)
     if args.plot:
         from hybridkv.sim.plot import plot_results
@@ -360,6 +415,8 @@ def print_summary(workload: Workload, results: list[tuple[str, SimResult]]) -> N
              + (f", closed loop x{workload.concurrency}" if workload.concurrency else ""))
     labels = [lbl or "result" for lbl, _ in results]
     spec_rows = SUMMARY_ROWS + (TIER_ROWS if any(r.summary["tiers"] for _, r in results) else [])
+    if any("instances" in r.summary for _, r in results):
+        spec_rows = spec_rows + CLUSTER_ROWS
     rows = [(name, [fmt(r.summary) for _, r in results]) for name, fmt in spec_rows]
     rows.append(("simulation wall time", [f"{r.summary['wall_s']:.1f} s" for _, r in results]))
     print_table(title, ["", *labels], [(name, *vals) for name, vals in rows])
