@@ -268,6 +268,10 @@ class ReplicaView:
             if not first or not any(first[0] in held.get(chain, ()) for _, held in order):
                 return Prediction(self.name, 0)
         seq = keys.sequence
+        fast = self.layout.fast
+        if fast is not None and len(order) == 1:  # one medium: the length alone, without block ids
+            tokens = fast.longest_hit(seq.num_tokens, order[0][1], hashes_of, limit)
+            return Prediction(self.name, tokens, ((order[0][0], tokens),) if tokens else ())
         tokens = 0
         found: list[tuple[str, int]] = []
         for medium, held in order:
