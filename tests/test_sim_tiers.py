@@ -22,7 +22,8 @@ from hybridkv.sim.workloads import ClosedLoop, Workload, shared_prefix
 # tokens do not fit in it, so without tiers most prefixes are recomputed.
 CFG = SimConfig(model="gemma-3-1b", gpu="l4-24gb", max_model_len=8192, max_num_batched_tokens=2048,
                 kv_cache_tokens=30_000, retention="none")
-TIER_KEYS = ("tiers", "tier_hit_tokens", "tier_hit_rate", "total_hit_rate", "tier_load_s", "tier_stats")
+TIER_KEYS = ("tiers", "tier_hit_tokens", "tier_hit_rate", "total_hit_rate", "tier_load_s", "tier_stats", "tier_loads",
+             "tier_storage", "tier_stored_bytes", "tier_lookup_probes")
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def workload() -> Workload:
     return shared_prefix(60, 10, 4000, 100, max_new_tokens=8, arrivals=ClosedLoop(4), seed=7)
 
 
-def run(w: Workload, tiers: str) -> dict[str, Any]:
-    return simulate(w, replace(CFG, tiers=parse_tiers(tiers))).summary
+def run(w: Workload, tiers: str, **cfg: Any) -> dict[str, Any]:
+    return simulate(w, replace(CFG, tiers=parse_tiers(tiers), **cfg)).summary
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +82,37 @@ def test_a_capacity_holding_part_of_the_prefixes_helps_less(workload: Workload, 
     assert 0 < small["tier_hit_rate"] < host["tier_hit_rate"]
 
 
-def test_a_slower_tier_gives_a_larger_ttft(workload: Workload, host: dict[str, Any]) -> None:
-    slow = run(workload, "host:4GiB@0.5GB/s")
-    assert slow["tier_hit_tokens"] == host["tier_hit_tokens"]  # the same hits, paid more slowly
-    assert slow["tier_load_s"] == pytest.approx(50 * host["tier_load_s"])
-    assert slow["ttft_mean_s"] > host["ttft_mean_s"]
-    late = run(workload, "host:4GiB@25GB/s@20ms")
-    assert late["tier_load_s"] > host["tier_load_s"] + 0.02 * 10
-    assert late["ttft_mean_s"] > host["ttft_mean_s"]
+def test_a_slower_tier_gives_a_larger_ttft(workload: Workload) -> None:
+    fast = run(workload, "host:4GiB", tier_loads="blocking")
+    slow = run(workload, "host:4GiB@0.5GB/s", tier_loads="blocking")
+    assert slow["tier_hit_tokens"] == fast["tier_hit_tokens"]  # the same hits, paid more slowly
+    assert slow["tier_load_s"] == pytest.approx(50 * fast["tier_load_s"])
+    assert slow["ttft_mean_s"] > fast["ttft_mean_s"]
+    late = run(workload, "host:4GiB@25GB/s@20ms", tier_loads="blocking")
+    assert late["tier_load_s"] > fast["tier_load_s"] + 0.02 * 10
+    assert late["ttft_mean_s"] > fast["ttft_mean_s"]
+
+
+def test_asynchronous_loads_let_the_other_requests_run(workload: Workload) -> None:
+    blocking = run(workload, "host:4GiB@0.2GB/s", tier_loads="blocking")
+    waiting = run(workload, "host:4GiB@0.2GB/s")
+    assert waiting["tier_loads"] == "async" and waiting["tier_hit_tokens"] > 0
+    # A load no longer stalls the step that admits it: the batch keeps running while it loads.
+    assert waiting["duration_s"] < blocking["duration_s"]
+    assert waiting["ttft_p50_s"] < blocking["ttft_p50_s"]
+
+
+def test_a_load_outlasting_its_timeout_is_a_miss(workload: Workload) -> None:
+    s = run(workload, "host:4GiB@0.2GB/s", tier_load_timeout_s=0.001)
+    assert s["finished"] == 60 and s["tier_hit_tokens"] == 0
+
+
+def test_hit_spans_store_a_fraction_of_the_bytes_of_every_layer(workload: Workload) -> None:
+    every = run(workload, "host:4GiB", tier_storage="all")
+    spans = run(workload, "host:4GiB")
+    assert spans["tier_storage"] == "hit-spans" and every["tier_storage"] == "all"
+    assert spans["tier_stored_bytes"] < 0.5 * every["tier_stored_bytes"]
+    assert spans["tier_hit_rate"] > 0.25
 
 
 def test_a_lower_tier_serves_what_the_upper_one_evicted(workload: Workload) -> None:

@@ -72,6 +72,17 @@ def positive_float_arg(text: str) -> float:
     return value
 
 
+def non_negative_float_arg(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def fraction_arg(text: str) -> float:
     """A number in (0, 1]."""
     value = positive_float_arg(text)

@@ -110,22 +110,40 @@ def from_core_events(events: Sequence[KVCacheEvent], metadata: Sequence[tuple[st
                      medium: str = MEDIUM_GPU, int_hashes: bool = False) -> list[WireEvent]:
     """The core's events (``KVCacheManager.take_events()``) as wire events of ``medium``, each store
     tagged with its group's kind and window from ``metadata`` (``group_metadata(layout)``).
-    ``int_hashes`` sends hashes as their low 64 bits, as vLLM does by default."""
+    ``int_hashes`` sends hashes as their low 64 bits, as vLLM does by default. A run of removals from
+    one group becomes one event (an engine evicting many blocks in a step sends them together)."""
     out: list[WireEvent] = []
+    run: list[bytes] = []
+    run_group = -1
+
+    def hashes(hs: Sequence[bytes]) -> tuple[ExternalHash, ...]:
+        return tuple(int.from_bytes(h[-8:], "big") for h in hs) if int_hashes else tuple(hs)
+
+    def flush() -> None:
+        if run:
+            out.append(BlockRemovedEvent(hashes(run), medium, run_group))
+            run.clear()
+
     for e in events:
+        if type(e) is BlockRemoved:
+            if e.group != run_group:
+                flush()
+                run_group = e.group
+            run.extend(e.block_hashes)
+            continue
+        flush()
         if isinstance(e, BlockStored):
             kind, window = metadata[e.group]
             parent = None if e.parent_block_hash is None else _external(e.parent_block_hash, int_hashes)
             out.append(BlockStoredEvent(
-                block_hashes=tuple(_external(h, int_hashes) for h in e.block_hashes), parent_block_hash=parent,
+                block_hashes=hashes(e.block_hashes), parent_block_hash=parent,
                 token_ids=tuple(e.token_ids), block_size=e.block_size, medium=medium, group_idx=e.group,
                 kind=kind, sliding_window=window))
-        elif isinstance(e, BlockRemoved):
-            out.append(BlockRemovedEvent(tuple(_external(h, int_hashes) for h in e.block_hashes), medium, e.group))
         elif isinstance(e, AllBlocksCleared):
             out.append(AllClearedEvent())
         else:
             raise InvalidInputError(f"not a KV-cache event: {type(e).__name__}")
+    flush()
     return out
 
 

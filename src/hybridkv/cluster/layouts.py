@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridkv.cluster.fast_hits import FastHits
 from hybridkv.core import (
     FullAttentionSpec,
     HitRules,
@@ -59,7 +60,7 @@ class ReplicaLayout:
     """A replica's groups (configured or learned) and the ``HitRules`` built from them."""
 
     __slots__ = ("configured", "learned", "expected_groups", "max_model_len", "_rules", "_problem", "block_sizes",
-                 "chain_group", "chain_rules")
+                 "chain_group", "chain_rules", "fast")
 
     def __init__(self, layout: KVCacheLayout | None = None, *, expected_groups: int | None = None,
                  max_model_len: int = 1 << 20) -> None:
@@ -79,6 +80,8 @@ class ReplicaLayout:
         """Per group, its block size (set with the rules)."""
         self.chain_group: int | None = None
         """The first caching full-attention (downward-closed) group, if the layout has one."""
+        self.fast: FastHits | None = None
+        """The rules as ``FastHits`` when every constraining group is a stock kind."""
         self.chain_rules: HitRules | None = None
         """The hit rules of that group alone (its only group is 0): what a prefix-only index predicts."""
         if layout is not None:
@@ -90,6 +93,7 @@ class ReplicaLayout:
         self.chain_group = next((g.group for g in rules.groups if g.caching and g.downward_closed), None) if rules \
             else None
         self.chain_rules = None
+        self.fast = FastHits.for_rules(rules) if rules is not None else None
         if rules is not None and self.chain_group is not None:
             spec = rules.layout.groups[self.chain_group].spec
             self.chain_rules = HitRules(KVCacheLayout(num_blocks=2, groups=(KVCacheGroup(spec),)), self.max_model_len)

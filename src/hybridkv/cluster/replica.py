@@ -156,7 +156,7 @@ class ReplicaView:
         group = held.setdefault(group_idx, {})
         get = group.get
         for h in e.block_hashes:
-            k = _key(h)
+            k = h if type(h) is bytes else _key(h)
             group[k] = get(k, 0) + 1
         # Checkable: the first block hashed without extra keys, after a digest (not 64 bits) or at
         # the start, and one block of tokens per hash (a recurrent store names one checkpoint after
@@ -198,15 +198,18 @@ class ReplicaView:
         if group is None:
             self.unknown_removals += len(e.block_hashes)
             return
+        get = group.get
+        unknown = 0
         for h in e.block_hashes:
-            k = _key(h)
-            n = group.get(k, 0)
+            k = h if type(h) is bytes else _key(h)
+            n = get(k, 0)
             if n > 1:
                 group[k] = n - 1
             elif n == 1:
                 del group[k]
             else:
-                self.unknown_removals += 1
+                unknown += 1
+        self.unknown_removals += unknown
 
     def _check(self, e: BlockStoredEvent) -> None:
         """Recompute the event's first block with the scheme (its parent a digest or None: a 64-bit
@@ -265,6 +268,10 @@ class ReplicaView:
             if not first or not any(first[0] in held.get(chain, ()) for _, held in order):
                 return Prediction(self.name, 0)
         seq = keys.sequence
+        fast = self.layout.fast
+        if fast is not None and len(order) == 1:  # one medium: the length alone, without block ids
+            tokens = fast.longest_hit(seq.num_tokens, order[0][1], hashes_of, limit)
+            return Prediction(self.name, tokens, ((order[0][0], tokens),) if tokens else ())
         tokens = 0
         found: list[tuple[str, int]] = []
         for medium, held in order:

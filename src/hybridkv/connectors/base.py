@@ -33,7 +33,8 @@ class KVTier(ABC):
     """One external store of framed KV blocks.
 
     Methods raise ``TierError`` (or ``TierTimeout``) on faults and never return partial answers:
-    a result lists one entry per key, ``None`` for a key the tier does not hold.
+    a result lists one entry per key, ``None`` for a key the tier does not hold. A tier may be called
+    from two threads at once (a background load beside the engine's stores): it guards its own state.
     """
 
     name: str = "tier"
@@ -58,3 +59,8 @@ class KVTier(ABC):
     @abstractmethod
     def delete(self, key: bytes) -> None:
         """Forget ``key`` (no error if absent)."""
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` recently used, the last one most recently (absent keys are skipped). A tier that
+        keeps no eviction order of its own (Redis evicts by its own policy) ignores it."""
+        return None

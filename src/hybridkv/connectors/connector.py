@@ -3,27 +3,33 @@
 The engine-facing flow for a new sequence (two-phase adoption: local hits, then external tokens)::
 
     hit = mgr.lookup(seq)
-    k = conn.num_external_tokens(seq, hit.num_tokens, max_tokens)     # existence checks only
-    got = conn.fetch(seq, hit.num_tokens, k)                           # verified payloads, a prefix
+    load = conn.start_load(seq, hit.num_tokens)                        # lookup + verified reads
+    ...                                                                # others run until load.done()
+    got = load.result()                                                # a prefix; faults are misses
     mgr.allocate(seq, n, hit=hit, num_external_tokens=got.num_tokens)
     conn.write(got, mgr.block_table(seq.seq_id), write_block)          # cannot fail
     seq.num_computed_tokens = hit.num_tokens + got.num_tokens
 
-Fetching before ``allocate`` means a tier fault only shortens what is allocated as external:
-``allocate`` registers the external blocks in the prefix cache at once, so a block allocated but
-never filled would serve garbage. ``load`` (fetch + write after ``allocate``) is for callers
-that must allocate first; they must recompute every token past the prefix it returns.
+``start_load`` runs in the caller's thread unless the connector was built with ``BackgroundLoads``
+(``connectors.loads``): then the lookup and the reads run on a worker thread, and a load that fails
+or outlasts the timeout is a miss. ``num_external_tokens`` + ``fetch`` are the same two halves,
+synchronous. Fetching before ``allocate`` means a tier fault only shortens what is allocated as
+external: ``allocate`` registers the external blocks in the prefix cache at once, so a block
+allocated but never filled would serve garbage. ``load`` (fetch + write after ``allocate``) is for
+callers that must allocate first; they must recompute every token past the prefix it returns.
 
-Which blocks a group needs for a hit at token ``P`` is the manager's own rule: the blocks from
-``skipped_tokens(P)`` on, i.e. all for full attention, the window for a sliding window, the
-current chunk for chunked-local attention, the last state for Mamba. Those are exactly the
-blocks ``allocate`` gives external tokens.
+Which blocks a group needs for a hit at token ``P`` is the manager's own rule (``hit_span``): all
+for full attention, the window for a sliding window, the current chunk for chunked-local attention,
+the last state for Mamba. What is stored is a ``StoragePolicy`` (``connectors.storage``): by default
+each group keeps only what a hit can use. How a lookup probes the tiers: ``connectors.lookup``.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -40,6 +46,9 @@ from hybridkv.connectors.frame import (
     namespace_id,
     tier_key,
 )
+from hybridkv.connectors.loads import BackgroundLoads, DoneLoad, PendingLoad
+from hybridkv.connectors.lookup import by_position, positions, probe_hit
+from hybridkv.connectors.storage import JunctionMemory, StoragePolicy, StoreHitSpans
 from hybridkv.core import NULL_BLOCK, KVCacheLayout, KVCacheManager, Sequence
 from hybridkv.errors import InvalidInputError
 
@@ -59,6 +68,16 @@ class _Failed(enum.Enum):
 _FAILED = _Failed.FAILED
 
 
+@dataclass(frozen=True)
+class LoadRecord:
+    """One loaded hit: the sequence, its tokens and the blocks each group's tiers served."""
+
+    seq_id: str
+    start_token: int
+    num_tokens: int
+    blocks_per_group: dict[int, int]
+
+
 @dataclass
 class ConnectorStats:
     """Counters since the connector was built."""
@@ -69,10 +88,19 @@ class ConnectorStats:
     fetched_tokens: int = 0
     loaded_tokens: int = 0
     loaded_blocks: int = 0
+    loaded_blocks_per_group: dict[int, int] = field(default_factory=dict)
+    """Blocks written into the device per group: which groups the loaded hits used."""
+    recent_loads: deque[LoadRecord] = field(default_factory=lambda: deque(maxlen=256))
+    """The latest loaded hits (``write``), each with its blocks per group."""
     stored_blocks: int = 0
     promoted_blocks: int = 0
     bytes_loaded: int = 0
     bytes_stored: int = 0
+    probes: int = 0
+    """Batched existence checks lookups made (one per tier asked)."""
+    probed_blocks: int = 0
+    junctions: int = 0
+    """Shared-prefix junctions lookups found in the tiers (the chain ran past the agreed hit)."""
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULT_KINDS, 0))
 
 
@@ -88,14 +116,24 @@ class FetchedKV:
     num_tokens: int
     payloads: dict[tuple[int, int], bytes]
 
+    @property
+    def blocks_per_group(self) -> dict[int, int]:
+        """How many blocks each group loads (the groups the hit uses)."""
+        out: dict[int, int] = {}
+        for g, _ in self.payloads:
+            out[g] = out.get(g, 0) + 1
+        return out
+
 
 class KVConnector:
     """Stacked external tiers behind one interface, keyed by the manager's block hashes.
 
     Tiers are queried in order (e.g. host, then disk or Redis); a hit in a lower tier is copied
     into the tiers above it when ``promote``. ``store`` writes to every tier when
-    ``write_through``, else to the first only. Tier faults never raise: they are counted in
-    ``stats.faults`` and read as misses.
+    ``write_through``, else to the first only; what it writes is ``storage``'s choice (default
+    ``StoreHitSpans()``: per group, what a hit can use). Tier faults never raise: they are counted
+    in ``stats.faults`` and read as misses. ``loads``: ``BackgroundLoads`` runs ``start_load`` on
+    worker threads (tiers are thread-safe); None runs it in the caller's.
 
     Frames are HMAC-signed with ``auth_key``, else, when a tier is shared, with the key from
     ``HYBRIDKV_TIER_KEY`` or ``HYBRIDKV_TIER_KEY_FILE`` (``connectors.auth``); a shared tier without
@@ -107,13 +145,18 @@ class KVConnector:
     def __init__(self, tiers: SequenceABC[KVTier], manager: KVCacheManager, *, namespace: str,
                  promote: bool = True, write_through: bool = True, auth_key: bytes | None = None,
                  allow_unauthenticated: bool = False, payload_bytes: Mapping[int, int] | None = None,
-                 batch_blocks: int = 64) -> None:
+                 batch_blocks: int = 64, storage: StoragePolicy | None = None,
+                 loads: BackgroundLoads | None = None, fanout: int = 16) -> None:
         if not tiers:
             raise InvalidInputError("a KVConnector needs at least one tier")
         if not namespace:
             raise InvalidInputError("namespace must name the model (e.g. 'gemma-3-270m/bf16')")
         if batch_blocks <= 0:
             raise InvalidInputError(f"batch_blocks must be positive, got {batch_blocks!r}")
+        if not isinstance(fanout, int) or fanout < 2:
+            raise InvalidInputError(f"fanout must be an integer >= 2, got {fanout!r}")
+        if storage is not None and not isinstance(storage, StoragePolicy):
+            raise InvalidInputError(f"storage must be a StoragePolicy (StoreHitSpans, StoreAll), got {storage!r}")
         hasher = manager.hasher
         shared = [t.name for t in tiers if t.shared]
         if shared and not hasher.cryptographic:
@@ -130,15 +173,28 @@ class KVConnector:
         self.auth_key = resolve_auth_key(auth_key, self.tiers, allow_unauthenticated=allow_unauthenticated)
         self.payload_bytes = _payload_sizes(manager.layout, payload_bytes)
         self.batch_blocks = batch_blocks
+        self.storage = storage if storage is not None else StoreHitSpans()
+        self.loads = loads
+        self.fanout = fanout
         self.stats = ConnectorStats()
+        self._rules = manager.rules
         self._align = manager.hit_alignment
         self._groups = manager.caching_groups
         self._block_size = {g: manager.group_block_size(g) for g in self._groups}
+        self._prefix = {g: b"hkv1/%s/%d/" % (self.namespace_id.encode(), g) for g in self._groups}
+        groups = manager.layout.groups
+        self._growing = [g for g in self._groups if groups[g].spec.grows_with_sequence]
         # A group that bounds hits but keeps no cache (Mamba without checkpoints, caching off) can
         # never resume from an external prefix.
         self._possible = manager.hits_possible
+        self._junctions = JunctionMemory()
+        self._lock = threading.RLock()  # counters and junctions: a background load runs beside store()
 
     # ------------------------------------------------------------------ keys and windows
+    def key(self, group: int, block_hash: bytes) -> bytes:
+        """The tier key of one block of ``group`` (``frame.tier_key``, with the prefix built once)."""
+        return self._prefix[group] + block_hash.hex().encode()
+
     def keys(self, seq: Sequence, group: int) -> list[bytes]:
         """Tier keys of every full block of ``seq`` in ``group`` (an index into the layout's groups)."""
         return [tier_key(self.namespace_id, group, h) for h in self.manager.block_hashes(seq, group)]
@@ -161,61 +217,82 @@ class KVConnector:
             )
         return end
 
+    def _cap(self, seq: Sequence, start: int, max_tokens: int | None) -> int:
+        cap = (seq.num_tokens - 1) // self._align * self._align
+        if max_tokens is not None:
+            cap = min(cap, start + max_tokens // self._align * self._align)
+        return cap
+
+    def _hashes(self, seq: Sequence) -> dict[int, list[bytes]]:
+        return {g: self.manager.block_hashes(seq, g) for g in self._groups}
+
     # ------------------------------------------------------------------ lookup
     def num_external_tokens(self, seq: Sequence, local_hit_tokens: int, max_tokens: int | None = None) -> int:
         """Tokens past ``local_hit_tokens`` the tiers can supply for every group (aligned, capped).
 
-        Never covers the last token nor more than ``max_tokens``; checks existence only. The hit is
-        the manager's own rule (``KVCacheManager.external_hit``) over what the tiers hold.
+        Never covers the last token nor more than ``max_tokens``; checks existence only, in a
+        logarithmic number of probes (``connectors.lookup``). The hit is the manager's own rule
+        (``HitRules``) over what the tiers hold.
         """
         self._check_range(seq, local_hit_tokens, 0)
-        self.stats.lookups += 1
-        start = local_hit_tokens
-        cap = (seq.num_tokens - 1) // self._align * self._align
-        if max_tokens is not None:
-            cap = min(cap, start + max_tokens // self._align * self._align)
+        return self._lookup(seq, self._hashes(seq), local_hit_tokens, self._cap(seq, local_hit_tokens, max_tokens))
+
+    def _lookup(self, seq: Sequence, hashes: dict[int, list[bytes]], start: int, cap: int) -> int:
+        with self._lock:
+            self.stats.lookups += 1
         if not self._possible or cap <= start:
             return 0
-        # Growing groups first (full attention): their first miss bounds what the others need.
-        growing = [g for g in self._groups if self.manager.layout.groups[g].spec.grows_with_sequence]
-        wanted = {g: range(start // self._block_size[g], cap // self._block_size[g]) for g in growing}
-        present = self._present(seq, wanted)
-        end = cap
-        for g in growing:  # the chain held from ``start`` on, up to its first miss
-            hashes = self.manager.block_hashes(seq, g)
-            run = next((i for i in wanted[g] if hashes[i] not in present[g]), wanted[g].stop)
-            end = min(end, run * self._block_size[g] // self._align * self._align)
-        rest = [g for g in self._groups if g not in growing]
-        if end > start and rest:
-            present.update(self._present(seq, {g: range(start // self._block_size[g], end // self._block_size[g])
-                                               for g in rest}))
-        end = self.manager.external_hit(seq, present, start=start, limit=end) if end > start else start
-        self.stats.external_hit_tokens += end - start
-        return end - start
 
-    def _present(self, seq: Sequence, wanted: dict[int, range]) -> dict[int, set[bytes]]:
-        """Per group, the block hashes among the ``wanted`` table indices that some tier holds."""
-        items = [(g, i) for g, indices in wanted.items() for i in indices]
-        hashes = {g: self.manager.block_hashes(seq, g) for g in wanted}
-        keys = [tier_key(self.namespace_id, g, hashes[g][i]) for g, i in items]
+        def probe(items: list[tuple[int, int]]) -> list[bool]:
+            keys = [self.key(g, hashes[g][i]) for g, i in items]
+            return self._exists(keys)
+
+        hit, chain = probe_hit(self._rules, seq, start, cap, probe, self.fanout)
+        with self._lock:
+            if start < chain < cap and self._growing:  # a junction: the next request with this prefix resumes here
+                g = self._growing[0]
+                self._junctions.add(hashes[g][chain // self._block_size[g] - 1])
+                self.stats.junctions += 1
+            self.stats.external_hit_tokens += hit - start
+        return hit - start
+
+    def _exists(self, keys: list[bytes]) -> list[bool]:
+        """Whether some tier holds each key: one batched check per tier still asked."""
         found = [False] * len(keys)
         pending = list(range(len(keys)))
         for tier in self.tiers:
             if not pending:
                 break
             answer = self._safe(tier.exists_many, [keys[j] for j in pending])
+            with self._lock:
+                self.stats.probes += 1
+                self.stats.probed_blocks += len(pending)
             if answer is _FAILED:
                 continue
             for j, ok in zip(pending, answer):
                 found[j] = bool(ok)
             pending = [j for j in pending if not found[j]]
-        out: dict[int, set[bytes]] = {g: set() for g in wanted}
-        for (g, i), ok in zip(items, found):
-            if ok:
-                out[g].add(hashes[g][i])
-        return out
+        return found
 
     # ------------------------------------------------------------------ load
+    def start_load(self, seq: Sequence, local_hit_tokens: int, max_tokens: int | None = None) -> PendingLoad:
+        """Look up and read what the tiers hold past ``local_hit_tokens``: on the worker thread with
+        ``BackgroundLoads`` (a failure or a timeout is a miss), else at once. Touches no manager state."""
+        self._check_range(seq, local_hit_tokens, 0)
+        start, cap = local_hit_tokens, self._cap(seq, local_hit_tokens, max_tokens)
+        hashes = self._hashes(seq)
+        if self.loads is not None:  # a snapshot the worker may read
+            hashes = {g: list(h) for g, h in hashes.items()}
+
+        def work() -> FetchedKV:
+            n = self._lookup(seq, hashes, start, cap)
+            return self._fetch(seq, hashes, start, start + n)
+
+        miss = FetchedKV(seq.seq_id, start, 0, {})
+        if self.loads is None or cap <= start or not self._possible:
+            return DoneLoad(work() if cap > start else miss)
+        return self.loads.submit(work, miss, lambda: self._fault("timeout", "a tier load outlasted its timeout"))
+
     def fetch(self, seq: Sequence, start_token: int, num_tokens: int) -> FetchedKV:
         """Read and verify the blocks for tokens ``[start_token, start_token + num_tokens)``.
 
@@ -223,14 +300,17 @@ class KVConnector:
         or a rejected frame ends it (everything after becomes a miss). Touches no manager state.
         """
         end = self._check_range(seq, start_token, num_tokens)
+        return self._fetch(seq, self._hashes(seq), start_token, end)
+
+    def _fetch(self, seq: Sequence, hashes: dict[int, list[bytes]], start_token: int, end: int) -> FetchedKV:
         payloads: dict[tuple[int, int], bytes] = {}
         stop = start_token
-        if num_tokens and self._possible:
+        if end > start_token and self._possible:
             bs = self._block_size
-            items = [(g, i) for g in self._groups for i in self._needed(g, start_token, end)]
-            items.sort(key=lambda it: ((it[1] + 1) * bs[it[0]], it[0]))  # token order
-            hashes = {g: self.manager.block_hashes(seq, g) for g in self._groups}
-            keys = [tier_key(self.namespace_id, g, hashes[g][i]) for g, i in items]
+            order = sorted(((i + 1) * bs[g], g, i) for g in self._groups for i in self._needed(g, start_token, end))
+            items = [(g, i) for _, g, i in order]  # token order: a fault ends the prefix where it happens
+            key = self.key
+            keys = [key(g, hashes[g][i]) for g, i in items]
             for lo in range(0, len(items), self.batch_blocks):
                 got = self._get(keys[lo : lo + self.batch_blocks])
                 for (g, i), payload in zip(items[lo : lo + self.batch_blocks], got):
@@ -238,11 +318,17 @@ class KVConnector:
                         payloads[(g, i)] = payload
                 if None in got:
                     break
-            present = {g: {hashes[g][i] for gg, i in payloads if gg == g} for g in self._groups}
-            stop = self.manager.external_hit(seq, present, start=start_token, limit=end)
-        keep = {(g, i) for g in self._groups for i in self._needed(g, start_token, stop)}
-        payloads = {k: v for k, v in payloads.items() if k in keep}
-        self.stats.fetched_tokens += stop - start_token
+            # What this cache holds per group: the local hit's blocks and the blocks read.
+            held: dict[int, dict[int, int]] = {g: dict.fromkeys(range(start_token // bs[g]), 1) for g in self._groups}
+            for g, i in payloads:
+                held[g][i] = 1
+            sizes = {g: len(hashes[g]) for g in self._groups}
+            stop = max(start_token, self._rules.longest_hit(seq, by_position(held), limit=end, hashes=positions(sizes)))
+        if stop < end:
+            keep = {(g, i) for g in self._groups for i in self._needed(g, start_token, stop)}
+            payloads = {k: v for k, v in payloads.items() if k in keep}
+        with self._lock:
+            self.stats.fetched_tokens += stop - start_token
         return FetchedKV(seq.seq_id, start_token, stop - start_token, payloads)
 
     def _get(self, keys: list[bytes]) -> list[bytes | None]:
@@ -250,6 +336,8 @@ class KVConnector:
         out: list[bytes | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         rejected: set[int] = set()  # counted as a fault already
+        loaded = promoted = 0
+        decoded = self._decoded
         for depth, tier in enumerate(self.tiers):
             if not pending:
                 break
@@ -264,20 +352,23 @@ class KVConnector:
                     still.append(j)
                     continue
                 try:
-                    out[j] = self._decoded(keys[j], value)
+                    out[j] = decoded(keys[j], value)
                 except FrameError as exc:
                     self._fault(exc.kind, f"tier {tier.name}: {exc}")
                     rejected.add(j)
                     still.append(j)
                     self._safe(tier.delete, keys[j])
                     continue
-                self.stats.bytes_loaded += len(value)
+                loaded += len(value)
                 promote.append((keys[j], value))
             if depth and self.promote and promote:
                 for upper in self.tiers[:depth]:
                     self._safe(upper.put_many, promote)
-                self.stats.promoted_blocks += len(promote)
+                promoted += len(promote)
             pending = still
+        with self._lock:
+            self.stats.bytes_loaded += loaded
+            self.stats.promoted_blocks += promoted
         for j in pending:
             if j not in rejected:
                 self._fault("missing", "no tier holds a block it was asked for")
@@ -306,8 +397,15 @@ class KVConnector:
                     f"with num_external_tokens={fetched.num_tokens} before writing"
                 )
             write_block(group, block, payload)
-        self.stats.loaded_blocks += len(fetched.payloads)
-        self.stats.loaded_tokens += fetched.num_tokens
+        per_group = fetched.blocks_per_group
+        with self._lock:
+            st = self.stats
+            st.loaded_blocks += len(fetched.payloads)
+            st.loaded_tokens += fetched.num_tokens
+            for g, n in per_group.items():
+                st.loaded_blocks_per_group[g] = st.loaded_blocks_per_group.get(g, 0) + n
+            if fetched.num_tokens:
+                st.recent_loads.append(LoadRecord(fetched.seq_id, fetched.start_token, fetched.num_tokens, per_group))
         return fetched.num_tokens
 
     def load(self, seq: Sequence, start_token: int, num_tokens: int, block_tables: BlockTables,
@@ -316,27 +414,38 @@ class KVConnector:
         return self.write(self.fetch(seq, start_token, num_tokens), block_tables, write_block)
 
     # ------------------------------------------------------------------ store
-    def store(self, seq: Sequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock,
-              start_token: int = 0) -> int:
-        """Offer the cached full blocks ending in ``(start_token, num_tokens]``; returns blocks stored.
-
-        The caller vouches that the KV of the first ``num_tokens`` tokens is in the blocks (an
-        engine calls this right after a forward pass, with the range that pass computed). A block
-        is offered when the device cache has it registered under the sequence's hash (so
-        superseded Mamba states are never stored); a tier that already holds it is skipped.
-        ``read_block(group, block_id)`` returns the payload. ``block_tables`` is accepted for
-        compatibility; the blocks are the manager's own for the sequence (it must be running).
-        """
+    def offered(self, seq: Sequence, num_tokens: int, start_token: int = 0) -> list[tuple[int, int, bytes]]:
+        """``(group, block id, key)`` of the blocks ``store`` offers for tokens ``(start_token, num_tokens]``:
+        the storage policy's choice among the blocks the device cache has registered under the
+        sequence's hash (so superseded Mamba states are never stored), junction checkpoints included."""
         if (not isinstance(num_tokens, int) or not isinstance(start_token, int)
                 or not 0 <= start_token <= num_tokens <= seq.num_tokens):
             raise InvalidInputError(
                 f"sequence {seq.seq_id!r}: need 0 <= start_token ({start_token!r}) <= num_tokens "
                 f"({num_tokens!r}) <= its {seq.num_tokens} tokens"
             )
-        offers: list[tuple[int, int, bytes]] = []  # (group, block id, key)
-        for g in self._groups:
-            for _, b, h in self.manager.registered_blocks(seq, g, start_token, num_tokens):
-                offers.append((g, b, tier_key(self.namespace_id, g, h)))
+        junctions: list[int] = []
+        if self._growing and len(self._junctions):
+            g = self._growing[0]
+            with self._lock:
+                junctions = self._junctions.positions(self.manager.block_hashes(seq, g), self._block_size[g],
+                                                      start_token, num_tokens)
+        offers = self.storage.offers(self.manager, seq, start_token, num_tokens, junctions)
+        key = self.key
+        return [(g, b, key(g, h)) for g, blocks in offers.items() for _, b, h in blocks]
+
+    def store(self, seq: Sequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock,
+              start_token: int = 0) -> int:
+        """Offer the blocks computed in ``(start_token, num_tokens]`` (``offered``); returns blocks stored.
+
+        The caller vouches that the KV of the first ``num_tokens`` tokens is in the blocks (an
+        engine calls this right after a forward pass, with the range that pass computed); a tier
+        that already holds a block is skipped. ``read_block(group, block_id)`` returns the payload.
+        ``block_tables`` is accepted for compatibility; the blocks are the manager's own for the
+        sequence (it must be running). The call that completes the prompt marks the prompt's chain
+        recently used, head last, so a tier evicts a prompt's tail before the prefix it shares.
+        """
+        offers = self.offered(seq, num_tokens, start_token)
         stored: set[bytes] = set()
         targets = self.tiers if self.write_through else self.tiers[:1]
         for lo in range(0, len(offers), self.batch_blocks):
@@ -355,9 +464,23 @@ class KVConnector:
                     items.append((key, frames[key]))
                 if items and self._safe(tier.put_many, items) is not _FAILED:
                     stored.update(k for k, _ in items)
-                    self.stats.bytes_stored += sum(len(v) for _, v in items)
-        self.stats.stored_blocks += len(stored)
+                    with self._lock:
+                        self.stats.bytes_stored += sum(len(v) for _, v in items)
+        with self._lock:
+            self.stats.stored_blocks += len(stored)
+        self._touch_prompt(seq, start_token, num_tokens, targets)
         return len(stored)
+
+    def _touch_prompt(self, seq: Sequence, start: int, end: int, targets: list[KVTier]) -> None:
+        """When ``(start, end]`` completes the prompt: touch its growing chain in the tiers, tail first."""
+        prompt = seq.num_prompt_tokens
+        if not start < prompt <= end or not self._growing:
+            return
+        keys = [self.key(g, h) for g in self._growing
+                for h in reversed(self.manager.block_hashes(seq, g)[: prompt // self._block_size[g]])]
+        for tier in targets:
+            for lo in range(0, len(keys), 4096):
+                self._safe(tier.touch_many, keys[lo : lo + 4096])
 
     # ------------------------------------------------------------------ faults
     def _safe(self, method: Callable[[_A], _T], arg: _A) -> _T | Literal[_Failed.FAILED]:
@@ -370,8 +493,14 @@ class KVConnector:
             return _FAILED
 
     def _fault(self, kind: FaultKind, message: str) -> None:
-        self.stats.faults[kind] += 1
+        with self._lock:
+            self.stats.faults[kind] += 1
         logger.debug("kv connector fault (%s): %s", kind, message)
+
+    def close(self) -> None:
+        """Stop the background loads' worker (if any); the tiers stay open."""
+        if self.loads is not None:
+            self.loads.close()
 
 
 def _payload_sizes(layout: KVCacheLayout, given: Mapping[int, int] | None) -> dict[int, int]:
@@ -383,4 +512,3 @@ def _payload_sizes(layout: KVCacheLayout, given: Mapping[int, int] | None) -> di
     if sorted(sizes) != list(range(n)) or not all(isinstance(v, int) and v > 0 for v in sizes.values()):
         raise InvalidInputError(f"payload_bytes must map each group 0..{n - 1} to a positive size, got {given!r}")
     return sizes
-

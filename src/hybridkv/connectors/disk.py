@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import re
 import socket
 import struct
+import threading
 import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import ParamSpec, TypeVar
 
 from hybridkv.connectors.base import KVTier, TierError
 from hybridkv.errors import InvalidInputError
@@ -42,6 +45,21 @@ _TMP_SUFFIX = ".tmp"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 STALE_TEMP_S = 3600.0
 """A temporary file this old is abandoned whoever wrote it (a write takes milliseconds)."""
+
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+
+
+def _locked(method: Callable[_P, _T]) -> Callable[_P, _T]:
+    """Run a tier method under the tier's lock (a background load may read while the engine stores)."""
+
+    @functools.wraps(method)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        with args[0]._lock:  # type: ignore[attr-defined]
+            return method(*args, **kwargs)
+
+    return run
 
 
 def _host() -> str:
@@ -59,7 +77,7 @@ def _pid_running(pid: int) -> bool:
 
 
 class DiskTier(KVTier):
-    """Entries as files under ``path`` within ``capacity_bytes`` (headers included).
+    """Entries as files under ``path`` within ``capacity_bytes`` (headers included). Thread-safe.
 
     ``shared=True`` marks a directory other instances use too: existence is then checked on disk
     (another process may have written the entry). In either mode the budget is the directory's:
@@ -83,6 +101,7 @@ class DiskTier(KVTier):
         self.resync_interval_s = resync_interval_s
         self.used_bytes = 0
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
+        self._lock = threading.RLock()
         self._tmp_tag = f"{_host()}.{os.getpid()}"
         self._synced_at = 0.0
         try:
@@ -94,6 +113,7 @@ class DiskTier(KVTier):
         self._evict(0)
 
     # ------------------------------------------------------------------ the directory
+    @_locked
     def resync(self) -> None:
         """Re-read the directory: the index and ``used_bytes`` become what is on disk now.
 
@@ -138,12 +158,14 @@ class DiskTier(KVTier):
         return hashlib.sha256(key).hexdigest() + _SUFFIX
 
     # ------------------------------------------------------------------ reads
+    @_locked
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         names = [self._name(k) for k in keys]
         if self.shared:
             return [os.path.exists(os.path.join(self.path, n)) for n in names]
         return [n in self._index for n in names]
 
+    @_locked
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return [self._get(self._name(k)) for k in keys]
 
@@ -183,6 +205,7 @@ class DiskTier(KVTier):
         return value
 
     # ------------------------------------------------------------------ writes
+    @_locked
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         self._maybe_resync()
         for key, value in items:
@@ -224,8 +247,18 @@ class DiskTier(KVTier):
                 if not self._evict_bytes(len(data)):
                     raise TierError(f"disk tier {self.path!r}: {exc} and nothing left to evict") from exc
 
+    @_locked
     def delete(self, key: bytes) -> None:
         self._remove(self._name(key))
+
+    @_locked
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            name = self._name(key)
+            if name in self._index:
+                self._index.move_to_end(name)
+                with contextlib.suppress(OSError):  # the order survives a restart where it can
+                    os.utime(os.path.join(self.path, name))
 
     # ------------------------------------------------------------------ eviction and accounting
     def _evict(self, incoming: int) -> None:

@@ -69,3 +69,6 @@ class FaultyTier(KVTier):
 
     def delete(self, key: bytes) -> None:
         self.inner.delete(key)
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        self.inner.touch_many(keys)

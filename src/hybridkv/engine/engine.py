@@ -301,6 +301,8 @@ class LLMEngine:
         for sid in out.admitted:
             self._on_admitted(self._tracked[sid], now)
         self.metrics.preemptions += len(out.preempted)
+        if not out.num_scheduled_tokens and self.connector is not None and self.connector.loads is not None:
+            self.connector.loads.wait(0.005)  # only tier loads are in flight: wait for one, do not spin
         sampled: dict[str, list[int]] = {}
         failed: dict[str, str] = {}
         if out.num_scheduled_tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybridkv.connectors import DiskTier, HostTier, KVConnector, KVTier, RedisTier
+from hybridkv.connectors.loads import BackgroundLoads
 from hybridkv.core import KVCacheManager
 from hybridkv.errors import InvalidInputError
 from hybridkv.sizes import parse_bytes
@@ -14,11 +15,13 @@ if TYPE_CHECKING:
 
 
 def build_connector(cfg: EngineConfig, manager: KVCacheManager) -> KVConnector:
-    """The connector of ``cfg.kv_tiers`` (see ``parse_tier``), namespaced by model, dtype and weights format."""
+    """The connector of ``cfg.kv_tiers`` (see ``parse_tier``), namespaced by model, dtype and weights format;
+    tier loads run on background threads (a request waits for its load while the others run)."""
     from hybridkv.engine.weights import parse_dtype, weights_format
 
     return KVConnector([parse_tier(spec) for spec in cfg.kv_tiers], manager,
-                       namespace=f"gemma-3-270m-q4_k_m/{parse_dtype(cfg.dtype)}/{weights_format(cfg)}")
+                       namespace=f"gemma-3-270m-q4_k_m/{parse_dtype(cfg.dtype)}/{weights_format(cfg)}",
+                       loads=BackgroundLoads())
 
 
 def parse_tier(spec: str) -> KVTier:

@@ -19,6 +19,11 @@ Admission policies: ``max_utilization`` admits when the sequence's whole prompt 
 growth may preempt, as the reference engine does); ``guaranteed_no_preemption`` admits only when
 the remaining growth of every admitted sequence, up to its ``max_new_tokens`` and within the
 per-request bounds, still fits -- no sequence is ever preempted.
+
+With a connector (external KV tiers), a waiting request's tier load starts at its first admission
+attempt (``KVConnector.start_load``); while it is in flight the requests behind it are admitted
+and the running ones keep running, and the request is admitted once its load is done (a load that
+failed or timed out is a miss: the request computes its prompt).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from hybridkv.errors import InvalidInputError, SequenceTooLongError
 
 if TYPE_CHECKING:
     from hybridkv.connectors import KVConnector
+
+_LOADING = object()
+"""``_fetch_external``'s answer while a request's tier load is in flight."""
 
 Policy = Literal["fcfs", "priority"]
 Admission = Literal["max_utilization", "guaranteed_no_preemption"]
@@ -100,8 +108,9 @@ class Request:
     """Prefix-hit tokens at the latest admission."""
     num_external_tokens: int = 0
     """Tokens an external KV tier supplied at the latest admission (after the local hit)."""
-    fetched: Any = None
-    """Payloads fetched for an admission that did not fit yet, reused while the local hit is unchanged."""
+    load: Any = None
+    """The external tier load of a waiting request (``connectors.loads.PendingLoad``): in flight, or
+    done for an admission that did not fit yet, reused while the local hit is unchanged."""
 
     @property
     def seq_id(self) -> str:
@@ -264,11 +273,15 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
         mgr = self.manager
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[i]
             seq = req.seq
             hit = mgr.lookup(seq)
             fetched = self._fetch_external(req, hit.num_tokens)
+            if fetched is _LOADING:  # its tier load is in flight: the requests behind it go first
+                i += 1
+                continue
             external = fetched.num_tokens if fetched is not None else 0
             n = self._chunk(seq, hit.num_tokens + external, budget)
             if cfg.admission == "guaranteed_no_preemption" and not self._growth_fits(req, hit.num_blocks):
@@ -276,12 +289,12 @@ class Scheduler:
             new = mgr.allocate(seq, n, hit=hit, num_external_tokens=external, whole_sequence_must_fit=True)
             if new is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.num_computed_tokens = hit.num_tokens + external
             req.status = Status.RUNNING
             req.num_hit_tokens = hit.num_tokens
             req.num_external_tokens = external
-            req.fetched = None
+            req.load = None
             if external:
                 out.external[seq.seq_id] = fetched
             self.running.append(req)
@@ -292,21 +305,27 @@ class Scheduler:
             budget -= n
 
     def _fetch_external(self, req: Request, local_hit: int) -> Any:
-        """The connector's verified payloads for the tokens after ``local_hit`` (None without any).
+        """The connector's verified payloads for the tokens after ``local_hit`` (None without a
+        connector), or ``_LOADING`` while the tier load is still in flight.
 
-        Fetched before ``allocate`` so a tier fault only shortens what is allocated as external;
-        kept on the request while it waits for room, so a queue head is not fetched every step.
+        The load starts at the request's first visit and is kept on the request, so a queue head
+        is not looked up in the tiers every step; it starts again only when the local hit changed
+        (its payloads would start at the wrong token). Fetched before ``allocate`` so a tier fault
+        only shortens what is allocated as external.
         """
         if self.connector is None:
             return None
-        cached = req.fetched
-        if cached is not None and cached.start_token == local_hit:
-            return cached
-        k = self.connector.num_external_tokens(req.seq, local_hit)
-        # Even an empty result is kept (a 0-token fetch reads nothing): a queue head that waits for
-        # room asks the tiers again only when its local hit changes.
-        req.fetched = self.connector.fetch(req.seq, local_hit, k)
-        return req.fetched
+        load = req.load
+        if load is not None and load.start_token != local_hit:
+            if load.done() and local_hit >= load.start_token + load.result().num_tokens:
+                return None  # the device cache now holds all the load brought (another request computed it)
+            load.cancel()
+            load = None
+        if load is None:
+            load = req.load = self.connector.start_load(req.seq, local_hit)
+        if not load.done():
+            return _LOADING
+        return load.result()
 
     def _growth_fits(self, req: Request, hit_blocks: int) -> bool:
         """Whether every admitted sequence can grow to its final length once ``req`` joins."""
@@ -328,7 +347,9 @@ class Scheduler:
         self.running.remove(victim)
         self.manager.free(victim.seq)
         victim.seq.num_computed_tokens = 0
-        victim.fetched = None
+        if victim.load is not None:
+            victim.load.cancel()
+        victim.load = None
         victim.num_preemptions += 1
         self.stats.preemptions += 1
         returned = out.num_scheduled_tokens.pop(victim.seq_id, 0)
@@ -457,6 +478,9 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        if req.load is not None:
+            req.load.cancel()
+            req.load = None
         self.manager.free(req.seq)
         req.status = Status.FINISHED
         req.finish_reason = "abort"

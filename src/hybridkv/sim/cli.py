@@ -4,7 +4,19 @@
 KV tiers (``sim.tiers``), e.g. ``--tier host:64GiB --tier disk:1TiB@7GB/s``; ``--compare
 tier=none,host:64GiB,host:64GiB+disk:1TiB`` runs one variant per tier set (``+`` joins tiers).
 The summary then shows the tier and total hit rates, the tokens and bytes loaded per tier and the
-load time; the JSON keys are documented in ``sim.simulator``.
+load time; the JSON keys are documented in ``sim.simulator``. What tiers keep: ``--tier-storage``
+(``hit-spans``, per group what a hit can use; ``all``: every layer of every block), with
+``--tier-checkpoint-interval`` and ``--tier-end-align``; tier loads are asynchronous (a request
+waits for its load while the others run) unless ``--tier-loads blocking``.
+
+A cluster: ``--instances N --router hybrid_exact|prefix|least_loaded|round_robin`` simulates N
+replicas behind a KV-aware router (``sim.cluster``); ``--compare router=round_robin,hybrid_exact``
+compares routers (``instances=2,4`` cluster sizes).
+
+Traces: ``--workload trace --trace FILE`` reads hybridkv's JSON Lines (``sim.trace``) or, with
+``--trace-format mooncake``, a Mooncake trace (``sim.mooncake``); ``--requests N`` replays its first
+N requests, ``--time-scale S`` replays the logged arrivals S times slower (open loop; 0.5 is twice
+as fast), ``--concurrency C`` ignores them and keeps C requests in flight (closed loop).
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from typing import Any
 from hybridkv.cli_args import (
     count_arg,
     input_file_arg,
+    non_negative_float_arg,
     non_negative_int_arg,
     output_path_arg,
     positive_float_arg,
@@ -27,6 +40,7 @@ from hybridkv.cli_args import (
     write_output,
 )
 from hybridkv.errors import InvalidInputError
+from hybridkv.sim.cluster import CLUSTER_OPTIONS, ROUTERS, ClusterConfig, cluster_variants, simulate_cluster
 from hybridkv.sim.simulator import SimConfig, SimResult, simulate
 from hybridkv.sim.tiers import parse_tiers, tier_arg
 from hybridkv.sim.workloads import (
@@ -63,9 +77,21 @@ TIER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("tokens loaded from tiers", lambda s: f"{s['tier_hit_tokens']:,}"),
     ("loaded per tier (GB)", lambda s: ", ".join(f"{k.split(':', 1)[1]} {v['loaded_bytes'] / 1e9:,.1f}"
                                                  for k, v in s["tier_stats"].items()) or "-"),
-    ("tier load time (all steps)", lambda s: f"{s['tier_load_s']:.2f} s"),
+    ("tier load time (all loads)", lambda s: f"{s['tier_load_s']:.2f} s ({s['tier_loads']})"),
+    ("tier storage / bytes written", lambda s: f"{s['tier_storage']} / {s['tier_stored_bytes'] / 2**30:,.1f} GiB"),
 ]
 """Rows added to the summary when any variant has tiers."""
+
+
+CLUSTER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("replicas / router", lambda s: f"{s['instances']} / {s['router']}"),
+    ("requests per replica (min - max)", lambda s: f"{min(s['routed'].values())} - {max(s['routed'].values())}"),
+    ("hit found =, <, > prediction", lambda s: f"{s['prediction_equal']}, {s['prediction_over']}, "
+                                               f"{s['prediction_under']}"),
+    ("chain-only index over-predicts", lambda s: f"{s['chain_over_requests']} requests, "
+                                                 f"{s['chain_over_tokens']:,} tokens"),
+]
+"""Rows added to the summary of a cluster (``--instances``)."""
 
 
 RETENTION_SENTENCE = ("retention=none is plain LRU: the sliding-window blocks a shared prefix needs are freed as "
@@ -121,14 +147,45 @@ def add_parser(sub: Any) -> None:
                         help="external KV tier, queried in the order given (repeatable): "
                              "KIND:SIZE[@BANDWIDTH][@LATENCY] with KIND host (default 25GB/s), disk (5GB/s, "
                              "100us) or net/redis (3GB/s, 1ms), e.g. host:64GiB, disk:1TiB@7GB/s; per GPU")
+    system.add_argument("--tier-storage", choices=("hit-spans", "all"), default="hit-spans",
+                        help="what tiers keep: hit-spans (growing layers every block, window/chunk layers only "
+                             "around checkpoints) or all (every layer of every block)")
+    system.add_argument("--tier-checkpoint-interval", type=non_negative_int_arg, default=0, metavar="TOKENS",
+                        help="with hit-spans: also keep a window checkpoint every TOKENS tokens (0: none)")
+    system.add_argument("--tier-end-align", type=positive_int_arg, default=None, metavar="TOKENS",
+                        help="with hit-spans: the prompt-end checkpoint at the prompt's length rounded down to a "
+                             "multiple of TOKENS (default: a Mooncake trace's 512-token blocks, else the hit "
+                             "alignment)")
+    system.add_argument("--tier-loads", choices=("async", "blocking"), default="async",
+                        help="async: a request waits for its tier load while others run; blocking: the load's "
+                             "time is added to the step that admits it")
+    system.add_argument("--tier-load-timeout", type=positive_float_arg, default=None, metavar="SECONDS",
+                        help="a tier load longer than this is a miss (the prompt is computed)")
+    cl = p.add_argument_group("a cluster of replicas (sim.cluster)")
+    cl.add_argument("--instances", type=positive_int_arg, default=None, metavar="N",
+                    help="simulate N replicas of the engine behind a router (each its own device pool; net tiers "
+                         "are shared by all, host and disk tiers are per replica)")
+    cl.add_argument("--router", choices=ROUTERS, default=None,
+                    help="with --instances: how requests are routed (default hybrid_exact: predicted hit tokens "
+                         "from the replicas' KV events against load; prefix: the full-attention chain alone)")
+    cl.add_argument("--load-weight", type=non_negative_float_arg, default=256.0, metavar="TOKENS",
+                    help="with --instances: prompt tokens one queued request weighs against a predicted hit")
+    cl.add_argument("--kv-weight", type=non_negative_float_arg, default=1024.0, metavar="TOKENS",
+                    help="with --instances: prompt tokens a full KV cache weighs against a predicted hit")
     work = p.add_argument_group("the workload")
     work.add_argument("--workload", choices=("shared-prefix", "multi-turn", "chat", "trace"), required=True,
                       help="shared-prefix: requests over a few long shared prefixes; multi-turn: conversations "
                            "whose turns extend each other; chat: chat-like lengths; trace: a JSONL file (--trace)")
     work.add_argument("--trace", type=input_file_arg, default=None, metavar="PATH",
                       help="JSONL trace (with --workload trace)")
-    work.add_argument("--requests", type=positive_int_arg, default=600,
-                      help="requests (shared-prefix, chat)")
+    work.add_argument("--trace-format", choices=("hybridkv", "mooncake"), default=None,
+                      help="the trace's format: hybridkv (default) or mooncake (Mooncake FAST'25 traces: "
+                           "timestamp in ms, input_length, output_length, hash_ids of 512-token blocks)")
+    work.add_argument("--time-scale", type=positive_float_arg, default=None, metavar="S",
+                      help="trace: replay the logged arrival times multiplied by S (open loop; 0.5 is twice as "
+                           "fast)")
+    work.add_argument("--requests", type=positive_int_arg, default=None,
+                      help="requests (shared-prefix, chat; default 600); with a trace: its first N requests")
     work.add_argument("--prefixes", type=positive_int_arg, default=30, help="distinct shared prefixes (shared-prefix)")
     work.add_argument("--prefix-len", type=positive_int_arg, default=2048, metavar="TOKENS",
                       help="tokens of each shared prefix (shared-prefix)")
@@ -146,8 +203,9 @@ def add_parser(sub: Any) -> None:
                       help="Poisson arrivals at this rate (default: a closed loop of --concurrency)")
     work.add_argument("--burstiness", type=positive_float_arg, default=None,
                       help="with --rate: bursty (gamma) arrivals, < 1 burstier than Poisson")
-    work.add_argument("--concurrency", type=positive_int_arg, default=64,
-                      help="requests in flight in the closed loop (without --rate)")
+    work.add_argument("--concurrency", type=positive_int_arg, default=None,
+                      help="requests in flight in the closed loop (without --rate; default 64); with a trace: "
+                           "replay it as a closed loop of this many, ignoring its arrival times")
     work.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     out = p.add_argument_group("output")
     out.add_argument("--compare", default=None, metavar="OPTION=V1,V2",
@@ -162,7 +220,7 @@ def add_parser(sub: Any) -> None:
 
 def _arrivals(args: argparse.Namespace) -> Arrivals:
     if args.rate is None:
-        return ClosedLoop(args.concurrency)
+        return ClosedLoop(args.concurrency or 64)
     if args.burstiness is not None:
         return Bursty(rate=args.rate, burstiness=args.burstiness)
     return Poisson(args.rate)
@@ -173,21 +231,41 @@ def build_workload(args: argparse.Namespace) -> Workload:
     if args.trace and args.workload != "trace":
         raise InvalidInputError(f"--trace is read only with --workload trace, not --workload {args.workload}")
     if args.workload == "trace":
-        if not args.trace:
-            raise InvalidInputError("--workload trace needs --trace PATH")
-        from hybridkv.sim.trace import read_trace
-
-        return read_trace(args.trace)
+        return _trace_workload(args)
+    for option, value in (("--trace-format", args.trace_format), ("--time-scale", args.time_scale)):
+        if value is not None:
+            raise InvalidInputError(f"{option} applies to --workload trace, not --workload {args.workload}")
+    requests = args.requests or 600
     arrivals = _arrivals(args)
     if args.workload == "shared-prefix":
-        return shared_prefix(args.requests, args.prefixes, args.prefix_len, args.suffix_len,
+        return shared_prefix(requests, args.prefixes, args.prefix_len, args.suffix_len,
                              max_new_tokens=args.output_len, popularity=args.popularity, arrivals=arrivals,
                              seed=args.seed)
     if args.workload == "multi-turn":
         return multi_turn_chat(args.conversations, args.turns, system_prompt_len=args.system_prompt_len,
                                user_len=LengthDist(median=max(1, args.suffix_len), sigma=0.5, min_len=1),
                                max_new_tokens=args.output_len, arrivals=arrivals, seed=args.seed)
-    return chat_lengths(args.requests, arrivals=arrivals, seed=args.seed)
+    return chat_lengths(requests, arrivals=arrivals, seed=args.seed)
+
+
+def _trace_workload(args: argparse.Namespace) -> Workload:
+    """The trace the options name, replayed as they say (first N requests, time scale, closed loop)."""
+    if not args.trace:
+        raise InvalidInputError("--workload trace needs --trace PATH")
+    if args.rate is not None or args.burstiness is not None:
+        raise InvalidInputError("a trace brings its own arrivals: use --time-scale S or --concurrency C, not --rate")
+    if args.time_scale is not None and args.concurrency is not None:
+        raise InvalidInputError("give --time-scale (open loop at the trace's arrivals) or --concurrency "
+                                "(closed loop), not both")
+    if args.trace_format == "mooncake":
+        from hybridkv.sim.mooncake import read_mooncake
+
+        return read_mooncake(args.trace, time_scale=args.time_scale or 1.0, concurrency=args.concurrency,
+                             limit=args.requests)
+    from hybridkv.sim.trace import read_trace, replay
+
+    return replay(read_trace(args.trace), limit=args.requests, time_scale=args.time_scale,
+                  concurrency=args.concurrency)
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
@@ -198,12 +276,15 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
                      admission=args.admission, policy=args.policy, enable_prefix_caching=not args.no_prefix_caching,
                      kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory=args.kv_cache_memory,
                      weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype, calibration=args.calibration,
-                     lm_head=args.lm_head, tiers=tuple(args.tier or ()), num_params=args.num_params)
+                     lm_head=args.lm_head, tiers=tuple(args.tier or ()), num_params=args.num_params,
+                     tier_storage=args.tier_storage, tier_checkpoint_interval=args.tier_checkpoint_interval,
+                     tier_end_align=args.tier_end_align, tier_loads=args.tier_loads,
+                     tier_load_timeout_s=args.tier_load_timeout)
 
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-_OPTIONAL_INTS = ("max_model_len", "kv_cache_tokens", "kv_cache_memory", "gpu_memory_bytes")
+_OPTIONAL_INTS = ("max_model_len", "kv_cache_tokens", "kv_cache_memory", "gpu_memory_bytes", "tier_end_align")
 
 
 def variants(base: SimConfig, compare: str | None) -> list[tuple[str, SimConfig]]:
@@ -241,6 +322,31 @@ def variants(base: SimConfig, compare: str | None) -> list[tuple[str, SimConfig]
     return out
 
 
+def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
+    """The cluster the options describe (None: one engine)."""
+    if args.instances is None:
+        if args.router is not None:
+            raise InvalidInputError("--router needs --instances N (the replicas it routes to)")
+        return None
+    return ClusterConfig(instances=args.instances, router=args.router or "hybrid_exact",
+                         load_weight=args.load_weight, kv_weight=args.kv_weight)
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[str, SimConfig, ClusterConfig | None]]:
+    """``[(label, system, cluster)]`` for each variant ``--compare`` asks for (router and cluster options
+    vary the cluster, the others the simulated system)."""
+    base = sim_config(args)
+    cluster = cluster_config(args)
+    key = (args.compare or "").split("=", 1)[0].strip().replace("-", "_")
+    if key in CLUSTER_OPTIONS:
+        if cluster is None:
+            raise InvalidInputError(f"--compare {key}=...: needs --instances N (a cluster to route in)")
+        return [(label, base, c) for label, c in cluster_variants(cluster, args.compare)]
+    if cluster is not None and args.plot:
+        raise InvalidInputError("--plot draws one engine's timeline; a cluster (--instances) has none")
+    return [(label, cfg, cluster) for label, cfg in variants(base, args.compare)]
+
+
 def _progress(label: str, enabled: bool) -> Callable[[int, int], None] | None:
     if not enabled:
         return None
@@ -272,12 +378,14 @@ def run(args: argparse.Namespace) -> int:
 
         require_matplotlib()  # before the simulation, not after it
     workload = build_workload(args)
-    configs = variants(sim_config(args), args.compare)
+    configs = _variants(args)
     results: list[tuple[str, SimResult]] = []
     show = not args.no_progress
-    for label, cfg in configs:
+    for label, cfg, cluster in configs:
         t0 = time.perf_counter()
-        res = simulate(workload, cfg, progress=_progress(label or "simulating", show))
+        report = _progress(label or "simulating", show)
+        res = (simulate(workload, cfg, progress=report) if cluster is None
+               else simulate_cluster(workload, cfg, cluster, progress=report))
         res.summary["wall_s"] = time.perf_counter() - t0
         results.append((label, res))
     if args.json:
@@ -289,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
             write_output(args.json, text + "\n")
     if args.json != "-":
         print_summary(workload, results)
-        if {cfg.retention for _, cfg in configs} == {"none", "window"}:
+        if {cfg.retention for _, cfg, _ in configs} == {"none", "window"}:
             print_text(RETENTION_SENTENCE)
     if args.plot:
         from hybridkv.sim.plot import plot_results
@@ -307,6 +415,8 @@ def print_summary(workload: Workload, results: list[tuple[str, SimResult]]) -> N
              + (f", closed loop x{workload.concurrency}" if workload.concurrency else ""))
     labels = [lbl or "result" for lbl, _ in results]
     spec_rows = SUMMARY_ROWS + (TIER_ROWS if any(r.summary["tiers"] for _, r in results) else [])
+    if any("instances" in r.summary for _, r in results):
+        spec_rows = spec_rows + CLUSTER_ROWS
     rows = [(name, [fmt(r.summary) for _, r in results]) for name, fmt in spec_rows]
     rows.append(("simulation wall time", [f"{r.summary['wall_s']:.1f} s" for _, r in results]))
     print_table(title, ["", *labels], [(name, *vals) for name, vals in rows])

@@ -44,8 +44,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hybridkv.connectors.storage import StoragePolicy, StoreAll, StoreHitSpans
 from hybridkv.core import KVCacheLayout, KVCacheManager, RetentionPolicy, Sequence, capacity_report, plan_layout
-from hybridkv.errors import InvalidInputError
+from hybridkv.errors import InvalidInputError, SequenceTooLongError
 from hybridkv.planning.hardware import get_hardware
 from hybridkv.planning.hf_config import layer_specs, parse_config
 from hybridkv.planning.planner import DTYPE_BYTES, PlanInput, load_model, make_plan
@@ -89,6 +90,19 @@ class SimConfig:
     """How the cost model charges the output projection (``cost_model`` module docstring)."""
     tiers: tuple[TierSpec, ...] = ()
     """External KV tiers, queried in order (``sim.tiers``); empty: none."""
+    tier_storage: str = "hit-spans"
+    """What the tiers keep: ``hit-spans`` (per group what a hit can use, ``connectors.storage``) or ``all``
+    (every layer of every block)."""
+    tier_checkpoint_interval: int = 0
+    """With ``hit-spans``: also keep window checkpoints every this many tokens (0: none)."""
+    tier_end_align: int | None = None
+    """With ``hit-spans``: the prompt-end checkpoint at the prompt's length rounded down to a multiple of
+    this; None: the workload's content block size (a Mooncake trace: 512), else the hit alignment."""
+    tier_loads: str = "async"
+    """``async``: a request waits for its tier load while the others run; ``blocking``: the load's time is
+    added to the step that admits it."""
+    tier_load_timeout_s: float | None = None
+    """A tier load longer than this is a miss (the request computes its prompt after waiting this long)."""
     num_params: int | None = None
     """Parameter count (all experts) of a ``config.json`` model; a preset knows its own."""
 
@@ -180,6 +194,30 @@ def cost_model(cfg: SimConfig) -> CostModel:
                                  kv_dtype=cfg.kv_dtype, name=source.name, lm_head=cfg.lm_head)
 
 
+def _next_event(sched: Scheduler, ready: list[tuple[float, int, str]], now: float, may_arrive: bool) -> float:
+    """When something can happen after a step that scheduled nothing: a tier load finishes, or a
+    request arrives."""
+    times: list[float] = [r.load.ready_at for r in sched.waiting if r.load is not None and not r.load.done()]
+    if may_arrive and ready:
+        times.append(ready[0][0])
+    later = [t for t in times if t > now]
+    if not later:
+        raise RuntimeError("simulation stalled: waiting requests can neither load nor be admitted")
+    return min(later)
+
+
+def tier_storage(cfg: SimConfig, workload: Workload | None = None) -> StoragePolicy:
+    """The storage policy of ``cfg``'s tiers (``SimConfig.tier_storage`` and its settings)."""
+    if cfg.tier_storage == "all":
+        return StoreAll()
+    if cfg.tier_storage != "hit-spans":
+        raise InvalidInputError(f"tier_storage must be 'hit-spans' or 'all', got {cfg.tier_storage!r}")
+    align = cfg.tier_end_align
+    if align is None:
+        align = workload.content_block_size if workload is not None and workload.content_block_size else 0
+    return StoreHitSpans(interval=cfg.tier_checkpoint_interval, end_align=align)
+
+
 def _make_sequence(req: SimRequest, tiered: bool = False) -> Sequence:
     if req.token_ids is not None:
         return Sequence(req.request_id, req.token_ids, req.cache_salt)
@@ -193,7 +231,13 @@ def simulate(workload: Workload, cfg: SimConfig, *,
     """Run ``workload`` on the system ``cfg``; ``progress(done, total)`` is called as requests finish."""
     mgr, plan = build_manager(cfg)
     batch = mgr.max_num_batched_tokens
-    tiers = SimTiers(cfg.tiers, mgr, namespace=f"sim/{cfg.model}/{cfg.kv_dtype}") if cfg.tiers else None
+    tiers = None
+    if cfg.tiers:
+        if cfg.tier_loads not in ("async", "blocking"):
+            raise InvalidInputError(f"tier_loads must be 'async' or 'blocking', got {cfg.tier_loads!r}")
+        tiers = SimTiers(cfg.tiers, mgr, namespace=f"sim/{cfg.model}/{cfg.kv_dtype}",
+                         storage=tier_storage(cfg, workload), async_loads=cfg.tier_loads == "async",
+                         load_timeout_s=cfg.tier_load_timeout_s)
     tiered = tiers is not None
     sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=batch, max_num_seqs=cfg.max_num_seqs,
                                            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
@@ -226,7 +270,6 @@ def simulate(workload: Workload, cfg: SimConfig, *,
     arrival: dict[str, float] = {}
     hits: dict[str, int] = {}
     tier_tokens: dict[str, int] = {}
-    tier_load_s = 0.0
     finish: dict[str, float] = {}
     first_token: dict[str, float] = {}
     last_token: dict[str, float] = {}
@@ -234,6 +277,7 @@ def simulate(workload: Workload, cfg: SimConfig, *,
     output_tokens = 0
     done = 0
     rejected = 0
+    too_long = 0
     timeline: list[tuple[float, float, float]] = []
     peak_running = 0
     steps = 0
@@ -243,13 +287,27 @@ def simulate(workload: Workload, cfg: SimConfig, *,
             _, _, rid = heapq.heappop(ready)
             req = by_id[rid]
             arrival[rid] = max(now, req.arrival_time) if concurrency else req.arrival_time
-            sched.add(_make_sequence(req, tiered), req.max_new_tokens)  # a rejection is reported by schedule()
+            try:
+                sched.add(_make_sequence(req, tiered), req.max_new_tokens)  # a rejection is reported by schedule()
+            except SequenceTooLongError:  # a trace request longer than max_model_len: rejected, as an engine does
+                rejected += 1
+                too_long += 1
+                finish[rid] = now
+                done += 1
+                nxt = blocked_by.get(rid)
+                if nxt is not None:
+                    heapq.heappush(ready, (release_time(by_id[nxt], now, workload.think_time_s), order[nxt], nxt))
+                continue
             in_flight += 1
         if not sched.has_unfinished:
+            if done >= total:
+                break
             if not ready:
                 raise RuntimeError("simulation stalled: requests remain but none can arrive")
             now = max(now, ready[0][0])
             continue
+        if tiers is not None:
+            tiers.clock.now = now
         out = sched.schedule()
         for sid in out.admitted:
             hits.setdefault(sid, sched.requests[sid].num_hit_tokens)
@@ -259,20 +317,23 @@ def simulate(workload: Workload, cfg: SimConfig, *,
                 tier_tokens.setdefault(sid, sched.requests[sid].num_external_tokens)
             if out.external:
                 load_s = tiers.admit(out.external)
-                tier_load_s += load_s
         work = []
         for sid, n in out.num_scheduled_tokens.items():
             seq = sched.requests[sid].seq
             c = seq.num_computed_tokens
             work.append(SeqWork(n, c, sampled=c + n == seq.num_tokens))
+        if not work and not load_s and not out.rejected:  # every waiting request waits for its tier load
+            now = _next_event(sched, ready, now, concurrency is None or in_flight < concurrency)
+            continue
         now += cost.step_time(work, load_s) if work else load_s
         steps += 1
         peak_running = max(peak_running, len(sched.running))
         sampled = {}
+        stores: list[tuple[str, Sequence, int, int]] = []
         for sid, n in out.num_scheduled_tokens.items():
             seq = sched.requests[sid].seq
-            if tiers is not None:  # write-through after the forward pass, before blocks are freed
-                tiers.store(seq, seq.num_computed_tokens, n)
+            if tiers is not None:
+                stores.append((sid, seq, seq.num_computed_tokens, n))
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sampled[sid] = (1,)
                 if sid in first_token:
@@ -281,7 +342,22 @@ def simulate(workload: Workload, cfg: SimConfig, *,
                     first_token[sid] = now
                 last_token[sid] = now
                 output_tokens += 1
+        if stores:  # write-through of what the step computed
+            # After the step is reported computed (a recurrent state enters the cache only then), but a
+            # sequence this step finishes is freed by ``update``: its blocks are stored before.
+            later = []
+            for sid, seq, start, n in stores:
+                scheduled = sched.requests[sid]
+                if sid in sampled and (seq.num_output_tokens + 1 >= scheduled.max_new_tokens
+                                       or seq.num_tokens + 1 >= mgr.max_model_len):
+                    tiers.store(seq, start, n)  # type: ignore[union-attr]
+                else:
+                    later.append((seq, start, n))
         finished = sched.update(out, sampled)
+        if stores:
+            for seq, start, n in later:
+                tiers.store(seq, start, n)  # type: ignore[union-attr]
+            stores.clear()
         ended = [r.seq_id for r in finished] + [sid for sid, _ in out.rejected]
         rejected += len(out.rejected)
         for sid in ended:
@@ -347,7 +423,12 @@ def simulate(workload: Workload, cfg: SimConfig, *,
         "tier_hit_tokens": st.external_tokens,
         "tier_hit_rate": st.external_tokens / st.queried_tokens if st.queried_tokens else 0.0,
         "total_hit_rate": (st.hit_tokens + st.external_tokens) / st.queried_tokens if st.queried_tokens else 0.0,
-        "tier_load_s": tier_load_s,
+        "tier_load_s": sum(tiers.load_s) if tiers is not None else 0.0,
+        "tier_loads": cfg.tier_loads if tiers is not None else None,
+        "tier_storage": tiers.connector.storage.name if tiers is not None else None,
+        "tier_stored_bytes": sum(t.stats.bytes_written for t in tiers.tiers) if tiers is not None else 0,
+        "tier_lookup_probes": tiers.connector.stats.probes if tiers is not None else 0,
+        "rejected_too_long": too_long,
         "tier_stats": tiers.summary() if tiers is not None else {},
     }
     if cfg.kv_cache_tokens is not None:

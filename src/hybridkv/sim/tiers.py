@@ -3,13 +3,13 @@
 A simulated tier (``SimTier``) implements the connectors' ``KVTier`` interface but keeps only
 keys and the *nominal* size of each block (the bytes the block of that group really has for the
 simulated model), never the payload: a Gemma 3 27B block of 16 tokens and 10 layers is 1.25 MiB.
-Everything else is the real path: the scheduler asks the real ``KVConnector`` at admission how
-many tokens past the local hit the tiers can supply (``num_external_tokens``: the manager's
-window rules per group) and fetches them (``fetch``: frames verified, lower-tier hits promoted to
-the tiers above); after each step the simulator stores the blocks the step computed
-(``KVConnector.store``, write-through to every tier, as the engine does). To pass the frame
-check, a tier answers a hit with a real frame (``encode_frame``) around a 1-byte placeholder
-payload naming the tier, so the simulator knows which tier served each loaded block.
+Everything else is the real path: the scheduler asks the real ``KVConnector`` at admission to
+start a load (``start_load``: the probed lookup under the manager's hit rules, then the reads,
+lower-tier hits promoted to the tiers above); after each step the simulator stores what the step
+computed through the connector's storage policy (``KVConnector.offered``, write-through to every
+tier, as the engine does). A tier answers a read with a 1-byte value naming itself, so the
+simulator knows which tier served each loaded block (there are no frames to check: a simulated
+tier cannot corrupt anything).
 
 **Spec** (``--tier``, repeatable; tiers are queried in the order given)::
 
@@ -27,17 +27,20 @@ PCIe 4 NVMe drive's sequential read), 100 us; net 3 GB/s (a 25 GbE link), 1 ms. 
 
 * Capacity and bandwidth are per GPU (one tensor-parallel rank's shard of the KV), like the cost
   model's ``tier_bandwidth``. A block of group ``g`` takes ``layers(g) * real page bytes`` of its
-  tier; a tier evicts its least recently used (stored or read) entries to stay within capacity,
-  and skips a block larger than its whole capacity.
-* Loads: for each sequence the scheduler admits with tier tokens, every block it loads costs its
-  bytes at the bandwidth of the tier that served it, plus that tier's latency once per sequence;
-  the sum over the step's admissions is added to the step time, not overlapped with compute (the
-  cost model's ``extra_load_s``). The loaded tokens are not computed.
-* Stores: write-through of every full block a step computed (prompt and output), to every tier,
-  assumed to overlap with compute (no time is charged), but they take capacity and evict.
-  A block is written whole: all its layers, including sliding-window layers whose blocks a later
-  hit needs only within the window -- the connector cannot know at store time which blocks a hit
-  will need.
+  tier; a tier evicts its least recently used (stored, read or touched) entries to stay within
+  capacity, and skips a block larger than its whole capacity.
+* Loads (``SimConfig.tier_loads``): every block a load reads costs its bytes at the bandwidth of
+  the tier that served it, plus that tier's latency once per load. ``async`` (the default, as the
+  engine's ``BackgroundLoads``): the request waits that long in the queue while the others run,
+  then is admitted with the loaded tokens; a load longer than ``tier_load_timeout_s`` is a miss.
+  ``blocking``: the load's time is added to the step that admits the request (the cost model's
+  ``extra_load_s``). The loaded tokens are not computed.
+* Stores: write-through of what each step computed, to every tier, assumed to overlap with compute
+  (no time is charged); they take capacity and evict. What is written is the storage policy's
+  choice (``connectors.storage``): ``StoreHitSpans`` (default) keeps growing layers for every block
+  and the other groups' blocks only around checkpoints, ``StoreAll`` every layer of every block.
+  The call that completes a prompt touches its chain head last, so a prompt's tail is evicted
+  before the prefix it shares.
 * Tier reads for an admission that did not fit yet count in the tier's hit counters
   (``tier_stats``), not in the load time (charged once, at admission).
 """
@@ -48,11 +51,13 @@ import argparse
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from hybridkv.connectors.base import KVTier
 from hybridkv.connectors.connector import BlockTables, FetchedKV, KVConnector, ReadBlock
-from hybridkv.connectors.frame import encode_frame, tier_key
+from hybridkv.connectors.loads import PendingLoad
+from hybridkv.connectors.storage import StoragePolicy
 from hybridkv.core import KVCacheManager
 from hybridkv.core import Sequence as KVSequence
 from hybridkv.errors import InvalidInputError
@@ -196,8 +201,8 @@ def _key_group(key: bytes) -> bytes:
 class SimTier(KVTier):
     """A ``KVTier`` of keys and nominal block sizes under a byte budget, least recently used evicted.
 
-    ``get_many`` answers a held key with a valid frame around a 1-byte payload, the tier's
-    ``index``: the connector's checks pass and the caller learns which tier served the block.
+    ``get_many`` answers a held key with a 1-byte value, the tier's ``index``: the caller learns which
+    tier served the block (``SimConnector`` takes it as the payload; there is no frame to check).
     """
 
     def __init__(self, spec: TierSpec, index: int, block_bytes: Mapping[int, int]) -> None:
@@ -227,7 +232,7 @@ class SimTier(KVTier):
             self._entries.move_to_end(k)
             self.stats.hits += 1
             self.stats.bytes_read += size
-            out.append(encode_frame(k, self._tag))
+            out.append(self._tag)
         return out
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
@@ -255,6 +260,20 @@ class SimTier(KVTier):
         if old is not None:
             self.used_bytes -= old
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        entries = self._entries
+        for k in keys:
+            if k in entries:
+                entries.move_to_end(k)
+
+    def entries_per_group(self) -> dict[int, int]:
+        """How many blocks of each group the tier holds."""
+        out: dict[int, int] = {}
+        for k in self._entries:
+            g = int(_key_group(k))
+            out[g] = out.get(g, 0) + 1
+        return out
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -267,23 +286,87 @@ def _no_write(_group: int, _block: int, _payload: bytes) -> None:
     return None
 
 
+class SimClock:
+    """The simulated time, which the simulator advances step by step."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+
+class SimLoad(PendingLoad):
+    """A tier load that finishes at simulated time ``ready_at`` (its bytes at the serving tiers'
+    bandwidth plus their latency after it started)."""
+
+    __slots__ = ("start_token", "fetched", "ready_at", "clock")
+
+    def __init__(self, fetched: FetchedKV, ready_at: float, clock: SimClock) -> None:
+        self.start_token = fetched.start_token
+        self.fetched = fetched
+        self.ready_at = ready_at
+        self.clock = clock
+
+    def done(self) -> bool:
+        return self.clock.now >= self.ready_at
+
+    def result(self) -> FetchedKV:
+        return self.fetched
+
+
 class SimConnector(KVConnector):
-    """The real ``KVConnector`` (lookups, fetches, windows, promotion) with a ``store`` that skips frames.
+    """The real ``KVConnector`` (lookups, fetches, windows, promotion, storage policy) with simulated
+    time for loads and a ``store`` that skips frames.
 
     ``SimTier`` keeps no payload, so framing every stored block (a sha256 each) would only cost
     time: a simulation writes through millions of blocks. ``store`` here offers the same blocks
-    (full blocks ending in ``(start_token, num_tokens]`` registered in the device cache under the
-    sequence's hash), in the same batches, to the same tiers, skipping those a tier holds, exactly
-    as ``KVConnector.store`` does -- ``tests/test_sim_tiers.py`` checks that both leave the tiers
-    in the same state -- but puts an empty value. Tier faults are not simulated (a ``SimTier``
-    never raises), so there is nothing to catch.
+    (``offered``: the storage policy's choice), in the same batches, to the same tiers, skipping
+    those a tier holds, and touches the same chain at the prompt's end, exactly as
+    ``KVConnector.store`` does -- ``tests/test_sim_tiers.py`` checks that both leave the tiers in
+    the same state -- but puts an empty value. Tier faults are not simulated (a ``SimTier`` never
+    raises), so there is nothing to catch.
+
+    ``start_load`` reads at once and returns a ``SimLoad`` ready after the load's simulated
+    duration (``async_loads``; else ready at once, and the simulator adds the duration to the step
+    that admits the request). A load longer than ``load_timeout_s`` is a miss, ready at the timeout.
     """
+
+    def __init__(self, tiers: Sequence[SimTier], manager: KVCacheManager, *, clock: SimClock,
+                 block_bytes: Mapping[int, int], async_loads: bool = True, load_timeout_s: float | None = None,
+                 **kw: Any) -> None:
+        super().__init__(tiers, manager, **kw)
+        self.clock = clock
+        self.block_bytes = dict(block_bytes)
+        self.async_loads = async_loads
+        self.load_timeout_s = load_timeout_s
+        self.sim_tiers = list(tiers)
+
+    def _decoded(self, key: bytes, value: bytes) -> bytes:
+        """A simulated tier holds no frames (and cannot corrupt one): the value is the serving tier's index."""
+        return value
+
+    def load_seconds(self, fetched: FetchedKV) -> float:
+        """Simulated seconds to load ``fetched``: per serving tier, its bytes at its bandwidth plus its latency."""
+        nbytes = [0] * len(self.sim_tiers)
+        for (group, _index), payload in fetched.payloads.items():
+            nbytes[payload[0]] += self.block_bytes[group]
+        return sum(n / t.spec.bandwidth + t.spec.latency_s for n, t in zip(nbytes, self.sim_tiers) if n)
+
+    def start_load(self, seq: KVSequence, local_hit_tokens: int, max_tokens: int | None = None) -> PendingLoad:
+        fetched = super().start_load(seq, local_hit_tokens, max_tokens).result()
+        now = self.clock.now
+        if not self.async_loads or not fetched.num_tokens:
+            return SimLoad(fetched, now, self.clock)
+        seconds = self.load_seconds(fetched)
+        if self.load_timeout_s is not None and seconds > self.load_timeout_s:
+            self._fault("timeout", "a simulated tier load outlasted its timeout")
+            return SimLoad(FetchedKV(fetched.seq_id, fetched.start_token, 0, {}), now + self.load_timeout_s,
+                           self.clock)
+        return SimLoad(fetched, now + seconds, self.clock)
 
     def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables,
               read_block: ReadBlock = _no_payload, start_token: int = 0) -> int:
-        ns = self.namespace_id
-        keys = [tier_key(ns, g, h) for g in self._groups
-                for _, _, h in self.manager.registered_blocks(seq, g, start_token, num_tokens)]
+        keys = [key for _, _, key in self.offered(seq, num_tokens, start_token)]
         stored: set[bytes] = set()
         targets = self.tiers if self.write_through else self.tiers[:1]
         for lo in range(0, len(keys), self.batch_blocks):
@@ -294,6 +377,7 @@ class SimConnector(KVConnector):
                     tier.put_many(items)
                     stored.update(k for k, _ in items)
         self.stats.stored_blocks += len(stored)
+        self._touch_prompt(seq, start_token, num_tokens, targets)
         return len(stored)
 
 
@@ -301,17 +385,25 @@ class SimTiers:
     """The simulated tiers of one run behind the real ``KVConnector``, and their load-time accounting."""
 
     def __init__(self, specs: Sequence[TierSpec], manager: KVCacheManager, namespace: str, *,
-                 framed_store: bool = False) -> None:
+                 framed_store: bool = False, storage: StoragePolicy | None = None, async_loads: bool = True,
+                 load_timeout_s: float | None = None) -> None:
         """``framed_store``: store through ``KVConnector.store`` (frames built and dropped) instead of
-        ``SimConnector.store``; the same tier states, slower (for tests)."""
+        ``SimConnector.store``; the same tier states, slower (for tests). ``storage``: what the tiers
+        keep (default ``StoreHitSpans()``). ``async_loads``: a request waits for its load while others
+        run (else the load's time is added to the step that admits it)."""
         if not specs:
             raise InvalidInputError("SimTiers needs at least one tier")
         self.manager = manager
         self.block_bytes = group_block_bytes(manager)
         self.tiers = [SimTier(s, i, self.block_bytes) for i, s in enumerate(specs)]
-        cls = KVConnector if framed_store else SimConnector
+        self.clock = SimClock()
+        self.async_loads = async_loads
         # A SimTier answers with a 1-byte payload (the tier's index), not a block of KV.
-        self.connector = cls(self.tiers, manager, namespace=namespace, payload_bytes=dict.fromkeys(self.block_bytes, 1))
+        self.connector = SimConnector(self.tiers, manager, clock=self.clock, block_bytes=self.block_bytes,
+                                      async_loads=async_loads, load_timeout_s=load_timeout_s, namespace=namespace,
+                                      payload_bytes=dict.fromkeys(self.block_bytes, 1), storage=storage)
+        if framed_store:
+            self.connector.store = partial(KVConnector.store, self.connector)  # type: ignore[method-assign]
         self.hash_block_size = manager.hash_block_size
         n = len(self.tiers)
         self.loaded_blocks = [0] * n
@@ -321,7 +413,8 @@ class SimTiers:
         self.loaded_seqs = [0] * n
 
     def admit(self, external: Mapping[str, Any]) -> float:
-        """Seconds to load what the step's admissions fetched (``SchedulerOutput.external``).
+        """Seconds to add to the step for what its admissions loaded (``SchedulerOutput.external``):
+        0 with asynchronous loads (the requests waited for them), else the loads' duration.
 
         Also writes the fetched blocks through the connector (no bytes move), as the engine does.
         """
@@ -344,7 +437,7 @@ class SimTiers:
                     self.load_s[t] += s
                     total += s
             self.connector.write(fetched, self.manager.block_table(sid), _no_write)
-        return total
+        return 0.0 if self.async_loads else total
 
     def store(self, seq: Any, start: int, num_tokens: int) -> None:
         """Write-through of the full blocks a step computed, tokens ``[start, start + num_tokens)``."""

@@ -47,13 +47,14 @@ import os
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
 from hybridkv.errors import InvalidInputError
 from hybridkv.sim.workloads import SimRequest, Workload
 
-__all__ = ["TRACE_VERSION", "read_trace", "write_trace"]
+__all__ = ["TRACE_VERSION", "read_trace", "replay", "write_trace"]
 
 TRACE_VERSION = 1
 
@@ -266,7 +267,7 @@ def _parse_request(line: _Line) -> SimRequest:
         raise line.error(str(exc)) from None
 
 
-def _numbered_lines(path: str) -> Iterator[tuple[int, str]]:
+def numbered_lines(path: str) -> Iterator[tuple[int, str]]:
     """The non-blank lines of ``path`` with their 1-based numbers; undecodable bytes raise InvalidInputError."""
     lineno = 0
     try:
@@ -287,7 +288,7 @@ def read_trace(path: str | os.PathLike[str]) -> Workload:
     requests: list[SimRequest] = []
     first_line: dict[str, int] = {}
     saw_content = False
-    for lineno, text in _numbered_lines(p):
+    for lineno, text in numbered_lines(p):
         where = f"{p}:{lineno}"
         try:
             obj = json.loads(text)
@@ -314,3 +315,24 @@ def read_trace(path: str | os.PathLike[str]) -> Workload:
         requests.append(request)
     requests.sort(key=lambda r: r.arrival_time)
     return Workload(requests, concurrency, name, think_time_s)
+
+
+def replay(workload: Workload, *, limit: int | None = None, time_scale: float | None = None,
+           concurrency: int | None = None) -> Workload:
+    """``workload`` replayed differently: its first ``limit`` requests, arrivals multiplied by ``time_scale``
+    (an open loop), or a closed loop of ``concurrency`` requests in flight (arrivals ignored)."""
+    if time_scale is not None and concurrency is not None:
+        raise InvalidInputError("give time_scale (open loop) or concurrency (closed loop), not both")
+    if time_scale is not None and (not math.isfinite(time_scale) or time_scale <= 0):
+        raise InvalidInputError(f"time_scale must be a positive number, got {time_scale!r}")
+    if time_scale is not None and workload.concurrency is not None:
+        raise InvalidInputError(f"workload {workload.name!r} is a closed loop (concurrency {workload.concurrency}): "
+                                f"it has no arrival times to scale")
+    requests = workload.requests[:limit] if limit is not None else list(workload.requests)
+    loop = workload.concurrency
+    if concurrency is not None:
+        requests = [replace(r, arrival_time=0.0) for r in requests]
+        loop = concurrency
+    elif time_scale is not None:
+        requests = [replace(r, arrival_time=r.arrival_time * time_scale) for r in requests]
+    return Workload(requests, loop, workload.name, workload.think_time_s, workload.content_block_size)

@@ -175,16 +175,23 @@ class Workload:
     kept in flight for a closed loop (every ``arrival_time`` is 0.0; the next request in list order that
     :func:`release_time` allows starts when one finishes). ``think_time_s`` is the pause between a turn's finish
     and the next turn of the same conversation. Treat ``requests`` as read-only.
+
+    ``content_block_size`` is set when the workload knows its requests' content only in blocks of that many
+    tokens (a Mooncake trace: 512): two requests share a prefix in whole blocks, so a later request can resume
+    from an earlier one only at a multiple of it. External tiers place their prompt-end checkpoints there.
     """
 
     requests: list[SimRequest]
     concurrency: int | None = None
     name: str = ""
     think_time_s: float = 0.0
+    content_block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency is not None:
             _require_int("concurrency", self.concurrency, 1)
+        if self.content_block_size is not None:
+            _require_int("content_block_size", self.content_block_size, 1)
         _require_float("think_time_s", self.think_time_s, 0.0)
         seen: set[str] = set()
         last = 0.0

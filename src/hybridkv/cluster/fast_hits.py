@@ -1,0 +1,106 @@
+"""The agreed hit of a layout of the stock kinds, as a length only, for an index's hot path.
+
+``HitRules.longest_hit`` runs the kinds' ``find_longest_cache_hit``, which also builds the block
+ids of the hit (a pool needs them, an index does not). ``FastHits`` answers the same length for
+layouts whose constraining groups are all stock full attention, sliding window or Mamba (align)
+kinds, with the membership tests done by ``map`` over the request's hashes (no Python frame per
+block). It is the same fixed point as ``agreed_hit``:
+
+* full attention: the first block not held ends the chain;
+* a sliding window (``contiguous`` blocks) ending at block ``e`` needs blocks
+  ``[max(0, e - contiguous), e)``; a Mamba checkpoint at ``e`` needs block ``e - 1`` (one block):
+  the longest such ``e`` within the bound. A block missing at ``j`` rules out every end in
+  ``(j, e]``, so the next candidate end is ``j``.
+
+``FastHits.for_rules`` returns None for any other layout (the caller keeps ``HitRules``).
+``tests/test_cluster_fast_hits.py`` checks both agree on random caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from hybridkv.core import HitRules
+from hybridkv.core.kinds.full import FullAttentionManager
+from hybridkv.core.kinds.mamba import MambaManager
+from hybridkv.core.kinds.sliding_window import SlidingWindowManager
+
+
+def _stock(g: object, cls: type) -> bool:
+    return type(g).find_longest_cache_hit is cls.find_longest_cache_hit  # type: ignore[attr-defined]
+
+
+class FastHits:
+    """The hit length for a layout of stock kinds (see the module docstring)."""
+
+    __slots__ = ("alignment", "chains", "spans")
+
+    def __init__(self, alignment: int, chains: list[tuple[int, int]], spans: list[tuple[int, int, int]]) -> None:
+        self.alignment = alignment
+        self.chains = chains
+        """``(group, block_size)`` of the downward-closed (full-attention) groups."""
+        self.spans = spans
+        """``(group, block_size, blocks needed before the hit point)`` of the other groups."""
+
+    @classmethod
+    def for_rules(cls, rules: HitRules) -> FastHits | None:
+        """The fast form of ``rules``, or None when a constraining group is not a stock kind."""
+        if not rules.hits_possible:
+            return None
+        chains: list[tuple[int, int]] = []
+        spans: list[tuple[int, int, int]] = []
+        for g in rules.groups:
+            if not g.constrains_hits:
+                continue
+            if _stock(g, FullAttentionManager) and g.downward_closed:
+                chains.append((g.group, g.block_size))
+            elif _stock(g, SlidingWindowManager) and not g.downward_closed:
+                spans.append((g.group, g.block_size, max(1, int(g.contiguous))))  # type: ignore[attr-defined]
+            elif _stock(g, MambaManager) and g.align and not g.downward_closed:  # type: ignore[attr-defined]
+                spans.append((g.group, g.block_size, 1))
+            else:
+                return None
+        return cls(rules.hit_alignment, chains, spans)
+
+    def longest_hit(self, num_tokens: int, held: Mapping[int, Mapping[bytes, object]],
+                    hashes: Callable[[int], list[bytes]], limit: int | None = None) -> int:
+        """The longest hit (tokens, never the last token, at most ``limit``) when group ``g`` holds the
+        keys of ``held[g]``; ``hashes(g)`` is the request's hashes at ``g``'s block size."""
+        align = self.alignment
+        bound = (num_tokens - 1) // align * align
+        if limit is not None:
+            bound = min(bound, limit // align * align)
+        empty: Mapping[bytes, object] = {}
+        for group, size in self.chains:
+            if bound <= 0:
+                return 0
+            h = hashes(group)
+            n = min(bound // size, len(h))
+            flags = list(map(held.get(group, empty).__contains__, h[:n]))
+            if False in flags:
+                n = flags.index(False)
+            bound = min(bound, n * size // align * align)
+        changed = True
+        while changed and bound > 0:
+            changed = False
+            for group, size, need in self.spans:
+                tokens = _span_hit(hashes(group), held.get(group, empty), size, need, bound)
+                if tokens < bound:
+                    bound = tokens // align * align
+                    changed = True
+        return max(0, bound)
+
+
+def _span_hit(h: list[bytes], held: Mapping[bytes, object], size: int, need: int, max_tokens: int) -> int:
+    """The longest ``e * size <= max_tokens`` with blocks ``[max(0, e - need), e)`` all held (0: none)."""
+    contains = held.__contains__
+    e = min(max_tokens // size, len(h))
+    while e > 0:
+        a = max(0, e - need)
+        flags = list(map(contains, h[a:e]))
+        try:
+            last_missing = len(flags) - 1 - flags[::-1].index(False)
+        except ValueError:
+            return e * size
+        e = a + last_missing
+    return 0

@@ -1,0 +1,174 @@
+"""What an external tier keeps of a sequence: per group, the blocks a later hit can use.
+
+A hit at token ``P`` reads, per group, the table indices ``manager.hit_span(group, P)``: every block
+before ``P`` for full attention, the window before ``P`` for a sliding window, the current chunk for
+chunked-local attention, the state at ``P`` for a recurrent group. Only growing groups (full
+attention) serve a hit at *every* block boundary; the others serve a hit only where their span was
+kept. A Gemma 3 27B block carries 52 sliding-window layers and 10 full-attention ones, so storing
+every layer of every block spends 84% of a tier on blocks that can serve a hit only inside the last
+window before some hit point.
+
+``StoreHitSpans`` (the default) keeps:
+
+* growing groups: every block;
+* recurrent groups: every state the device cache registered (the manager writes states only at its
+  own checkpoints: junctions, the prompt's end, ``checkpoint_interval``). A state enters the cache
+  once its step is reported computed, and the sequence drops it at its next allocation, so a store
+  call keeps the states of a step only when it comes after the step is reported computed
+  (``seq.num_computed_tokens`` advanced), as the simulator does;
+* every other group: the blocks of ``hit_span(group, P)`` for each *checkpoint* ``P``:
+
+  - a shared-prefix junction: where a lookup (the device's, remembered by window retention, or a
+    tier's, remembered by the connector) found a full-attention match longer than the hit every
+    group agreed on -- the next request with that prefix resumes exactly there;
+  - the end of the prompt: the prompt's length rounded down to a multiple of ``end_align`` tokens
+    (default: the hit alignment), where a later turn extending the prompt resumes; when that is the
+    whole prompt, also one alignment before it (a re-sent prompt resumes there, since a hit never
+    covers the last token). A trace that knows its requests' content only in blocks of ``B`` tokens
+    (Mooncake: 512) sets ``end_align=B``: its requests can share only whole blocks;
+  - every ``interval`` tokens, when set (more hit points, more bytes).
+
+Overlapping spans share their blocks (one entry per block and group). ``StoreAll`` keeps every
+registered block of every group (what tiers stored before; a baseline for comparisons).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from hybridkv.core import KVCacheManager, MambaSpec, Sequence
+from hybridkv.errors import InvalidInputError
+
+Offer = tuple[int, int, bytes]
+"""``(table index, block id, block hash)`` of one block to store."""
+
+
+class StoragePolicy:
+    """Which registered blocks of a sequence a connector offers its tiers (see the module docstring)."""
+
+    name = "policy"
+
+    def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+               junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
+        """Per caching group, the blocks to store after a step computed tokens ``[start, end)``.
+
+        ``junctions`` are extra checkpoint positions (token counts) the caller knows of."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class StoreAll(StoragePolicy):
+    """Every registered block of every group, as soon as it is computed."""
+
+    name = "all"
+
+    def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+               junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
+        return {g: manager.registered_blocks(seq, g, start, end) for g in manager.caching_groups}
+
+
+@dataclass(frozen=True)
+class StoreHitSpans(StoragePolicy):
+    """Growing groups every block, recurrent groups their registered states, every other group the
+    span a hit needs at each checkpoint (junctions, the prompt's end, every ``interval`` tokens)."""
+
+    interval: int = 0
+    """Also a checkpoint every this many tokens (rounded up to the hit alignment); 0: none."""
+    end_align: int = 0
+    """The prompt-end checkpoint is the prompt's length rounded down to a multiple of this (and of the
+    hit alignment); 0: the hit alignment."""
+
+    name = "hit-spans"
+
+    def __post_init__(self) -> None:
+        for field in ("interval", "end_align"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInputError(f"StoreHitSpans.{field} must be a non-negative integer, got {value!r}")
+
+    def checkpoints(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+                    junctions: Iterable[int] = ()) -> list[int]:
+        """Checkpoint positions in ``(start, end]`` (ascending, multiples of the hit alignment, > 0)."""
+        align = manager.hit_alignment
+        points = {p for p in junctions if start < p <= end and p % align == 0}
+        points.update(manager.retainer.junctions(seq, start, end))
+        prompt = seq.num_prompt_tokens
+        grain = _lcm(self.end_align, align) if self.end_align else align
+        last = prompt // grain * grain
+        for p in (last, prompt - align if last == prompt else 0):
+            if start < p <= end and p > 0:
+                points.add(p // align * align)
+        if self.interval:
+            step = -(-self.interval // align) * align
+            points.update(range((start // step + 1) * step, end + 1, step))
+        points.discard(0)
+        return sorted(points)
+
+    def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+               junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
+        out: dict[int, list[Offer]] = {}
+        points: list[int] | None = None
+        for g in manager.caching_groups:
+            spec = manager.layout.groups[g].spec
+            if spec.grows_with_sequence:
+                out[g] = manager.registered_blocks(seq, g, start, end)
+                continue
+            if _recurrent(manager, g):
+                out[g] = manager.registered_blocks(seq, g, start, end)
+                continue
+            if points is None:
+                points = self.checkpoints(manager, seq, start, end, junctions)
+            wanted: set[int] = set()
+            for p in points:
+                wanted.update(manager.hit_span(g, p))
+            if not wanted:
+                out[g] = []
+                continue
+            bs = manager.group_block_size(g)
+            lo, hi = min(wanted), max(wanted) + 1
+            out[g] = [o for o in manager.registered_blocks(seq, g, lo * bs, hi * bs) if o[0] in wanted]
+        return out
+
+
+def _recurrent(manager: KVCacheManager, group: int) -> bool:
+    """A recurrent group: its cache holds states, which the manager registers only at its checkpoints."""
+    return isinstance(manager.layout.groups[group].spec, MambaSpec)
+
+
+def _lcm(a: int, b: int) -> int:
+    from math import gcd
+
+    return a * b // gcd(a, b)
+
+
+class JunctionMemory:
+    """Shared-prefix junctions the connector's lookups found, by the growing group's block hash there
+    (an LRU of at most ``capacity``): a later store of a sequence passing one writes a checkpoint."""
+
+    __slots__ = ("capacity", "_known")
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, key: bytes) -> None:
+        known = self._known
+        if key in known:
+            known.move_to_end(key)
+            return
+        known[key] = None
+        if len(known) > self.capacity:
+            known.popitem(last=False)
+
+    def positions(self, hashes: list[bytes], block_size: int, start: int, end: int) -> list[int]:
+        """Token positions in ``(start, end]`` whose growing block (ending there) is a known junction."""
+        known = self._known
+        if not known:
+            return []
+        first, last = start // block_size, min(end // block_size, len(hashes))
+        return [(i + 1) * block_size for i in range(first, last) if hashes[i] in known]
+
+    def __len__(self) -> int:
+        return len(self._known)

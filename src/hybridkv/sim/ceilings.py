@@ -1,0 +1,141 @@
+"""Hit-rate ceilings of an external tier of a given size on a trace: idealised LRU caches to compare with.
+
+A trace whose content is known in blocks (a Mooncake trace: 512-token ``hash_ids``) can resume a
+request only at a block boundary, so the best any cache can do is decided per block. Requests are
+replayed one after another (no concurrency, no device pool, no load time): for each, the hit is the
+longest run of leading blocks the cache holds *and can resume from*, then every block the request
+touched becomes the most recently used (its head last, so a prompt's tail is evicted before the
+prefix it shares) and the least recently used entries are evicted to stay within ``capacity_bytes``.
+
+What "can resume from" means is the model:
+
+* ``growing`` -- the growing layers (full attention) of every block are stored; a hit may end at any
+  block (the other layers come for free: an upper bound for hybrid models);
+* ``end-checkpoint`` -- the growing layers of every block, plus one *checkpoint* per request at its
+  prompt's last full block: what a hit there needs of every other group (a sliding window's last
+  ``W - 1`` tokens, a chunk, a state). A hit must end at a block where a checkpoint is held;
+* ``junctions`` -- as ``end-checkpoint``, plus a checkpoint where a request's held chain ran past
+  the last checkpoint on it (a shared-prefix junction: the request computes that point, so it can
+  keep what a hit there needs -- what ``StoreHitSpans`` does with the junctions lookups find);
+* ``infinite`` -- every block ever seen is held (the trace's own reuse).
+
+Every hit is capped to never cover the prompt's last token and rounded down to ``alignment``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hybridkv.errors import InvalidInputError
+from hybridkv.sim.workloads import SimRequest
+
+MODELS = ("growing", "end-checkpoint", "junctions", "infinite")
+
+
+@dataclass(frozen=True)
+class CeilingResult:
+    """One ceiling: hit tokens over prompt tokens of the requests replayed."""
+
+    model: str
+    hit_tokens: int
+    prompt_tokens: int
+    requests: int
+    evicted_bytes: int
+    checkpoints_stored: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _chain_keys(req: SimRequest) -> list[tuple[object, int]]:
+    """Per content block of the prompt: a key naming the whole prefix up to the block's end, and its tokens."""
+    out: list[tuple[object, int]] = []
+    parent: object = req.cache_salt
+    for key, n in req.segments:
+        parent = hash((parent, key, n))
+        out.append((parent, n))
+    return out
+
+
+def lru_ceiling(requests: Sequence[SimRequest], capacity_bytes: float, *, model: str, growing_bytes_per_token: float,
+                checkpoint_bytes: Callable[[int], float], block_size: int, alignment: int = 16,
+                max_prompt_tokens: int | None = None, interval_blocks: int = 0) -> CeilingResult:
+    """The hit rate of the cache ``model`` (module docstring) of ``capacity_bytes`` on ``requests``, whose
+    segments are content blocks of ``block_size`` tokens (the last one of a prompt partial).
+
+    ``checkpoint_bytes(p)`` is the size of a checkpoint at token ``p``; requests longer than
+    ``max_prompt_tokens`` are skipped (an engine rejects them).
+    """
+    if model not in MODELS:
+        raise InvalidInputError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+    lru: OrderedDict[object, float] = OrderedDict()  # entry -> bytes, least recently used first
+    used = 0.0
+    evicted = 0.0
+    stored_checkpoints = 0
+    hit_total = prompt_total = n = 0
+    seen: set[object] = set()
+    checkpoints = model in ("end-checkpoint", "junctions")
+    for req in requests:
+        length = req.prompt_len
+        if max_prompt_tokens is not None and length > max_prompt_tokens:
+            continue
+        n += 1
+        prompt_total += length
+        chain = _chain_keys(req)
+        cap = (length - 1) // alignment * alignment
+        # The hit: the held run of leading blocks, ending where the model can resume.
+        held = 0
+        pos = 0
+        resume = 0
+        resume_key: object = None
+        for key, tokens in chain:
+            if model == "infinite":
+                if key not in seen:
+                    break
+            elif key not in lru:
+                break
+            held += 1
+            pos += tokens
+            if not checkpoints or ("cp", key) in lru:
+                resume, resume_key = pos, key
+        hit_total += min(resume, cap) // alignment * alignment
+        if model == "infinite":
+            seen.update(key for key, _ in chain)
+            continue
+        # What the request touches, least recent first: its checkpoints, then its blocks tail to head.
+        touched: list[tuple[object, float]] = []
+        if checkpoints:
+            full = length // block_size
+            end_points = {full} if full else set()
+            if model == "junctions" and held and chain[held - 1][0] != resume_key:
+                end_points.add(held)
+            if interval_blocks:
+                end_points.update(range(interval_blocks, len(chain) + 1, interval_blocks))
+                end_points.discard(len(chain) if length % block_size else -1)
+            for m in sorted(end_points):
+                p = sum(t for _, t in chain[:m])
+                if ("cp", chain[m - 1][0]) not in lru:
+                    stored_checkpoints += 1
+                touched.append((("cp", chain[m - 1][0]), checkpoint_bytes(p)))
+            if resume_key is not None:
+                touched.append((("cp", resume_key), 0.0))
+        touched += [(key, tokens * growing_bytes_per_token) for key, tokens in reversed(chain)]
+        for key, size in touched:
+            old = lru.pop(key, None)
+            if old is not None:
+                size = old
+            elif not size:
+                continue
+            if size > capacity_bytes:
+                continue
+            lru[key] = size
+            if old is None:
+                used += size
+        while used > capacity_bytes:
+            _, size = lru.popitem(last=False)
+            used -= size
+            evicted += size
+    return CeilingResult(model, hit_total, prompt_total, n, int(evicted), stored_checkpoints)

@@ -1,0 +1,471 @@
+"""A cluster in the simulator: N replicas of one engine behind a KV-aware router, on one clock.
+
+Each replica is a simulated engine of its own (``ReplicaSim``: the real scheduler and a
+``KVCacheManager`` device pool, same model and GPU, timed by the same cost model). The router
+(``hybridkv.cluster``) is the one deployed in front of real replicas: its ``ClusterIndex`` is fed
+the replicas' own KV events (each step's ``take_events()`` as one numbered vLLM-format batch,
+delivered in process: no ZMQ), and each arriving request goes where ``routing.Policy`` ranks first:
+
+* ``hybrid_exact``: least ``(prompt - predicted hit) + load_weight * queue + kv_weight * usage``,
+  the hit predicted with the hybrid rules (full-attention chain, window blocks at the hit point);
+* ``prefix``: the same cost with the full-attention chain alone (what deployed routers index);
+* ``least_loaded``: the cost without the hit term; ``round_robin``: in turn.
+
+The clock: every replica runs its next step when it is the earliest thing to happen; a request
+arriving at ``t`` is routed with the events of every step simulated so far (a step's stores are
+delivered when the step is simulated, so a request that arrives while a step runs is routed with
+what that step will have cached when the request can first be admitted).
+
+Tiers (``SimConfig.tiers``): ``host`` and ``disk`` tiers are per replica (each machine has its own);
+``net`` tiers are one store every replica reads and writes (a shared Redis). The index is fed device
+events only: a tier's contents do not steer routing.
+
+Summary keys (besides the single-engine ones, summed or pooled over replicas): ``instances``,
+``router``, ``routed`` (requests per replica), ``replica_hit_rates``, ``predicted_hit_tokens`` (the
+router's prediction for the replica it chose), ``prediction_equal`` / ``prediction_over`` /
+``prediction_under`` (requests whose device hit at first admission equalled / fell short of /
+exceeded that prediction: the cache changes between routing and admission), ``chain_over_requests``
+and ``chain_over_tokens`` (requests where a full-attention-only index predicted more than the hybrid
+rule for the chosen replica, and by how much), ``hit_policy_disagreements`` (requests where the replica
+with the best chain-only prediction is not the one with the best exact prediction).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.cluster.events import from_core_events, group_metadata, make_batch
+from hybridkv.cluster.hashes import HybridkvHashes
+from hybridkv.cluster.index import ClusterIndex
+from hybridkv.cluster.replica import RequestKeys
+from hybridkv.cluster.routing import POLICIES, BackendState, Policy
+from hybridkv.cluster.scrape import BackendLoad
+from hybridkv.core import BlockHasher, KVCacheManager, Sequence, capacity_report
+from hybridkv.errors import InvalidInputError, SequenceTooLongError
+from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig
+from hybridkv.sim.cost_model import CostModel, SeqWork, calibrate
+from hybridkv.sim.simulator import SimConfig, SimResult, _percentile, build_manager, cost_model, tier_storage
+from hybridkv.sim.synthetic import TierKeyedSequence
+from hybridkv.sim.tiers import SimConnector, SimTier, SimTiers
+from hybridkv.sim.workloads import SimRequest, Workload, release_time
+
+ROUTERS = POLICIES
+"""The routing policies: ``hybrid_exact``, ``prefix``, ``least_loaded``, ``round_robin``."""
+
+SHARED_TIER_KINDS = ("net",)
+"""Tier kinds one store serves to every replica (the others are per replica)."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster around the simulated engine: how many replicas, and how requests are routed."""
+
+    instances: int = 2
+    router: str = "hybrid_exact"
+    load_weight: float = 256.0
+    """Prompt tokens one queued request weighs in the cost (``routing.Policy``)."""
+    kv_weight: float = 1024.0
+    """Prompt tokens a full KV cache weighs in the cost."""
+
+    def __post_init__(self) -> None:
+        if type(self.instances) is not int or self.instances < 1:
+            raise InvalidInputError(f"instances must be a positive integer, got {self.instances!r}")
+        Policy(self.router, load_weight=self.load_weight, kv_weight=self.kv_weight)  # validates
+
+
+CLUSTER_OPTIONS = ("router", "instances", "load_weight", "kv_weight")
+"""The ``--compare`` options that vary the cluster rather than the simulated system."""
+
+
+def cluster_variants(base: ClusterConfig, compare: str) -> list[tuple[str, ClusterConfig]]:
+    """One cluster per value of ``OPTION=V1,V2`` (an option of ``CLUSTER_OPTIONS``)."""
+    key, _, values = compare.partition("=")
+    name = key.strip().replace("-", "_")
+    if name not in CLUSTER_OPTIONS:
+        raise InvalidInputError(f"--compare: {key!r} is not a cluster option ({', '.join(CLUSTER_OPTIONS)})")
+    out = []
+    for raw in (v.strip() for v in values.split(",")):
+        value: object = raw
+        try:
+            if name == "instances":
+                value = int(raw)
+            elif name != "router":
+                value = float(raw)
+        except ValueError:
+            raise InvalidInputError(f"--compare {key}: {raw!r} is not a number") from None
+        if name == "router" and raw not in ROUTERS:
+            raise InvalidInputError(f"--compare router: unknown router {raw!r}; choose from {', '.join(ROUTERS)}")
+        fields = {"instances": base.instances, "router": base.router, "load_weight": base.load_weight,
+                  "kv_weight": base.kv_weight, name: value}
+        out.append((f"{name}={raw}", ClusterConfig(**fields)))  # type: ignore[arg-type]
+    return out
+
+
+class SequenceKeys(RequestKeys):
+    """A request's keys for the index taken from the sequence the replica will run: the same block
+    hashes its manager computes (a simulated sequence has no token ids to hash again)."""
+
+    __slots__ = ("hasher",)
+
+    def __init__(self, seq: Sequence, hasher: BlockHasher) -> None:  # the base would hash token ids
+        self.sequence = seq
+        self.token_ids = []
+        self.cache_salt = None  # in the sequence's hashes already
+        self.hasher = hasher
+        self._chains = {}
+        self._groups = {}
+
+    def hashes(self, scheme: object, hash_block_size: int, block_size: int, short: bool) -> list[bytes]:
+        key = ("sequence", hash_block_size, block_size, short)
+        found = self._groups.get(key)
+        if found is None:
+            base = list(self.sequence.block_hashes(self.hasher, hash_block_size))
+            k = block_size // hash_block_size
+            found = base if k == 1 else base[k - 1 :: k]
+            if short:
+                found = [h[-8:] for h in found]
+            self._groups[key] = found
+        return found
+
+
+class ReplicaSim:
+    """One simulated engine of the cluster: its scheduler, device pool and tiers, and its clock."""
+
+    def __init__(self, name: str, cfg: SimConfig, workload: Workload, cost: CostModel,
+                 shared_tiers: dict[int, SimTier]) -> None:
+        planned, self.plan = build_manager(cfg)
+        self.mgr = KVCacheManager(planned.layout, planned.max_model_len, planned.max_num_batched_tokens,
+                                  cfg.enable_prefix_caching, retention=cfg.retention, enable_events=True)
+        self.name = name
+        self.cost = cost
+        self.tiers: SimTiers | None = None
+        if cfg.tiers:
+            self.tiers = _replica_tiers(cfg, workload, self.mgr, shared_tiers)
+        self.sched = Scheduler(self.mgr, SchedulerConfig(
+            max_num_batched_tokens=self.mgr.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold, policy=cfg.policy,
+            admission=cfg.admission), connector=self.tiers.connector if self.tiers is not None else None)
+        self.metadata = group_metadata(self.mgr.layout)
+        self.now = 0.0
+        """When this replica's next step starts."""
+        self.batches = 0
+        self.steps = 0
+        self.peak_running = 0
+        self.usage_sum = 0.0
+        self.usage_max = 0.0
+
+    def step(self, index: ClusterIndex, run: ClusterRun) -> list[str]:
+        """Run one engine step at ``self.now`` (or wait for a tier load); returns the requests that
+        ended (finished or rejected). The step's KV events go to ``index``."""
+        sched, tiers = self.sched, self.tiers
+        if tiers is not None:
+            tiers.clock.now = self.now
+        out = sched.schedule()
+        for sid in out.admitted:
+            run.hits.setdefault(sid, sched.requests[sid].num_hit_tokens)
+        load_s = 0.0
+        if tiers is not None:
+            for sid in out.admitted:
+                run.tier_tokens.setdefault(sid, sched.requests[sid].num_external_tokens)
+            if out.external:
+                load_s = tiers.admit(out.external)
+        work = []
+        for sid, n in out.num_scheduled_tokens.items():
+            seq = sched.requests[sid].seq
+            c = seq.num_computed_tokens
+            work.append(SeqWork(n, c, sampled=c + n == seq.num_tokens))
+        if not work and not load_s and not out.rejected:  # every waiting request waits for its tier load
+            later = [r.load.ready_at for r in sched.waiting
+                     if r.load is not None and not r.load.done() and r.load.ready_at > self.now]
+            if not later:
+                raise RuntimeError(f"simulation stalled: {self.name}'s waiting requests can neither load nor "
+                                   f"be admitted")
+            self.now = min(later)
+            return []
+        self.now += self.cost.step_time(work, load_s) if work else load_s
+        now = self.now
+        self.steps += 1
+        self.peak_running = max(self.peak_running, len(sched.running))
+        sampled = {}
+        stores = []
+        for sid, n in out.num_scheduled_tokens.items():
+            seq = sched.requests[sid].seq
+            if tiers is not None:
+                stores.append((sid, seq, seq.num_computed_tokens, n))
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sampled[sid] = (1,)
+                run.token(sid, now)
+        later_stores = []
+        for sid, seq, start, n in stores:  # write-through, as the single-engine simulator does
+            if sid in sampled and (seq.num_output_tokens + 1 >= sched.requests[sid].max_new_tokens
+                                   or seq.num_tokens + 1 >= self.mgr.max_model_len):
+                tiers.store(seq, start, n)  # type: ignore[union-attr]
+            else:
+                later_stores.append((seq, start, n))
+        finished = sched.update(out, sampled)
+        for seq, start, n in later_stores:
+            tiers.store(seq, start, n)  # type: ignore[union-attr]
+        events = self.mgr.take_events()
+        if events:
+            index.deliver(self.name, self.batches, make_batch(from_core_events(events, self.metadata)))
+            self.batches += 1
+        usage = self.mgr.usage
+        self.usage_sum += usage
+        self.usage_max = max(self.usage_max, usage)
+        run.rejected += len(out.rejected)
+        return [r.seq_id for r in finished] + [sid for sid, _ in out.rejected]
+
+    def backend(self) -> BackendState:
+        """This replica as the router sees it: requests running and waiting, KV usage."""
+        running, waiting = len(self.sched.running), len(self.sched.waiting)
+        return BackendState(self.name, "", inflight=running + waiting,
+                            load=BackendLoad(running, waiting, self.mgr.usage))
+
+
+def _replica_tiers(cfg: SimConfig, workload: Workload, mgr: KVCacheManager,
+                   shared: dict[int, SimTier]) -> SimTiers:
+    """A replica's tiers: its own host and disk tiers, the cluster's one store for each ``net`` tier."""
+    if cfg.tier_loads not in ("async", "blocking"):
+        raise InvalidInputError(f"tier_loads must be 'async' or 'blocking', got {cfg.tier_loads!r}")
+    tiers = SimTiers(cfg.tiers, mgr, namespace=f"sim/{cfg.model}/{cfg.kv_dtype}",
+                     storage=tier_storage(cfg, workload), async_loads=cfg.tier_loads == "async",
+                     load_timeout_s=cfg.tier_load_timeout_s)
+    for i, spec in enumerate(cfg.tiers):
+        if spec.kind in SHARED_TIER_KINDS:
+            tiers.tiers[i] = shared.setdefault(i, tiers.tiers[i])
+    old = tiers.connector
+    tiers.connector = SimConnector(tiers.tiers, mgr, clock=tiers.clock, block_bytes=tiers.block_bytes,
+                                   async_loads=old.async_loads, load_timeout_s=old.load_timeout_s,
+                                   namespace=f"sim/{cfg.model}/{cfg.kv_dtype}",
+                                   payload_bytes=dict.fromkeys(tiers.block_bytes, 1), storage=old.storage)
+    return tiers
+
+
+class ClusterRun:
+    """Per-request bookkeeping of one cluster simulation."""
+
+    def __init__(self) -> None:
+        self.arrival: dict[str, float] = {}
+        self.hits: dict[str, int] = {}
+        self.tier_tokens: dict[str, int] = {}
+        self.first_token: dict[str, float] = {}
+        self.last_token: dict[str, float] = {}
+        self.finish: dict[str, float] = {}
+        self.replica: dict[str, str] = {}
+        self.predicted: dict[str, int] = {}
+        self.itl = array("d")
+        self.output_tokens = 0
+        self.rejected = 0
+        self.too_long = 0
+        self.chain_over_requests = 0
+        self.chain_over_tokens = 0
+        self.disagreements = 0
+
+    def token(self, sid: str, now: float) -> None:
+        """``sid`` sampled a token at ``now``."""
+        if sid in self.first_token:
+            self.itl.append(now - self.last_token[sid])
+        else:
+            self.first_token[sid] = now
+        self.last_token[sid] = now
+        self.output_tokens += 1
+
+
+class Router:
+    """The cluster's router: an index fed by the replicas' events and a routing policy."""
+
+    def __init__(self, cluster: ClusterConfig, replicas: list[ReplicaSim]) -> None:
+        mgr = replicas[0].mgr
+        self.index = ClusterIndex(max_model_len=mgr.max_model_len)
+        for r in replicas:
+            self.index.add_replica(r.name, scheme=HybridkvHashes(), layout=r.mgr.layout)
+        self.policy = Policy(cluster.router, load_weight=cluster.load_weight, kv_weight=cluster.kv_weight)
+        self.replicas = {r.name: r for r in replicas}
+        self.hasher = mgr.hasher
+
+    def route(self, seq: Sequence, run: ClusterRun) -> ReplicaSim:
+        """The replica ``seq`` goes to; records the prediction for it."""
+        backends = [r.backend() for r in self.replicas.values()]
+        if not self.policy.uses_hits:
+            chosen = self.replicas[self.policy.rank(backends, {}, seq.num_tokens).order[0]]
+            run.replica[seq.seq_id] = chosen.name
+            return chosen
+        keys = SequenceKeys(seq, self.hasher)
+        exact = {n: p.tokens for n, p in self.index.lookup_keys(keys).items()}
+        chain = {n: p.tokens for n, p in self.index.lookup_keys(keys, chain_only=True).items()}
+        predicted = exact if self.policy.name == "hybrid_exact" else chain
+        chosen = self.replicas[self.policy.rank(backends, predicted, seq.num_tokens).order[0]]
+        run.replica[seq.seq_id] = chosen.name
+        run.predicted[seq.seq_id] = predicted[chosen.name]
+        over = chain[chosen.name] - exact[chosen.name]
+        if over > 0:
+            run.chain_over_requests += 1
+            run.chain_over_tokens += over
+        # Would the replica a chain-only index likes best serve less than the best replica does?
+        top = max(chain.values())
+        if max(exact[n] for n, t in chain.items() if t == top) < max(exact.values()):
+            run.disagreements += 1
+        return chosen
+
+
+def _sequence(req: SimRequest) -> Sequence:
+    """The request as the replicas run it: bytes block hashes (the index keys events by them)."""
+    if req.token_ids is not None:
+        return Sequence(req.request_id, req.token_ids, req.cache_salt)
+    return TierKeyedSequence(req.request_id, req.segments, req.cache_salt)
+
+
+def simulate_cluster(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, *,
+                     progress: Callable[[int, int], None] | None = None) -> SimResult:
+    """Run ``workload`` on ``cluster.instances`` replicas of the system ``cfg`` behind ``cluster.router``."""
+    cost = cost_model(cfg)
+    if cfg.calibration is not None:
+        cost = calibrate(cost, cfg.calibration)
+    shared: dict[int, SimTier] = {}
+    replicas = [ReplicaSim(f"replica-{i}", cfg, workload, cost, shared) for i in range(cluster.instances)]
+    router = Router(cluster, replicas)
+    run = ClusterRun()
+    requests = workload.requests
+    total = len(requests)
+    by_id = {r.request_id: r for r in requests}
+    order = {r.request_id: i for i, r in enumerate(requests)}
+    last_of_conv: dict[str, str] = {}
+    blocked_by: dict[str, str] = {}
+    for r in sorted(requests, key=lambda r: (r.conversation_id or "", r.turn)):
+        if r.conversation_id is not None:
+            if r.conversation_id in last_of_conv:
+                blocked_by[last_of_conv[r.conversation_id]] = r.request_id
+            last_of_conv[r.conversation_id] = r.request_id
+    waits_for = set(blocked_by.values())
+    ready = [(r.arrival_time, order[r.request_id], r.request_id) for r in requests if r.request_id not in waits_for]
+    heapq.heapify(ready)
+    concurrency = workload.concurrency
+    in_flight = done = 0
+    clock = 0.0
+
+    def ended(rid: str, now: float) -> None:
+        nonlocal done
+        run.finish[rid] = now
+        done += 1
+        nxt = blocked_by.get(rid)
+        if nxt is not None:
+            heapq.heappush(ready, (release_time(by_id[nxt], now, workload.think_time_s), order[nxt], nxt))
+
+    while done < total:
+        busy = [r for r in replicas if r.sched.has_unfinished]
+        t_step = min((r.now for r in busy), default=math.inf)
+        may_arrive = bool(ready) and (concurrency is None or in_flight < concurrency)
+        t_arrive = max(clock, ready[0][0]) if may_arrive else math.inf
+        if may_arrive and t_arrive <= t_step:
+            _, _, rid = heapq.heappop(ready)
+            clock = t_arrive
+            req = by_id[rid]
+            run.arrival[rid] = clock if concurrency else req.arrival_time
+            seq = _sequence(req)
+            target = router.route(seq, run)
+            was_idle = not target.sched.has_unfinished
+            try:
+                target.sched.add(seq, req.max_new_tokens)
+            except SequenceTooLongError:  # longer than max_model_len: rejected, as an engine does
+                run.rejected += 1
+                run.too_long += 1
+                ended(rid, clock)
+                continue
+            in_flight += 1
+            if was_idle:
+                target.now = max(target.now, clock)
+            continue
+        if not busy:
+            raise RuntimeError("simulation stalled: requests remain but none can arrive")
+        replica = min(busy, key=lambda r: r.now)
+        clock = max(clock, replica.now)
+        finished = replica.step(router.index, run)
+        for rid in finished:
+            in_flight -= 1
+            ended(rid, replica.now)
+        if progress and finished:
+            progress(done, total)
+    return SimResult(cfg, workload.name, _summary(workload, cfg, cluster, replicas, run), [],
+                     sorted(run.first_token[s] - run.arrival[s] for s in run.first_token), _per_request(requests, run))
+
+
+def _per_request(requests: list[SimRequest], run: ClusterRun) -> dict[str, dict[str, float]]:
+    """``SimResult.requests``, with the replica each request went to (its number) and the hit predicted there."""
+    out: dict[str, dict[str, float]] = {}
+    for r in requests:
+        rid = r.request_id
+        if rid in run.arrival:
+            replica = int(run.replica[rid].rsplit("-", 1)[1]) if rid in run.replica else -1
+            out[rid] = {"replica": replica, "hit_tokens": run.hits.get(rid, 0),
+                        "tier_tokens": run.tier_tokens.get(rid, 0),
+                        "predicted_hit_tokens": run.predicted.get(rid, 0), "arrival_s": run.arrival[rid],
+                        "ttft_s": run.first_token[rid] - run.arrival[rid] if rid in run.first_token else math.nan,
+                        "latency_s": run.finish[rid] - run.arrival[rid], "finish_s": run.finish[rid]}
+    return out
+
+
+def _summary(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, replicas: list[ReplicaSim],
+             run: ClusterRun) -> dict[str, Any]:
+    """The single-engine summary keys, pooled over replicas, and the cluster's own."""
+    now = max(r.now for r in replicas)
+    ttfts = sorted(run.first_token[s] - run.arrival[s] for s in run.first_token)
+    itl = sorted(run.itl)
+    hit = sum(r.mgr.stats.hit_tokens for r in replicas)
+    queried = sum(r.mgr.stats.queried_tokens for r in replicas)
+    external = sum(r.mgr.stats.external_tokens for r in replicas)
+    finished = sum(r.sched.stats.finished for r in replicas)
+    steps = sum(r.steps for r in replicas)
+    equal = over = under = 0
+    for rid, p in run.predicted.items():
+        found = run.hits.get(rid)
+        if found is None:
+            continue
+        equal += found == p
+        over += found < p
+        under += found > p
+    tiers = [r.tiers for r in replicas if r.tiers is not None]
+    distinct: dict[int, SimTier] = {id(t): t for ts in tiers for t in ts.tiers}
+    routed = {r.name: 0 for r in replicas}
+    for name in run.replica.values():
+        routed[name] += 1
+    plan = replicas[0].plan
+    if cfg.kv_cache_tokens is not None:
+        mgr = replicas[0].mgr
+        rep = capacity_report(mgr.layout, max_model_len=mgr.max_model_len,
+                              max_num_batched_tokens=mgr.max_num_batched_tokens)
+        plan = {"kv_capacity_tokens": rep.token_capacity, "max_concurrency": rep.max_concurrency}
+    return {
+        "workload": workload.name, "model": cfg.model, "gpu": cfg.gpu, "retention": replicas[0].mgr.retention.name,
+        "admission": cfg.admission, "requests": len(workload.requests), "finished": finished,
+        "rejected": run.rejected, "rejected_too_long": run.too_long,
+        "preemptions": sum(r.sched.stats.preemptions for r in replicas), "steps": steps, "duration_s": now,
+        "output_tokens": run.output_tokens,
+        "throughput_tokens_per_s": run.output_tokens / now if now else 0.0,
+        "throughput_requests_per_s": finished / now if now else 0.0,
+        "prefix_hit_rate": hit / queried if queried else 0.0, "hit_tokens": hit, "queried_tokens": queried,
+        "ttft_p50_s": _percentile(ttfts, 0.5), "ttft_p90_s": _percentile(ttfts, 0.9),
+        "ttft_p99_s": _percentile(ttfts, 0.99), "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
+        "itl_p50_s": _percentile(itl, 0.5), "itl_p90_s": _percentile(itl, 0.9), "itl_p99_s": _percentile(itl, 0.99),
+        "kv_capacity_tokens": plan.get("kv_capacity_tokens"), "num_blocks": replicas[0].mgr.layout.num_blocks,
+        "max_concurrency": plan.get("max_concurrency"), "peak_running": max(r.peak_running for r in replicas),
+        "kv_usage_mean": sum(r.usage_sum for r in replicas) / steps if steps else 0.0,
+        "kv_usage_max": max(r.usage_max for r in replicas),
+        "tiers": [t.label for t in cfg.tiers], "tier_hit_tokens": external,
+        "tier_hit_rate": external / queried if queried else 0.0,
+        "total_hit_rate": (hit + external) / queried if queried else 0.0,
+        "tier_load_s": sum(sum(t.load_s) for t in tiers), "tier_loads": cfg.tier_loads if tiers else None,
+        "tier_storage": tiers[0].connector.storage.name if tiers else None,
+        "tier_stored_bytes": sum(t.stats.bytes_written for t in distinct.values()),
+        "tier_lookup_probes": sum(t.connector.stats.probes for t in tiers), "tier_stats": {},
+        "instances": cluster.instances, "router": cluster.router, "routed": routed,
+        "replica_hit_rates": {r.name: r.mgr.stats.hit_rate for r in replicas},
+        "predicted_hit_tokens": sum(run.predicted.values()),
+        "prediction_equal": equal, "prediction_over": over, "prediction_under": under,
+        "chain_over_requests": run.chain_over_requests, "chain_over_tokens": run.chain_over_tokens,
+        "hit_policy_disagreements": run.disagreements,
+    }

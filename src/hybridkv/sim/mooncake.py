@@ -1,0 +1,106 @@
+"""Mooncake traces: the request logs of the Mooncake FAST'25 trace release, read as a workload.
+
+Each line is one request::
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48, ..., 2354]}
+
+``timestamp`` is the arrival in milliseconds from the start; ``hash_ids`` name the prompt's blocks of
+``block_size`` (512) tokens, the last one partial when ``input_length`` is not a multiple of it. Equal
+ids hold equal tokens (and, since the ids are remapped prefix hashes, an equal prefix): two requests
+whose lists start with the same 12 ids share their first ``12 * 512`` tokens.
+
+A request becomes a ``SimRequest`` whose prompt is one content run per id (``mooncake:<id>``, 512
+tokens, the last run ``input_length - 512 * (len(hash_ids) - 1)``), so the simulator's block hashes
+chain exactly where the trace's ids do: a prefix shared in the trace is shared in the simulation,
+to the token, and nothing else is. Request ``i`` (0-based, in file order) is ``mooncake-<i>``.
+
+Arrivals: open loop at ``timestamp / 1000 * time_scale`` seconds (``time_scale`` 0.5 replays twice as
+fast), or, with ``concurrency``, a closed loop in file order that ignores the timestamps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from hybridkv.errors import InvalidInputError
+from hybridkv.sim.trace import numbered_lines
+from hybridkv.sim.workloads import SimRequest, Workload
+
+__all__ = ["MOONCAKE_BLOCK_SIZE", "read_mooncake"]
+
+MOONCAKE_BLOCK_SIZE = 512
+"""Tokens per ``hash_ids`` entry in the Mooncake traces."""
+
+_KEYS = frozenset({"timestamp", "input_length", "output_length", "hash_ids"})
+
+
+def _int_field(obj: dict[str, object], key: str, minimum: int, where: str) -> int:
+    value = obj.get(key)
+    if value is None:
+        raise InvalidInputError(f"{where}: missing required field '{key}'")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidInputError(f"{where}: field '{key}' must be an integer >= {minimum}; got {value!r}")
+    return value
+
+
+def _request(obj: object, index: int, where: str, block_size: int, time_scale: float | None) -> SimRequest:
+    if not isinstance(obj, dict):
+        raise InvalidInputError(f"{where}: expected a JSON object; got {type(obj).__name__}")
+    unknown = sorted(set(obj) - _KEYS)
+    if unknown:
+        raise InvalidInputError(f"{where}: unknown field '{unknown[0]}'; a Mooncake request has "
+                                f"{', '.join(sorted(_KEYS))}")
+    stamp = obj.get("timestamp")
+    if (not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not math.isfinite(stamp)
+            or stamp < 0):
+        raise InvalidInputError(f"{where}: field 'timestamp' must be a finite number of ms >= 0; got {stamp!r}")
+    length = _int_field(obj, "input_length", 1, where)
+    output = _int_field(obj, "output_length", 0, where)
+    ids = obj.get("hash_ids")
+    if not isinstance(ids, list) or not ids:
+        raise InvalidInputError(f"{where}: field 'hash_ids' must be a non-empty list of integers; got {ids!r}")
+    if any(not isinstance(h, int) or isinstance(h, bool) for h in ids):
+        raise InvalidInputError(f"{where}: field 'hash_ids' must hold integers; found "
+                                f"{next(h for h in ids if not isinstance(h, int) or isinstance(h, bool))!r}")
+    blocks = -(-length // block_size)
+    if len(ids) != blocks:
+        raise InvalidInputError(f"{where}: {len(ids)} hash_ids for input_length {length}; blocks of {block_size} "
+                                f"tokens need {blocks}")
+    last = length - block_size * (blocks - 1)
+    segments = tuple((f"mooncake:{h}", block_size) for h in ids[:-1]) + ((f"mooncake:{ids[-1]}", last),)
+    arrival = stamp / 1000.0 * time_scale if time_scale is not None else 0.0
+    # A request with no output in the log still samples its first token.
+    return SimRequest(f"mooncake-{index}", arrival, segments, max(1, output))
+
+
+def read_mooncake(path: str | os.PathLike[str], *, time_scale: float = 1.0, concurrency: int | None = None,
+                  limit: int | None = None, block_size: int = MOONCAKE_BLOCK_SIZE) -> Workload:
+    """The workload of a Mooncake trace file (gzip when the name ends with '.gz'): its first ``limit``
+    requests (all by default), open loop at ``time_scale`` times the logged arrivals, or a closed loop
+    of ``concurrency`` requests in flight. Errors name ``path:line`` and the field."""
+    if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
+        raise InvalidInputError(f"concurrency must be a positive integer, got {concurrency!r}")
+    if not isinstance(time_scale, (int, float)) or not math.isfinite(time_scale) or time_scale <= 0:
+        raise InvalidInputError(f"time_scale must be a positive number, got {time_scale!r}")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise InvalidInputError(f"limit must be a positive integer, got {limit!r}")
+    p = os.fspath(path)
+    scale = None if concurrency is not None else float(time_scale)
+    requests: list[SimRequest] = []
+    for lineno, text in numbered_lines(p):
+        if limit is not None and len(requests) >= limit:
+            break
+        where = f"{p}:{lineno}"
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidInputError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+        requests.append(_request(obj, len(requests), where, block_size, scale))
+    if not requests:
+        raise InvalidInputError(f"{p}: no requests in the file")
+    requests.sort(key=lambda r: r.arrival_time)  # stable: the file order breaks ties
+    name = Path(p).name.removesuffix(".gz").removesuffix(".jsonl")
+    return Workload(requests, concurrency, name, 0.0, content_block_size=block_size)

@@ -1,0 +1,109 @@
+"""A simulated cluster: replicas behind a router whose index follows their KV events."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.cli import main
+from hybridkv.errors import InvalidInputError
+from hybridkv.sim.cluster import ClusterConfig, cluster_variants, simulate_cluster
+from hybridkv.sim.simulator import SimConfig
+from hybridkv.sim.workloads import SimRequest, Workload
+
+# Gemma 3 27B (full attention + 1,024-token sliding windows) with room for 100,000 tokens per replica.
+CFG = SimConfig(model="gemma-3-27b", kv_cache_tokens=100_000)
+
+
+def _request(i: int, at: float, *runs: tuple[str, int]) -> SimRequest:
+    return SimRequest(f"r{i}", at, tuple(runs), 4)
+
+
+def _spaced(*prompts: tuple[tuple[str, int], ...], gap: float = 5.0) -> Workload:
+    """One request every ``gap`` seconds: each finishes before the next arrives."""
+    return Workload([_request(i, i * gap, *runs) for i, runs in enumerate(prompts)], None, "spaced")
+
+
+def test_hybrid_exact_sends_a_shared_prefix_to_the_replica_that_holds_it() -> None:
+    work = _spaced((("A", 4096), ("a1", 200)), (("B", 4096), ("b1", 200)), (("A", 4096), ("a2", 300)),
+                   (("B", 4096), ("b2", 300)), (("A", 4096), ("a3", 100)))
+    res = simulate_cluster(work, CFG, ClusterConfig(instances=4, router="hybrid_exact"))
+    replica = {rid: r["replica"] for rid, r in res.requests.items()}
+    assert replica["r2"] == replica["r4"] == replica["r0"]
+    assert replica["r3"] == replica["r1"] != replica["r0"]
+    assert [res.requests[f"r{i}"]["hit_tokens"] for i in range(5)] == [0, 0, 4096, 4096, 4096]
+
+
+def test_round_robin_spreads_requests_that_share_a_prefix() -> None:
+    work = _spaced(*[(("A", 2048), (f"s{i}", 100)) for i in range(8)], gap=2.0)
+    res = simulate_cluster(work, CFG, ClusterConfig(instances=4, router="round_robin"))
+    assert sorted(res.summary["routed"].values()) == [2, 2, 2, 2]
+    exact = simulate_cluster(work, CFG, ClusterConfig(instances=4, router="hybrid_exact"))
+    assert exact.summary["hit_tokens"] == 7 * 2048  # every request after the first hits on one replica
+    assert res.summary["hit_tokens"] == 4 * 2048  # each replica computes the prefix once
+
+
+def test_the_predicted_hit_is_the_hit_the_chosen_replica_finds() -> None:
+    # Prefixes of several lengths, revisited at different depths, with a pool that evicts.
+    prompts = []
+    for i in range(16):
+        base = ("P", 6144) if i % 2 else ("Q", 3072)
+        prompts.append((base, (f"mid{i % 3}", 1024 * (1 + i % 4)), (f"own{i}", 300)))
+    for router in ("hybrid_exact", "prefix"):
+        res = simulate_cluster(_spaced(*prompts, gap=4.0), CFG, ClusterConfig(instances=3, router=router))
+        found = {rid: r["hit_tokens"] for rid, r in res.requests.items()}
+        predicted = {rid: r["predicted_hit_tokens"] for rid, r in res.requests.items()}
+        assert sum(found.values()) > 16 * 3072 // 2
+        if router == "hybrid_exact":
+            assert predicted == found
+            assert res.summary["prediction_equal"] == 16
+
+
+def test_a_chain_only_index_over_predicts_where_the_window_blocks_are_gone() -> None:
+    # r0 caches P + Q; its window blocks inside P were freed as the window moved on, its full-attention
+    # blocks only when r0 finished. The Y requests that follow evict the window blocks first: P's
+    # chain is still cached, the windows at its end are not, and r4 (P + R) can use none of it.
+    prompts = [(("P", 8192), ("Q", 8192))] + [((f"Y{i}", 2000),) for i in range(3)] + [(("P", 8192), ("R", 500))]
+    res = simulate_cluster(_spaced(*prompts), CFG, ClusterConfig(instances=1, router="hybrid_exact"))
+    assert (res.summary["chain_over_requests"], res.summary["chain_over_tokens"]) == (1, 8192)
+    assert res.requests["r4"]["predicted_hit_tokens"] == res.requests["r4"]["hit_tokens"] == 0
+
+
+def test_compare_router_builds_one_cluster_per_router() -> None:
+    got = cluster_variants(ClusterConfig(instances=8), "router=round_robin,prefix")
+    assert [(label, c.router, c.instances) for label, c in got] == [
+        ("router=round_robin", "round_robin", 8), ("router=prefix", "prefix", 8)]
+    with pytest.raises(InvalidInputError, match="unknown router 'nearest'"):
+        cluster_variants(ClusterConfig(), "router=nearest")
+    with pytest.raises(InvalidInputError, match="instances must be a positive integer"):
+        cluster_variants(ClusterConfig(), "instances=0")
+
+
+BASE = ["simulate", "--workload", "shared-prefix", "--requests", "6", "--prefixes", "2", "--prefix-len", "1024",
+        "--kv-cache-tokens", "50000", "--no-progress"]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--router", "prefix"], "--router needs --instances N"),
+    (["--compare", "router=prefix,hybrid_exact"], "needs --instances N"),
+    (["--instances", "2", "--compare", "router=prefix,nearest"], "unknown router 'nearest'"),
+    (["--instances", "2", "--plot", "out.png"], "a cluster (--instances) has none"),
+    (["--instances", "0"], "--instances"),
+    (["--instances", "2", "--load-weight", "-1"], "--load-weight"),
+])
+def test_cli_rejects_bad_cluster_options_with_one_line_and_status_2(
+        capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
+    try:
+        status = main([*BASE, *extra])
+    except SystemExit as exc:  # the argument parser's own errors
+        status = exc.code  # type: ignore[assignment]
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_cli_compares_routers_on_a_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*BASE, "--instances", "2", "--compare", "router=round_robin,hybrid_exact"]) == 0
+    out = capsys.readouterr().out
+    assert "router=round_robin" in out and "router=hybrid_exact" in out
+    assert "2 / hybrid_exact" in out
