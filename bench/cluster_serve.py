@@ -53,7 +53,7 @@ def free_port() -> int:
 
 
 def workload(prefixes: int, requests: int, seed: int = 5) -> list[str]:
-    """Prompts: a ~300-token document per prefix plus a question, interleaved across prefixes."""
+    """Prompts: a ~300-token document per prefix plus a question, the documents in a random order."""
     rng = random.Random(seed)
     docs = []
     for i in range(prefixes):
@@ -63,8 +63,16 @@ def workload(prefixes: int, requests: int, seed: int = 5) -> list[str]:
         docs.append(" ".join(sentences))
     questions = ["What was decided?", "Who attended?", "How many points were recorded?", "When is the next meeting?",
                  "Which item mattered most?", "What did the members ask?", "Summarise the minutes.", "Any objections?"]
-    prompts = [f"{docs[i % prefixes]}\nQuestion {i // prefixes}: {questions[(i // prefixes) % len(questions)]}\nAnswer:"
-               for i in range(requests)]
+    # Each document's questions arrive in a random order, as real traffic does (a fixed cycle over the
+    # documents would let round robin map each document to one replica by accident).
+    order = [i % prefixes for i in range(requests)]
+    rng.shuffle(order)
+    asked = [0] * prefixes
+    prompts = []
+    for doc in order:
+        k = asked[doc]
+        asked[doc] += 1
+        prompts.append(f"{docs[doc]}\nQuestion {k}: {questions[k % len(questions)]}\nAnswer:")
     return prompts
 
 
