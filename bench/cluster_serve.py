@@ -179,6 +179,9 @@ def main() -> int:
     ap.add_argument("--no-redis", action="store_true", help="no shared Redis tier")
     ap.add_argument("--kill", action="store_true",
                     help="one more hybrid_exact run in which one replica is killed halfway through")
+    ap.add_argument("--router-args", default="",
+                    help="extra options for hybridkv route, e.g. '--load-weight 64' (default: none)")
+    ap.add_argument("--no-big", action="store_true", help="skip the single big replica")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     env = {**os.environ, "HYBRIDKV_TIER_KEY": os.environ.get("HYBRIDKV_TIER_KEY", "bench-cluster-tier-key-0123456789")}
@@ -211,7 +214,7 @@ def main() -> int:
                 for r in replicas:
                     wait_ready(r.url, r.proc)
                 rport = free_port()
-                cmd = [*HYBRIDKV, "route", "--port", str(rport), "--policy", policy]
+                cmd = [*HYBRIDKV, "route", "--port", str(rport), "--policy", policy, *args.router_args.split()]
                 for r in replicas:
                     cmd += ["--backend", r.backend()]
                 router = subprocess.Popen(cmd, stdout=open(tmp / f"router-{policy}.log", "w"),  # noqa: SIM115
@@ -231,13 +234,14 @@ def main() -> int:
                 for r in replicas:
                     r.stop()
             print(f"{name:>14}: {row}", flush=True)
-        big = Replica("single-big", _times(args.pool, args.replicas), redis_url=None, env=env, log_dir=tmp)
-        try:
-            wait_ready(big.url, big.proc)
-            rows["one replica, x pool"] = send_all(big.url, prompts, salt="run-big")
-        finally:
-            big.stop()
-        print(f"{'one replica':>14}: {rows['one replica, x pool']}", flush=True)
+        if not args.no_big:
+            big = Replica("single-big", _times(args.pool, args.replicas), redis_url=None, env=env, log_dir=tmp)
+            try:
+                wait_ready(big.url, big.proc)
+                rows["one replica, x pool"] = send_all(big.url, prompts, salt="run-big")
+            finally:
+                big.stop()
+            print(f"{'one replica':>14}: {rows['one replica, x pool']}", flush=True)
     finally:
         if redis is not None:
             redis.terminate()
@@ -256,7 +260,7 @@ def main() -> int:
               f"{row['cached_tokens']:>13,} {predicted:>10,.0f} {row['failed']:>7} {row['seconds']:>8.1f}")
     if "hybrid_exact" in rows and "round_robin" in rows:
         he, rr = rows["hybrid_exact"]["device_cached_tokens"], rows["round_robin"]["device_cached_tokens"]
-        big_cached = rows["one replica, x pool"]["device_cached_tokens"]
+        big_cached = rows.get("one replica, x pool", {}).get("device_cached_tokens", 0)
         print(f"device-cached tokens, hybrid_exact / round_robin: {he / max(1, rr):.2f}x (target >= 2); "
               f"hybrid_exact / one replica with {args.replicas}x the pool: {he / max(1, big_cached):.2f} "
               f"(target >= 0.90)")
