@@ -36,7 +36,7 @@ MODELS: dict[str, dict[str, Any]] = {
 
 def measure(trace: str, requests: int, model: str, storage: str, interval: int) -> dict[str, Any]:
     w = read_mooncake(trace, concurrency=32, limit=requests)
-    cfg = SimConfig(model=model, max_model_len=131072, tiers=parse_tiers("host:1PiB"), tier_storage=storage,
+    cfg = SimConfig(model=model, max_model_len=131072, tiers=parse_tiers("host:1024TiB"), tier_storage=storage,
                     tier_checkpoint_interval=interval, **MODELS[model])
     held: dict[str, Any] = {}
     original = SimTiers.summary

@@ -100,7 +100,9 @@ def test_host_and_disk_tiers_supply_an_evicted_prefix_with_identical_outputs(
         assert [o.token_ids for o in later] == baseline[1:], tiers
         loaded = [o.num_cached_tokens + o.num_external_tokens for o in later]
         assert all(n >= shared_len - 32 for n in loaded), (tiers, loaded, shared_len)  # most of the prefix
-        assert later[0].num_external_tokens > 0 and eng.metrics.external_hits > 0
+        # Both loads run in the background: whichever finishes first is loaded, the other request then
+        # finds the prefix in the device pool (the scheduler drops a load the device has overtaken).
+        assert max(o.num_external_tokens for o in later) >= shared_len - 32 and eng.metrics.external_hits > 0
         assert eng.connector is not None and sum(eng.connector.stats.faults.values()) == 0
     # The disk tier survives a restart: a new engine on the same directory loads the prefix at once.
     eng = small_engine(weights, tokenizer, (f"disk:{tmp_path / 'kv'}:256MiB",))

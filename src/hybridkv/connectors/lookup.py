@@ -12,6 +12,9 @@ by ``HitRules.longest_hit`` -- the device cache's own hybrid rule -- over what t
 2. Every other group is asked only about the blocks ``HitRules`` reads: each group's mapping probes
    on demand, a run of ``m`` blocks around the one asked for, ``m`` doubling with every probe
    (8, 16, 32, ...), so a window found ``d`` blocks below the chain's end costs ``log2(d)`` probes.
+   Groups of one block size probe together: the probe for one asks about the same run in all of
+   them (the rules ask each of them about the same hit points), so Gemma 3's five window groups cost
+   the probes of one.
 
 The answer is a bound, not a promise: an entry evicted after the probe, or a chain with a hole, ends
 the fetch that follows (which verifies every block it reads) at the last block it could serve.
@@ -62,19 +65,30 @@ class _Prefix(Mapping[int, int]):
         return self.end
 
 
+class _Runs:
+    """The on-demand groups of one block size, which probe together, and their current run length."""
+
+    __slots__ = ("members", "run")
+
+    def __init__(self) -> None:
+        self.members: list[_OnDemand] = []
+        self.run = 8
+
+
 class _OnDemand(Mapping[int, int]):
-    """A group whose blocks are probed when the rules ask, in doubling runs; blocks before ``local`` are
-    held already (the local hit)."""
+    """A group whose blocks are probed when the rules ask, in doubling runs shared with the other
+    groups of ``runs``; blocks before ``local`` are held already (the local hit)."""
 
-    __slots__ = ("group", "local", "size", "probe", "known", "run")
+    __slots__ = ("group", "local", "size", "probe", "known", "runs")
 
-    def __init__(self, group: int, local: int, size: int, probe: Probe) -> None:
+    def __init__(self, group: int, local: int, size: int, probe: Probe, runs: _Runs) -> None:
         self.group = group
         self.local = local
         self.size = size
         self.probe = probe
         self.known: dict[int, bool] = {}
-        self.run = 8
+        self.runs = runs
+        runs.members.append(self)
 
     def get(self, index: int, default: int | None = None) -> int | None:  # type: ignore[override]
         if index < self.local:
@@ -86,14 +100,21 @@ class _OnDemand(Mapping[int, int]):
         return 1 if there else default
 
     def _fetch(self, index: int) -> None:
-        lo, hi = max(self.local, index - self.run + 1), min(self.size, index + self.run)
-        known = self.known
-        wanted = [i for i in range(lo, hi) if i not in known]
-        if index not in wanted:
-            wanted.append(index)
-        for i, there in zip(wanted, self.probe([(self.group, i) for i in wanted])):
+        """One probe: the run around ``index``, in this group and every other group of its block size."""
+        runs = self.runs
+        lo, hi = max(self.local, index - runs.run + 1), min(self.size, index + runs.run)
+        items: list[tuple[int, int]] = []
+        owners: list[dict[int, bool]] = []
+        for member in runs.members:
+            known = member.known
+            wanted = [i for i in range(lo, hi) if i not in known]
+            if member is self and index not in wanted:
+                wanted.append(index)
+            items += [(member.group, i) for i in wanted]
+            owners += [known] * len(wanted)
+        for (_, i), known, there in zip(items, owners, self.probe(items)):
             known[i] = there
-        self.run = min(self.run * 2, 1 << 12)
+        runs.run = min(runs.run * 2, 1 << 12)
 
     def __getitem__(self, index: int) -> int:
         got = self.get(index)
@@ -148,10 +169,11 @@ def probe_hit(rules: HitRules, seq: Sequence, start: int, cap: int, probe: Probe
     chain = bound
     if bound <= start:
         return start, chain
+    runs: dict[int, _Runs] = {}
     for g in rules.caching_groups:
         if g not in cached:
-            cached[g] = _OnDemand(g, start // layout.groups[g].spec.block_size,
-                                  bound // layout.groups[g].spec.block_size, probe)
+            bs = layout.groups[g].spec.block_size
+            cached[g] = _OnDemand(g, start // bs, bound // bs, probe, runs.setdefault(bs, _Runs()))
     sizes = {g: cap // layout.groups[g].spec.block_size for g in rules.caching_groups}
     hit = rules.longest_hit(seq, by_position(cached), limit=bound, hashes=positions(sizes))
     return max(hit, start), chain
