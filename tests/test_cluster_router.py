@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hybridkv.cluster.router_cli import main as route_main
 from hybridkv.cluster.routing import BackendState, Policy
 from hybridkv.cluster.scrape import BackendLoad, parse_load
+from hybridkv.engine.metrics import EngineMetrics
 
 from helpers import full, manager, swa
 
@@ -40,8 +41,9 @@ HERE = Path(__file__).resolve()
 
 # ---------------------------------------------------------------------- pure parts
 def test_metrics_of_both_engines_are_read() -> None:
-    ours = "# TYPE hybridkv_num_requests_running gauge\nhybridkv_num_requests_running 3\n" \
-           "hybridkv_num_requests_waiting 2\nhybridkv_kv_cache_usage 0.5\n"
+    ours = EngineMetrics().render({"kv_cache_usage_perc": (0.5, "KV-cache usage."),  # as hybridkv serve names them
+                                   "num_requests_running": (3, "Running."), "num_requests_waiting": (2, "Waiting.")},
+                                  model_name="gemma-3-270m")
     vllm = 'vllm:num_requests_running{model_name="m",engine="0"} 1.0\n' \
            'vllm:num_requests_running{model_name="m",engine="1"} 2.0\n' \
            'vllm:num_requests_waiting{model_name="m",engine="0"} 4.0\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n'
@@ -52,12 +54,20 @@ def test_metrics_of_both_engines_are_read() -> None:
 
 def test_a_predicted_hit_outweighs_a_short_queue_but_not_a_long_one() -> None:
     a, b = BackendState("a", "http://a"), BackendState("b", "http://b")
-    policy = Policy("hybrid_exact", load_weight=256)
+    policy = Policy("hybrid_exact", load_weight=0.25, kv_weight=0)
     b.load = BackendLoad(running=2)
     decision = policy.rank([a, b], {"b": 1000}, prompt_tokens=1200)
-    assert decision.order == ("b", "a") and decision.reason == "hit"  # 200 + 512 < 1200
-    b.load = BackendLoad(running=5)
-    assert policy.rank([a, b], {"b": 1000}, prompt_tokens=1200).order == ("a", "b")  # 200 + 1280 > 1200
+    assert decision.order == ("b", "a") and decision.reason == "hit"  # 200 + 0.25 * 1200 * 2 = 800 < 1200
+    b.load = BackendLoad(running=4)
+    assert policy.rank([a, b], {"b": 1000}, prompt_tokens=1200).order == ("a", "b")  # 200 + 1200 > 1200
+
+
+def test_the_balance_of_hit_and_load_does_not_depend_on_the_prompt_length() -> None:
+    a, b = BackendState("a", "http://a"), BackendState("b", "http://b")
+    b.load = BackendLoad(running=3, kv_usage=0.5)
+    policy = Policy("hybrid_exact")
+    for prompt in (300, 3_000, 30_000):  # b holds 90% of the prompt, a nothing
+        assert policy.rank([a, b], {"b": prompt * 9 // 10}, prompt_tokens=prompt).order == ("b", "a")
 
 
 def test_a_failed_backend_is_tried_last() -> None:

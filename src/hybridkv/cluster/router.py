@@ -56,8 +56,8 @@ class BackendSpec:
 class RouterConfig:
     backends: list[BackendSpec]
     policy: str = "hybrid_exact"
-    load_weight: float = 256.0
-    kv_weight: float = 1024.0
+    load_weight: float = 0.25
+    kv_weight: float = 0.25
     metrics_interval: float = 0.5
     request_timeout: float = 600.0
     shared_media: list[str] = field(default_factory=list)

@@ -65,11 +65,12 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how to choose a backend (default: %(default)s)")
     parser.add_argument("--hash", default="vllm", help="the backends' block-hash scheme unless a --backend "
                                                        "says otherwise (default: %(default)s)")
-    parser.add_argument("--load-weight", type=float, default=256.0,
-                        help="prompt tokens one queued request is worth when weighing load against a predicted "
-                             "hit (default: %(default)s)")
-    parser.add_argument("--kv-weight", type=float, default=1024.0,
-                        help="prompt tokens a full KV cache is worth (default: %(default)s)")
+    parser.add_argument("--load-weight", type=float, default=0.25, metavar="FRACTION",
+                        help="what one queued request is worth against a predicted hit, as a fraction of the "
+                             "request's prompt (default: %(default)s)")
+    parser.add_argument("--kv-weight", type=float, default=0.25, metavar="FRACTION",
+                        help="what a full KV cache is worth against a predicted hit, as a fraction of the "
+                             "request's prompt (default: %(default)s)")
     parser.add_argument("--metrics-interval", type=float, default=0.5,
                         help="seconds between scrapes of each backend's /metrics (default: %(default)s)")
     parser.add_argument("--shared-medium", action="append", default=[], metavar="MEDIUM",

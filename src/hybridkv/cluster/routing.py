@@ -5,12 +5,15 @@ in that order, the next one only when a backend dies before answering:
 
 * ``hybrid_exact`` (default) and ``prefix``: the least estimated work, in prompt tokens::
 
-      cost(b) = (prompt_tokens - predicted_hit(b)) + load_weight * load(b) + kv_weight * kv_usage(b)
+      cost(b) = (prompt_tokens - predicted_hit(b)) + prompt_tokens * (load_weight * load(b) + kv_weight * kv_usage(b))
 
   where ``predicted_hit`` comes from the index (``hybrid_exact``: the hybrid rule;
   ``prefix``: the full-attention chain alone, what deployed prefix-aware routers use), ``load`` is
   the larger of the requests this router has in flight there and the running + waiting requests
-  the backend last reported, ``kv_usage`` its KV-cache usage (0..1);
+  the backend last reported, ``kv_usage`` its KV-cache usage (0..1). The weights are fractions of
+  the request's own prompt, so the balance does not depend on prompt lengths: with the default
+  ``load_weight`` 0.25 a backend holding the whole prompt wins until it has four more requests
+  queued than one holding nothing (a request ahead costs about a quarter of a prompt's prefill);
 * ``least_loaded``: the same cost without the hit term;
 * ``round_robin``: in turn.
 
@@ -77,7 +80,7 @@ class Decision:
 class Policy:
     """Ranks backends for one request."""
 
-    def __init__(self, name: str = "hybrid_exact", *, load_weight: float = 256.0, kv_weight: float = 1024.0) -> None:
+    def __init__(self, name: str = "hybrid_exact", *, load_weight: float = 0.25, kv_weight: float = 0.25) -> None:
         if name not in POLICIES:
             raise InvalidInputError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
         if load_weight < 0 or kv_weight < 0:
@@ -104,8 +107,9 @@ class Policy:
             order = pool[start:] + pool[:start] + rest
             return Decision(tuple(b.name for b in order), predicted, {}, "round_robin")
         hits = predicted if self.uses_hits else {}
-        costs = {b.name: (prompt_tokens - hits.get(b.name, 0)) + self.load_weight * b.queue
-                 + self.kv_weight * b.load.kv_usage for b in backends}
+        scale = max(prompt_tokens, 1)
+        costs = {b.name: (prompt_tokens - hits.get(b.name, 0))
+                 + scale * (self.load_weight * b.queue + self.kv_weight * b.load.kv_usage) for b in backends}
         # Equal costs (an idle cluster, a prompt nobody holds) rotate, so new prefixes spread out.
         turn = self._turn
         self._turn += 1

@@ -1,7 +1,7 @@
 """A backend's load from its Prometheus ``/metrics``: requests running and waiting, KV-cache usage.
 
 Both hybridkv's names (``hybridkv_num_requests_running``, ``hybridkv_num_requests_waiting``,
-``hybridkv_kv_cache_usage``) and vLLM's (``vllm:num_requests_running``,
+``hybridkv_kv_cache_usage_perc``, older ``hybridkv_kv_cache_usage``) and vLLM's (``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``)
 are read; samples of one name with different labels (vLLM labels by model and engine) are summed,
 usage averaged.
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 _RUNNING = ("hybridkv_num_requests_running", "vllm:num_requests_running")
 _WAITING = ("hybridkv_num_requests_waiting", "vllm:num_requests_waiting")
-_USAGE = ("hybridkv_kv_cache_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_USAGE = ("hybridkv_kv_cache_usage_perc", "hybridkv_kv_cache_usage", "vllm:kv_cache_usage_perc",
+          "vllm:gpu_cache_usage_perc")
 
 
 @dataclass(frozen=True, slots=True)

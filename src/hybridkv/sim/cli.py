@@ -168,10 +168,12 @@ def add_parser(sub: Any) -> None:
     cl.add_argument("--router", choices=ROUTERS, default=None,
                     help="with --instances: how requests are routed (default hybrid_exact: predicted hit tokens "
                          "from the replicas' KV events against load; prefix: the full-attention chain alone)")
-    cl.add_argument("--load-weight", type=non_negative_float_arg, default=256.0, metavar="TOKENS",
-                    help="with --instances: prompt tokens one queued request weighs against a predicted hit")
-    cl.add_argument("--kv-weight", type=non_negative_float_arg, default=1024.0, metavar="TOKENS",
-                    help="with --instances: prompt tokens a full KV cache weighs against a predicted hit")
+    cl.add_argument("--load-weight", type=non_negative_float_arg, default=0.25, metavar="FRACTION",
+                    help="with --instances: what one queued request weighs against a predicted hit, as a "
+                         "fraction of the request's prompt")
+    cl.add_argument("--kv-weight", type=non_negative_float_arg, default=0.25, metavar="FRACTION",
+                    help="with --instances: what a full KV cache weighs against a predicted hit, as a "
+                         "fraction of the request's prompt")
     work = p.add_argument_group("the workload")
     work.add_argument("--workload", choices=("shared-prefix", "multi-turn", "chat", "trace"), required=True,
                       help="shared-prefix: requests over a few long shared prefixes; multi-turn: conversations "

@@ -6,7 +6,7 @@ Each replica is a simulated engine of its own (``ReplicaSim``: the real schedule
 the replicas' own KV events (each step's ``take_events()`` as one numbered vLLM-format batch,
 delivered in process: no ZMQ), and each arriving request goes where ``routing.Policy`` ranks first:
 
-* ``hybrid_exact``: least ``(prompt - predicted hit) + load_weight * queue + kv_weight * usage``,
+* ``hybrid_exact``: least ``(prompt - predicted hit) + prompt * (load_weight * queue + kv_weight * usage)``,
   the hit predicted with the hybrid rules (full-attention chain, window blocks at the hit point);
 * ``prefix``: the same cost with the full-attention chain alone (what deployed routers index);
 * ``least_loaded``: the cost without the hit term; ``round_robin``: in turn.
@@ -67,9 +67,9 @@ class ClusterConfig:
 
     instances: int = 2
     router: str = "hybrid_exact"
-    load_weight: float = 256.0
+    load_weight: float = 0.25
     """Prompt tokens one queued request weighs in the cost (``routing.Policy``)."""
-    kv_weight: float = 1024.0
+    kv_weight: float = 0.25
     """Prompt tokens a full KV cache weighs in the cost."""
 
     def __post_init__(self) -> None:
