@@ -22,7 +22,7 @@ CORE = ROOT / "src" / "hybridkv" / "core"
 MUTANTS: list[tuple[str, str, str, str]] = [
     # (name, file under core/, original line fragment, mutated fragment)
     ("admission compares against all free blocks, not the admissible ones", "manager.py",
-     "available = pool.num_admissible_blocks", "available = pool.num_free_blocks"),
+     "if need > pool.num_admissible_blocks:", "if need > pool.num_free_blocks:"),
     ("a hit's revived windows are not counted in the admission cost", "manager.py",
      "need += self.retainer.admission_cost(free)", "need += len(free)"),
     ("retention may nest two levels deep", "retention.py",

@@ -25,7 +25,7 @@ Every tier is O(1) for insert, remove and pop (a list, a counter and ordered dic
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -81,6 +81,11 @@ class KeptTier(Protocol):
 
     num_reserved: int
     """Kept blocks an admission may not take."""
+
+    @property
+    def depended_on(self) -> Container[int]:
+        """Blocks (outside the tier) whose eviction ``on_evicted`` must hear of: kept blocks depend on them."""
+        ...
 
     def __len__(self) -> int:
         """Blocks in the tier."""
@@ -281,23 +286,11 @@ class BlockPool:
         """Fill ``out`` up to ``num_blocks`` from the cached tiers (``low``, ``lru``, then ``kept``)."""
         low, lru = self._low, self._lru
         kept = self.kept
-        if not kept:
-            # No kept blocks: an eviction releases none into ``low``, so each tier is drained in
-            # turn, with ``_evict`` inline for the common block whose hash has no duplicate.
-            hashes, groups, index, dups = self.block_hash, self.block_group, self.index, self._dups
-            for od in (low, lru):
-                while od and len(out) < num_blocks:
-                    b = od.popitem(last=False)[0]
-                    group, h = groups[b], hashes[b]
-                    if self.enable_events or h in dups[group]:
-                        self._evict(b)
-                    else:  # the only block holding h
-                        del index[group][h]  # type: ignore[arg-type]
-                        hashes[b] = None
-                        self.evictions += 1
-                    out.append(b)
+        depended_on = kept.depended_on if kept is not None else None
+        hashes, groups, index, dups = self.block_hash, self.block_group, self.index, self._dups
+        slow = self.enable_events
         while len(out) < num_blocks:
-            if low:
+            if low:  # an evicted anchor releases its kept blocks into ``low``: they go next
                 b = low.popitem(last=False)[0]
             elif lru:
                 b = lru.popitem(last=False)[0]
@@ -309,8 +302,16 @@ class BlockPool:
                         f"allocate({num_blocks}) ran out of blocks after {len(out)}: the caller must "
                         f"check num_free_blocks first"
                     )
-                b = got
-            self._evict(b)
+                self._evict(got)
+                out.append(got)
+                continue
+            group, h = groups[b], hashes[b]
+            if slow or h in dups[group] or (depended_on and b in depended_on):
+                self._evict(b)
+            else:  # inline ``_evict`` for the common block: the only one holding h, none depending on it
+                del index[group][h]  # type: ignore[arg-type]
+                hashes[b] = None
+                self.evictions += 1
             out.append(b)
 
     def _give_back(self, blocks: list[int]) -> None:

@@ -62,6 +62,11 @@ class KeptBlocks:
     def __len__(self) -> int:
         return len(self.kept)
 
+    @property
+    def depended_on(self) -> dict[int, dict[int, None]]:
+        """The anchors: blocks whose eviction releases the blocks kept under them."""
+        return self.by_anchor
+
     def admits(self, block: int, anchor: int) -> bool:
         """Enter ``block`` (free and cached) under ``anchor`` unless that would nest retention: an
         anchor is never kept itself, and a kept block never anchors others. True if it entered."""
@@ -351,22 +356,41 @@ class WindowRetainer(Retainer):
         return out
 
     def _classify(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]], dropped: bool) -> None:
-        pool = self.pool
         idxs = [i for i, _ in freed]
         junctions = self._junction_anchors(seq, group, min(idxs), max(idxs)) if freed and self._junctions else []
         windows = [(group.hit_span(boundary), a) for boundary, a in junctions]
         align = self.alignment
         replay = group.hit_span((seq.num_prompt_tokens - 1) // align * align)
+        # Consecutive blocks of one class are released in one call, in ``freed``'s order.
+        run: list[int] = []
+        run_class: tuple[str, int] = ("", NULL_BLOCK)
         for i, b in freed:
-            anchor = next((a for (first, end), a in windows if first <= i < end), None)
+            anchor = next((a for (first, end), a in windows if first <= i < end), None) if windows else None
             if anchor is not None:
-                pool.free_kept((b,), self._admit_under(anchor))
-                self._counters["retained"] += 1
+                cls = ("kept", anchor)
             elif dropped and not replay[0] <= i < replay[1]:
-                pool.free_low((b,))
-                self._counters["released_low"] += 1
+                cls = ("low", NULL_BLOCK)
             else:
-                pool.free((b,))
+                cls = ("lru", NULL_BLOCK)
+            if cls != run_class:
+                self._release_run(run_class, run)
+                run, run_class = [], cls
+            run.append(b)
+        self._release_run(run_class, run)
+
+    def _release_run(self, cls: tuple[str, int], blocks: list[int]) -> None:
+        """Release ``blocks`` of one class: kept under anchor ``cls[1]``, to ``low``, or to the LRU."""
+        if not blocks:
+            return
+        kind, anchor = cls
+        if kind == "kept":
+            self.pool.free_kept(blocks, self._admit_under(anchor))
+            self._counters["retained"] += len(blocks)
+        elif kind == "low":
+            self.pool.free_low(blocks)
+            self._counters["released_low"] += len(blocks)
+        else:
+            self.pool.free(blocks)
 
     # ------------------------------------------------------------------ release
     def admission_cost(self, free_hits: list[int]) -> int:
