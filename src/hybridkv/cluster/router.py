@@ -57,7 +57,7 @@ class RouterConfig:
     backends: list[BackendSpec]
     policy: str = "hybrid_exact"
     load_weight: float = 0.25
-    kv_weight: float = 0.25
+    kv_weight: float = 0.0
     metrics_interval: float = 0.5
     request_timeout: float = 600.0
     shared_media: list[str] = field(default_factory=list)

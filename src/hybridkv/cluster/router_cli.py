@@ -68,7 +68,7 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-weight", type=float, default=0.25, metavar="FRACTION",
                         help="what one queued request is worth against a predicted hit, as a fraction of the "
                              "request's prompt (default: %(default)s)")
-    parser.add_argument("--kv-weight", type=float, default=0.25, metavar="FRACTION",
+    parser.add_argument("--kv-weight", type=float, default=0.0, metavar="FRACTION",
                         help="what a full KV cache is worth against a predicted hit, as a fraction of the "
                              "request's prompt (default: %(default)s)")
     parser.add_argument("--metrics-interval", type=float, default=0.5,

@@ -13,7 +13,10 @@ in that order, the next one only when a backend dies before answering:
   the backend last reported, ``kv_usage`` its KV-cache usage (0..1). The weights are fractions of
   the request's own prompt, so the balance does not depend on prompt lengths: with the default
   ``load_weight`` 0.25 a backend holding the whole prompt wins until it has four more requests
-  queued than one holding nothing (a request ahead costs about a quarter of a prompt's prefill);
+  queued than one holding nothing (a request ahead costs about a quarter of a prompt's prefill).
+  ``kv_weight`` is 0 by default: the queue already counts the requests that hold a backend's KV
+  (measured on ``bench/cluster_serve.py``, a KV term steered prefixes off the replica that held
+  them); set it to steer away from backends whose cache is nearly full of long sequences;
 * ``least_loaded``: the same cost without the hit term;
 * ``round_robin``: in turn.
 
@@ -80,7 +83,7 @@ class Decision:
 class Policy:
     """Ranks backends for one request."""
 
-    def __init__(self, name: str = "hybrid_exact", *, load_weight: float = 0.25, kv_weight: float = 0.25) -> None:
+    def __init__(self, name: str = "hybrid_exact", *, load_weight: float = 0.25, kv_weight: float = 0.0) -> None:
         if name not in POLICIES:
             raise InvalidInputError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
         if load_weight < 0 or kv_weight < 0:

@@ -171,7 +171,7 @@ def add_parser(sub: Any) -> None:
     cl.add_argument("--load-weight", type=non_negative_float_arg, default=0.25, metavar="FRACTION",
                     help="with --instances: what one queued request weighs against a predicted hit, as a "
                          "fraction of the request's prompt")
-    cl.add_argument("--kv-weight", type=non_negative_float_arg, default=0.25, metavar="FRACTION",
+    cl.add_argument("--kv-weight", type=non_negative_float_arg, default=0.0, metavar="FRACTION",
                     help="with --instances: what a full KV cache weighs against a predicted hit, as a "
                          "fraction of the request's prompt")
     work = p.add_argument_group("the workload")

@@ -69,7 +69,7 @@ class ClusterConfig:
     router: str = "hybrid_exact"
     load_weight: float = 0.25
     """Prompt tokens one queued request weighs in the cost (``routing.Policy``)."""
-    kv_weight: float = 0.25
+    kv_weight: float = 0.0
     """Prompt tokens a full KV cache weighs in the cost."""
 
     def __post_init__(self) -> None:
