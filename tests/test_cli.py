@@ -196,7 +196,10 @@ def _python(code: str, **kw: object) -> subprocess.Popen[str]:
 
 
 def test_ctrl_c_exits_130_quietly() -> None:
-    proc = _python("import sys\nfrom hybridkv.cli import main\nprint('ready', flush=True)\n"
+    # As in a terminal: SIGINT raises KeyboardInterrupt (a job started in the background of a
+    # non-interactive shell inherits SIGINT ignored, and so would this child).
+    proc = _python("import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                   "from hybridkv.cli import main\nprint('ready', flush=True)\n"
                    "sys.exit(main(['simulate', '--workload', 'shared-prefix', '--requests', '100000']))")
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     time.sleep(1.0)
