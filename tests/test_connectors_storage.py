@@ -12,6 +12,8 @@ PAYLOAD = 8
 
 
 def connector(mgr: KVCacheManager, host: HostTier, **kw: object) -> KVConnector:
+    """A connector storing hit spans only (``StoreHitSpans``) unless ``storage`` is given."""
+    kw.setdefault("storage", StoreHitSpans())
     return KVConnector([host], mgr, namespace="m", payload_bytes=dict.fromkeys(range(len(mgr.layout.groups)), PAYLOAD),
                        **kw)  # type: ignore[arg-type]
 

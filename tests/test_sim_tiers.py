@@ -109,10 +109,21 @@ def test_a_load_outlasting_its_timeout_is_a_miss(workload: Workload) -> None:
 
 def test_hit_spans_store_a_fraction_of_the_bytes_of_every_layer(workload: Workload) -> None:
     every = run(workload, "host:4GiB", tier_storage="all")
-    spans = run(workload, "host:4GiB")
+    spans = run(workload, "host:4GiB", tier_storage="hit-spans")
     assert spans["tier_storage"] == "hit-spans" and every["tier_storage"] == "all"
     assert spans["tier_stored_bytes"] < 0.5 * every["tier_stored_bytes"]
     assert spans["tier_hit_rate"] > 0.25
+
+
+def test_spans_and_spill_hits_as_storing_everything_with_room_and_as_hit_spans_under_pressure(
+        workload: Workload, host: dict[str, Any]) -> None:
+    every = run(workload, "host:4GiB", tier_storage="all")
+    assert host["tier_storage"] == "spans+spill"  # the default
+    assert host["total_hit_rate"] == every["total_hit_rate"]  # room for all: the same blocks, some at low priority
+    assert host["tier_stats"]["0:host"]["low_entries"] > 0
+    spans, spill, every = (run(workload, "host:256MiB", tier_storage=s) for s in ("hit-spans", "spans+spill", "all"))
+    assert spill["total_hit_rate"] >= spans["total_hit_rate"] > every["total_hit_rate"] + 0.2
+    assert spill["tier_stats"]["0:host"]["low_skipped"] > 0  # low entries never pushed a span out
 
 
 def test_a_lower_tier_serves_what_the_upper_one_evicted(workload: Workload) -> None:

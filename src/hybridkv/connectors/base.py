@@ -27,6 +27,14 @@ class TierStats:
     """Entries the tier's own check rejected (and dropped)."""
     bytes_read: int = 0
     bytes_written: int = 0
+    low_puts: int = 0
+    """Entries stored at low priority (``put_many(low=True)``)."""
+    low_evictions: int = 0
+    """Low-priority entries evicted (also counted in ``evictions``)."""
+    low_skipped: int = 0
+    """Low-priority puts dropped: they would have evicted a normal entry."""
+    low_promotions: int = 0
+    """Low-priority entries that served a read (or were stored again at normal priority): now normal."""
 
 
 class KVTier(ABC):
@@ -40,6 +48,11 @@ class KVTier(ABC):
     name: str = "tier"
     shared: bool = False
     """True when other instances read the tier: then only a cryptographic block hash is safe."""
+    priorities: bool = False
+    """True when the tier keeps low-priority entries (``put_many(low=True)``): it evicts them before any
+    other entry, least recently used first, never evicts a normal entry to make room for one, and makes
+    one that serves a read (``get_many``) or is marked (``prioritize_many``) normal. A tier without
+    priorities stores a low put as a normal one; the connector offers it none (``connectors.storage``)."""
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -53,8 +66,9 @@ class KVTier(ABC):
         """The stored value of each key, or None."""
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        """Store ``(key, value)`` pairs, evicting older entries to stay within the budget."""
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], low: bool = False) -> None:
+        """Store ``(key, value)`` pairs, evicting older entries to stay within the budget; ``low``: at low
+        priority (see ``priorities``; a key the tier holds at normal priority stays normal)."""
 
     @abstractmethod
     def delete(self, key: bytes) -> None:
@@ -63,4 +77,9 @@ class KVTier(ABC):
     def touch_many(self, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` recently used, the last one most recently (absent keys are skipped). A tier that
         keeps no eviction order of its own (Redis evicts by its own policy) ignores it."""
+        return None
+
+    def prioritize_many(self, keys: Sequence[bytes]) -> None:
+        """Make the low-priority entries among ``keys`` normal (others are left as they are). A tier
+        without priorities ignores it."""
         return None

@@ -21,6 +21,7 @@ callers that must allocate first; they must recompute every token past the prefi
 Which blocks a group needs for a hit at token ``P`` is the manager's own rule (``hit_span``): all
 for full attention, the window for a sliding window, the current chunk for chunked-local attention,
 the last state for Mamba. What is stored is a ``StoragePolicy`` (``connectors.storage``): by default
+every block, those a hit cannot use at low priority (a tier evicts them first), so under pressure
 each group keeps only what a hit can use. How a lookup probes the tiers: ``connectors.lookup``.
 """
 
@@ -33,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, TypeVar
 
 from hybridkv.connectors.auth import resolve_auth_key
@@ -48,7 +50,7 @@ from hybridkv.connectors.frame import (
 )
 from hybridkv.connectors.loads import BackgroundLoads, DoneLoad, PendingLoad
 from hybridkv.connectors.lookup import by_position, positions, probe_hit
-from hybridkv.connectors.storage import JunctionMemory, StoragePolicy, StoreHitSpans
+from hybridkv.connectors.storage import JunctionMemory, Offer, StoragePolicy, StoreSpansSpill
 from hybridkv.core import NULL_BLOCK, KVCacheLayout, KVCacheManager, Sequence
 from hybridkv.errors import InvalidInputError
 
@@ -131,7 +133,8 @@ class KVConnector:
     Tiers are queried in order (e.g. host, then disk or Redis); a hit in a lower tier is copied
     into the tiers above it when ``promote``. ``store`` writes to every tier when
     ``write_through``, else to the first only; what it writes is ``storage``'s choice (default
-    ``StoreHitSpans()``: per group, what a hit can use). Tier faults never raise: they are counted
+    ``StoreSpansSpill()``: per group, what a hit can use, and the rest at low priority to the tiers
+    that keep priorities). Tier faults never raise: they are counted
     in ``stats.faults`` and read as misses. ``loads``: ``BackgroundLoads`` runs ``start_load`` on
     worker threads (tiers are thread-safe); None runs it in the caller's.
 
@@ -156,7 +159,8 @@ class KVConnector:
         if not isinstance(fanout, int) or fanout < 2:
             raise InvalidInputError(f"fanout must be an integer >= 2, got {fanout!r}")
         if storage is not None and not isinstance(storage, StoragePolicy):
-            raise InvalidInputError(f"storage must be a StoragePolicy (StoreHitSpans, StoreAll), got {storage!r}")
+            raise InvalidInputError(f"storage must be a StoragePolicy (StoreSpansSpill, StoreHitSpans, StoreAll), "
+                                    f"got {storage!r}")
         hasher = manager.hasher
         shared = [t.name for t in tiers if t.shared]
         if shared and not hasher.cryptographic:
@@ -173,7 +177,7 @@ class KVConnector:
         self.auth_key = resolve_auth_key(auth_key, self.tiers, allow_unauthenticated=allow_unauthenticated)
         self.payload_bytes = _payload_sizes(manager.layout, payload_bytes)
         self.batch_blocks = batch_blocks
-        self.storage = storage if storage is not None else StoreHitSpans()
+        self.storage = storage if storage is not None else StoreSpansSpill()
         self.loads = loads
         self.fanout = fanout
         self.stats = ConnectorStats()
@@ -417,7 +421,14 @@ class KVConnector:
     def offered(self, seq: Sequence, num_tokens: int, start_token: int = 0) -> list[tuple[int, int, bytes]]:
         """``(group, block id, key)`` of the blocks ``store`` offers for tokens ``(start_token, num_tokens]``:
         the storage policy's choice among the blocks the device cache has registered under the
-        sequence's hash (so superseded Mamba states are never stored), junction checkpoints included."""
+        sequence's hash (so superseded Mamba states are never stored), junction checkpoints included;
+        those at normal priority first (``offered_by_priority``)."""
+        normal, low = self.offered_by_priority(seq, num_tokens, start_token)
+        return normal + low
+
+    def offered_by_priority(self, seq: Sequence, num_tokens: int, start_token: int = 0
+                            ) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int, bytes]]]:
+        """``offered``, split into ``(normal, low)`` priority (``StoragePolicy.prioritized``)."""
         if (not isinstance(num_tokens, int) or not isinstance(start_token, int)
                 or not 0 <= start_token <= num_tokens <= seq.num_tokens):
             raise InvalidInputError(
@@ -430,9 +441,13 @@ class KVConnector:
             with self._lock:
                 junctions = self._junctions.positions(self.manager.block_hashes(seq, g), self._block_size[g],
                                                       start_token, num_tokens)
-        offers = self.storage.offers(self.manager, seq, start_token, num_tokens, junctions)
+        normal, low = self.storage.prioritized(self.manager, seq, start_token, num_tokens, junctions)
         key = self.key
-        return [(g, b, key(g, h)) for g, blocks in offers.items() for _, b, h in blocks]
+
+        def keyed(offers: dict[int, list[Offer]]) -> list[tuple[int, int, bytes]]:
+            return [(g, b, key(g, h)) for g, blocks in offers.items() for _, b, h in blocks]
+
+        return keyed(normal), keyed(low)
 
     def store(self, seq: Sequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock,
               start_token: int = 0) -> int:
@@ -440,32 +455,39 @@ class KVConnector:
 
         The caller vouches that the KV of the first ``num_tokens`` tokens is in the blocks (an
         engine calls this right after a forward pass, with the range that pass computed); a tier
-        that already holds a block is skipped. ``read_block(group, block_id)`` returns the payload.
-        ``block_tables`` is accepted for compatibility; the blocks are the manager's own for the
-        sequence (it must be running). The call that completes the prompt marks the prompt's chain
-        recently used, head last, so a tier evicts a prompt's tail before the prefix it shares.
+        that already holds a block is skipped (one held at low priority that is now offered at normal
+        priority becomes normal). Low-priority offers go only to tiers with ``priorities``.
+        ``read_block(group, block_id)`` returns the payload. ``block_tables`` is accepted for
+        compatibility; the blocks are the manager's own for the sequence (it must be running). The
+        call that completes the prompt marks the prompt's chain recently used, head last, so a tier
+        evicts a prompt's tail before the prefix it shares.
         """
-        offers = self.offered(seq, num_tokens, start_token)
+        normal, low = self.offered_by_priority(seq, num_tokens, start_token)
         stored: set[bytes] = set()
         targets = self.tiers if self.write_through else self.tiers[:1]
-        for lo in range(0, len(offers), self.batch_blocks):
-            batch = offers[lo : lo + self.batch_blocks]
-            frames: dict[bytes, bytes] = {}
-            for tier in targets:
-                present = self._safe(tier.exists_many, [key for _, _, key in batch])
-                if present is _FAILED:
-                    continue
-                items = []
-                for (group, b, key), there in zip(batch, present):
-                    if there:
+        for offers, is_low in ((normal, False), (low, True)):
+            for lo in range(0, len(offers), self.batch_blocks):
+                batch = offers[lo : lo + self.batch_blocks]
+                frames: dict[bytes, bytes] = {}
+                for tier in targets:
+                    if is_low and not tier.priorities:
                         continue
-                    if key not in frames:
-                        frames[key] = encode_frame(key, read_block(group, b), self.auth_key)
-                    items.append((key, frames[key]))
-                if items and self._safe(tier.put_many, items) is not _FAILED:
-                    stored.update(k for k, _ in items)
-                    with self._lock:
-                        self.stats.bytes_stored += sum(len(v) for _, v in items)
+                    present = self._safe(tier.exists_many, [key for _, _, key in batch])
+                    if present is _FAILED:
+                        continue
+                    items = []
+                    for (group, b, key), there in zip(batch, present):
+                        if there:
+                            continue
+                        if key not in frames:
+                            frames[key] = encode_frame(key, read_block(group, b), self.auth_key)
+                        items.append((key, frames[key]))
+                    if items and self._safe(partial(tier.put_many, low=is_low), items) is not _FAILED:
+                        stored.update(k for k, _ in items)
+                        with self._lock:
+                            self.stats.bytes_stored += sum(len(v) for _, v in items)
+                    if not is_low and tier.priorities and len(items) < len(batch):
+                        self._safe(tier.prioritize_many, [key for (_, _, key), there in zip(batch, present) if there])
         with self._lock:
             self.stats.stored_blocks += len(stored)
         self._touch_prompt(seq, start_token, num_tokens, targets)
@@ -489,7 +511,8 @@ class KVConnector:
             return method(arg)
         except Exception as exc:  # a tier fault must never take the engine down
             kind: FaultKind = "timeout" if isinstance(exc, (TierTimeout, TimeoutError)) else "error"
-            self._fault(kind, f"{method.__qualname__}: {exc!r}")
+            target = getattr(method, "func", method)  # a functools.partial names its function
+            self._fault(kind, f"{getattr(target, '__qualname__', target)}: {exc!r}")
             return _FAILED
 
     def _fault(self, kind: FaultKind, message: str) -> None:

@@ -5,6 +5,11 @@ into place (``os.replace``), so a reader sees a whole entry or none; temporary f
 served. Reads verify length and crc32 and delete a file that fails. A read bumps the file's
 modification time, which orders eviction, also across restarts.
 
+Low-priority entries (``KVTier.priorities``) carry a modification time ``LOW_AGE_S`` in the past:
+every process sharing the directory, and the tier after a restart, sees them as the oldest entries
+(evicted first, least recently used first among them) and tells them apart by that age alone. A
+read sets the time to now, which makes the entry normal; a low put never evicts a normal entry.
+
 The directory's environment is not trusted:
 
 * a read-only filesystem (or files owned by someone else) still serves: only the time bump of
@@ -45,6 +50,9 @@ _TMP_SUFFIX = ".tmp"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 STALE_TEMP_S = 3600.0
 """A temporary file this old is abandoned whoever wrote it (a write takes milliseconds)."""
+LOW_AGE_S = float(2**30)
+"""How far in the past a low-priority entry's modification time is set (about 34 years); an entry
+older than half of it is low priority."""
 
 
 _T = TypeVar("_T")
@@ -86,6 +94,7 @@ class DiskTier(KVTier):
     """
 
     name = "disk"
+    priorities = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *, shared: bool = False,
                  fsync: bool = False, resync_interval_s: float = 10.0) -> None:
@@ -101,6 +110,7 @@ class DiskTier(KVTier):
         self.resync_interval_s = resync_interval_s
         self.used_bytes = 0
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
+        self._low: OrderedDict[str, int] = OrderedDict()  # the low-priority ones, least recently used first
         self._lock = threading.RLock()
         self._tmp_tag = f"{_host()}.{os.getpid()}"
         self._synced_at = 0.0
@@ -132,8 +142,11 @@ class DiskTier(KVTier):
                         os.remove(entry.path)
                 except OSError:  # gone already (another process), or not ours to remove
                     continue
-        self._index = OrderedDict((name, size) for _, name, size in sorted(found))
-        self.used_bytes = sum(self._index.values())
+        found.sort()
+        cut = now - LOW_AGE_S / 2
+        self._low = OrderedDict((name, size) for mtime, name, size in found if mtime < cut)
+        self._index = OrderedDict((name, size) for mtime, name, size in found if mtime >= cut)
+        self.used_bytes = sum(self._index.values()) + sum(self._low.values())
         self._synced_at = time.monotonic()
 
     def _stale_temp(self, name: str, mtime: float, now: float) -> bool:
@@ -163,7 +176,7 @@ class DiskTier(KVTier):
         names = [self._name(k) for k in keys]
         if self.shared:
             return [os.path.exists(os.path.join(self.path, n)) for n in names]
-        return [n in self._index for n in names]
+        return [n in self._index or n in self._low for n in names]
 
     @_locked
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -186,7 +199,9 @@ class DiskTier(KVTier):
             self._remove(name)
             return None
         with contextlib.suppress(OSError):  # read-only filesystem, another owner, or just evicted
-            os.utime(file)
+            os.utime(file)  # a low-priority entry that served a read becomes normal
+        if name in self._low:
+            self.stats.low_promotions += 1
         self._forget(name)
         self._index[name] = len(data)
         self.used_bytes += len(data)
@@ -206,23 +221,27 @@ class DiskTier(KVTier):
 
     # ------------------------------------------------------------------ writes
     @_locked
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], low: bool = False) -> None:
         self._maybe_resync()
         for key, value in items:
             data = _HEADER.pack(_MAGIC, zlib.crc32(value), len(value)) + value
             if len(data) > self.capacity_bytes:
                 continue
             name = self._name(key)
+            as_low = low and name not in self._index  # a normal entry stays normal
             self._forget(name)
-            self._evict(len(data))
-            self._write(name, data)
-            self._index[name] = len(data)
+            if not self._evict(len(data), as_low) or not self._write(name, data, as_low):
+                self.stats.low_skipped += 1
+                continue
+            (self._low if as_low else self._index)[name] = len(data)
             self.used_bytes += len(data)
             self.stats.puts += 1
             self.stats.bytes_written += len(data)
+            self.stats.low_puts += as_low
 
-    def _write(self, name: str, data: bytes) -> None:
-        """Write ``data`` as ``name`` atomically; on a full filesystem evict and retry."""
+    def _write(self, name: str, data: bytes, low: bool = False) -> bool:
+        """Write ``data`` as ``name`` atomically (``low``: with a low-priority time); on a full filesystem
+        evict and retry. False when a low entry would have to evict a normal one."""
         final = os.path.join(self.path, name)
         tmp = f"{final}.{self._tmp_tag}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
         resynced = False
@@ -233,8 +252,11 @@ class DiskTier(KVTier):
                     if self.fsync:
                         f.flush()
                         os.fsync(f.fileno())
+                if low:
+                    stamp = time.time() - LOW_AGE_S
+                    os.utime(tmp, (stamp, stamp))
                 os.replace(tmp, final)
-                return
+                return True
             except OSError as exc:
                 self._remove_quietly(tmp)
                 if exc.errno not in _FULL:
@@ -244,7 +266,9 @@ class DiskTier(KVTier):
                     with contextlib.suppress(OSError):
                         self.resync()
                     self._forget(name)
-                if not self._evict_bytes(len(data)):
+                if not self._evict_bytes(len(data), low):
+                    if low:
+                        return False
                     raise TierError(f"disk tier {self.path!r}: {exc} and nothing left to evict") from exc
 
     @_locked
@@ -255,32 +279,65 @@ class DiskTier(KVTier):
     def touch_many(self, keys: Sequence[bytes]) -> None:
         for key in keys:
             name = self._name(key)
-            if name in self._index:
-                self._index.move_to_end(name)
-                with contextlib.suppress(OSError):  # the order survives a restart where it can
-                    os.utime(os.path.join(self.path, name))
+            for entries, age in ((self._index, 0.0), (self._low, LOW_AGE_S)):
+                if name in entries:
+                    entries.move_to_end(name)
+                    self._stamp(name, age)
+
+    @_locked
+    def prioritize_many(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            name = self._name(key)
+            if name in self._low:
+                self._index[name] = self._low.pop(name)
+                self._stamp(name, 0.0)
+                self.stats.low_promotions += 1
+
+    def _stamp(self, name: str, age: float) -> None:
+        """Set ``name``'s modification time to ``age`` seconds ago: the order survives a restart where it can."""
+        stamp = time.time() - age
+        with contextlib.suppress(OSError):
+            os.utime(os.path.join(self.path, name), (stamp, stamp))
 
     # ------------------------------------------------------------------ eviction and accounting
-    def _evict(self, incoming: int) -> None:
-        """Remove least recently used files until ``incoming`` more bytes fit."""
-        while self._index and self.used_bytes + incoming > self.capacity_bytes:
-            self._remove(next(iter(self._index)))
-            self.stats.evictions += 1
+    def _evict(self, incoming: int, low: bool = False) -> bool:
+        """Remove least recently used files, low-priority ones first, until ``incoming`` more bytes fit;
+        for a ``low`` entry only low-priority ones (False if it still does not fit)."""
+        while self.used_bytes + incoming > self.capacity_bytes:
+            if self._pop_oldest(low) is None:
+                return not self._index and not self._low
+        return True
 
-    def _evict_bytes(self, nbytes: int) -> bool:
-        """Remove least recently used files of at least ``nbytes`` in all; False if none was left."""
-        if not self._index:
+    def _evict_bytes(self, nbytes: int, low_only: bool = False) -> bool:
+        """Remove least recently used files (low-priority first; only those if ``low_only``) of at least
+        ``nbytes``; False if none was left."""
+        if not self._low and (low_only or not self._index):
             return False
         freed = 0
-        while self._index and freed < nbytes:
-            name = next(iter(self._index))
-            freed += self._index[name]
-            self._remove(name)
-            self.stats.evictions += 1
+        while freed < nbytes:
+            size = self._pop_oldest(low_only)
+            if size is None:
+                break
+            freed += size
         return True
+
+    def _pop_oldest(self, low_only: bool) -> int | None:
+        """Remove the least recently used low-priority file, else (unless ``low_only``) normal one: its bytes
+        (None if none)."""
+        entries = self._low or (None if low_only else self._index)
+        if not entries:
+            return None
+        name, size = next(iter(entries.items()))
+        if entries is self._low:
+            self.stats.low_evictions += 1
+        self._remove(name)
+        self.stats.evictions += 1
+        return size
 
     def _forget(self, name: str) -> None:
         size = self._index.pop(name, None)
+        if size is None:
+            size = self._low.pop(name, None)
         if size is not None:
             self.used_bytes -= size
 
@@ -293,5 +350,9 @@ class DiskTier(KVTier):
         with contextlib.suppress(OSError):  # already gone (another process, or never written)
             os.remove(file)
 
+    def low_priority_entries(self) -> int:
+        """How many entries the tier holds at low priority (as this process last saw the directory)."""
+        return len(self._low)
+
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._index) + len(self._low)

@@ -27,6 +27,7 @@ class FaultyTier(KVTier):
         self.inner = inner
         self.name = f"faulty({inner.name})"
         self.shared = inner.shared
+        self.priorities = inner.priorities
         self.stats = inner.stats
         self.faults = dict(faults or {})
         self.rate = rate
@@ -64,11 +65,14 @@ class FaultyTier(KVTier):
             out.append(value)
         return out
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        self.inner.put_many(items)
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], low: bool = False) -> None:
+        self.inner.put_many(items, low)
 
     def delete(self, key: bytes) -> None:
         self.inner.delete(key)
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         self.inner.touch_many(keys)
+
+    def prioritize_many(self, keys: Sequence[bytes]) -> None:
+        self.inner.prioritize_many(keys)

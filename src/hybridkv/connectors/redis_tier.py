@@ -2,7 +2,9 @@
 
 The ``redis`` package is imported when a ``RedisTier`` is built (``pip install 'hybridkv[tiers]'``).
 The byte budget is the server's: run it with ``maxmemory`` and ``maxmemory-policy allkeys-lru``
-(or give entries a TTL). After a fault the tier answers ``TierError`` at once for
+(or give entries a TTL). Redis has no low priority (``KVTier.priorities``): the server's policy
+decides what goes, so the connector offers it only the blocks a hit can use (``connectors.storage``);
+a low put is stored as a normal one. After a fault the tier answers ``TierError`` at once for
 ``retry_after_s`` seconds instead of waiting for a dead server on every call.
 """
 
@@ -78,7 +80,7 @@ class RedisTier(KVTier):
                 self.stats.bytes_read += len(v)
         return values
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], low: bool = False) -> None:
         if not items:
             return
 

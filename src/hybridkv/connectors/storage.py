@@ -30,6 +30,14 @@ window before some hit point.
 
 Overlapping spans share their blocks (one entry per block and group). ``StoreAll`` keeps every
 registered block of every group (what tiers stored before; a baseline for comparisons).
+
+``StoreSpansSpill`` (the default, ``spans+spill``) keeps every block, as ``StoreAll`` does, but offers
+the blocks outside ``StoreHitSpans``' spans at *low priority* (``KVTier.put_many(low=True)``): a tier
+that supports priorities (``KVTier.priorities``: host, disk, simulated) evicts low entries before any
+other, least recently used first, and never evicts a normal entry to make room for a low one; a low
+entry that serves a hit (a read) becomes normal. So while a tier has room it keeps everything (the
+first reuse of a junction finds its window there), and under pressure it degrades to the hit spans.
+A tier without priorities (Redis evicts by its own policy) gets the hit spans only.
 """
 
 from __future__ import annotations
@@ -56,6 +64,12 @@ class StoragePolicy:
 
         ``junctions`` are extra checkpoint positions (token counts) the caller knows of."""
         raise NotImplementedError
+
+    def prioritized(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+                    junctions: Iterable[int] = ()) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
+        """``(normal, low)``: the blocks to store at normal and at low priority (evicted first). A policy
+        without priorities offers everything at normal priority."""
+        return self.offers(manager, seq, start, end, junctions), {}
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,33 @@ class StoreHitSpans(StoragePolicy):
             lo, hi = min(wanted), max(wanted) + 1
             out[g] = [o for o in manager.registered_blocks(seq, g, lo * bs, hi * bs) if o[0] in wanted]
         return out
+
+
+@dataclass(frozen=True)
+class StoreSpansSpill(StoreHitSpans):
+    """``StoreHitSpans``' blocks at normal priority and every other registered block at low priority:
+    everything while a tier has room, the hit spans under pressure (see the module docstring)."""
+
+    name = "spans+spill"
+
+    def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+               junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
+        normal, low = self.prioritized(manager, seq, start, end, junctions)
+        return {g: normal[g] + low.get(g, []) for g in normal}
+
+    def prioritized(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+                    junctions: Iterable[int] = ()) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
+        normal = StoreHitSpans.offers(self, manager, seq, start, end, junctions)
+        low: dict[int, list[Offer]] = {}
+        for g, kept in normal.items():
+            spec = manager.layout.groups[g].spec
+            if spec.grows_with_sequence or _recurrent(manager, g):
+                continue  # every registered block is kept at normal priority already
+            spans = {o[0] for o in kept}
+            rest = [o for o in manager.registered_blocks(seq, g, start, end) if o[0] not in spans]
+            if rest:
+                low[g] = rest
+        return normal, low
 
 
 def _recurrent(manager: KVCacheManager, group: int) -> bool:

@@ -5,7 +5,8 @@ KV tiers (``sim.tiers``), e.g. ``--tier host:64GiB --tier disk:1TiB@7GB/s``; ``-
 tier=none,host:64GiB,host:64GiB+disk:1TiB`` runs one variant per tier set (``+`` joins tiers).
 The summary then shows the tier and total hit rates, the tokens and bytes loaded per tier and the
 load time; the JSON keys are documented in ``sim.simulator``. What tiers keep: ``--tier-storage``
-(``hit-spans``, per group what a hit can use; ``all``: every layer of every block), with
+(``spans+spill``, the default: every block, those a hit cannot use at low priority, evicted first;
+``hit-spans``: per group what a hit can use; ``all``: every layer of every block), with
 ``--tier-checkpoint-interval`` and ``--tier-end-align``; tier loads are asynchronous (a request
 waits for its load while the others run) unless ``--tier-loads blocking``.
 
@@ -147,14 +148,17 @@ def add_parser(sub: Any) -> None:
                         help="external KV tier, queried in the order given (repeatable): "
                              "KIND:SIZE[@BANDWIDTH][@LATENCY] with KIND host (default 25GB/s), disk (5GB/s, "
                              "100us) or net/redis (3GB/s, 1ms), e.g. host:64GiB, disk:1TiB@7GB/s; per GPU")
-    system.add_argument("--tier-storage", choices=("hit-spans", "all"), default="hit-spans",
+    system.add_argument("--tier-storage", choices=("spans+spill", "hit-spans", "all"), default="spans+spill",
                         help="what tiers keep: hit-spans (growing layers every block, window/chunk layers only "
-                             "around checkpoints) or all (every layer of every block)")
+                             "around checkpoints), spans+spill (hit-spans, and every other block at low "
+                             "priority: evicted first, kept while there is room) or all (every layer of every "
+                             "block)")
     system.add_argument("--tier-checkpoint-interval", type=non_negative_int_arg, default=0, metavar="TOKENS",
-                        help="with hit-spans: also keep a window checkpoint every TOKENS tokens (0: none)")
+                        help="with hit-spans or spans+spill: also keep a window checkpoint every TOKENS tokens "
+                             "(0: none)")
     system.add_argument("--tier-end-align", type=positive_int_arg, default=None, metavar="TOKENS",
-                        help="with hit-spans: the prompt-end checkpoint at the prompt's length rounded down to a "
-                             "multiple of TOKENS (default: a Mooncake trace's 512-token blocks, else the hit "
+                        help="with hit-spans or spans+spill: the prompt-end checkpoint at the prompt's length rounded "
+                             "down to a multiple of TOKENS (default: a Mooncake trace's 512-token blocks, else the hit "
                              "alignment)")
     system.add_argument("--tier-loads", choices=("async", "blocking"), default="async",
                         help="async: a request waits for its tier load while others run; blocking: the load's "

@@ -30,7 +30,9 @@ Summary keys for the tiers (present in every run; zeros and empty without tiers)
   ``loaded_sequences`` / ``load_s`` (what the tier served to admitted sequences), ``read_hits`` /
   ``read_misses`` (every read, including promotions' sources and admissions retried later),
   ``stored_blocks`` / ``stored_bytes`` (writes, including promotions from a lower tier),
-  ``evictions``, ``used_bytes`` and ``entries`` at the end.
+  ``evictions``, ``used_bytes`` and ``entries`` at the end; ``low_entries`` (held at low priority at
+  the end), ``low_puts``, ``low_evictions``, ``low_skipped`` (low puts that found no low entry to
+  evict) and ``low_promotions`` (low entries that served a hit).
 
 ``SimResult.requests`` entries also carry ``tier_tokens`` (tokens loaded at the first admission).
 """
@@ -44,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hybridkv.connectors.storage import StoragePolicy, StoreAll, StoreHitSpans
+from hybridkv.connectors.storage import StoragePolicy, StoreAll, StoreHitSpans, StoreSpansSpill
 from hybridkv.core import KVCacheLayout, KVCacheManager, RetentionPolicy, Sequence, capacity_report, plan_layout
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
 from hybridkv.planning.hardware import get_hardware
@@ -90,14 +92,15 @@ class SimConfig:
     """How the cost model charges the output projection (``cost_model`` module docstring)."""
     tiers: tuple[TierSpec, ...] = ()
     """External KV tiers, queried in order (``sim.tiers``); empty: none."""
-    tier_storage: str = "hit-spans"
-    """What the tiers keep: ``hit-spans`` (per group what a hit can use, ``connectors.storage``) or ``all``
-    (every layer of every block)."""
+    tier_storage: str = "spans+spill"
+    """What the tiers keep (``connectors.storage``): ``spans+spill`` (every block, those a hit cannot use
+    at low priority, evicted first), ``hit-spans`` (per group what a hit can use) or ``all`` (every layer
+    of every block)."""
     tier_checkpoint_interval: int = 0
-    """With ``hit-spans``: also keep window checkpoints every this many tokens (0: none)."""
+    """With ``hit-spans`` / ``spans+spill``: also keep window checkpoints every this many tokens (0: none)."""
     tier_end_align: int | None = None
-    """With ``hit-spans``: the prompt-end checkpoint at the prompt's length rounded down to a multiple of
-    this; None: the workload's content block size (a Mooncake trace: 512), else the hit alignment."""
+    """With ``hit-spans`` / ``spans+spill``: the prompt-end checkpoint at the prompt's length rounded down to a
+    multiple of this; None: the workload's content block size (a Mooncake trace: 512), else the hit alignment."""
     tier_loads: str = "async"
     """``async``: a request waits for its tier load while the others run; ``blocking``: the load's time is
     added to the step that admits it."""
@@ -210,12 +213,13 @@ def tier_storage(cfg: SimConfig, workload: Workload | None = None) -> StoragePol
     """The storage policy of ``cfg``'s tiers (``SimConfig.tier_storage`` and its settings)."""
     if cfg.tier_storage == "all":
         return StoreAll()
-    if cfg.tier_storage != "hit-spans":
-        raise InvalidInputError(f"tier_storage must be 'hit-spans' or 'all', got {cfg.tier_storage!r}")
+    if cfg.tier_storage not in ("hit-spans", "spans+spill"):
+        raise InvalidInputError(f"tier_storage must be 'spans+spill', 'hit-spans' or 'all', got {cfg.tier_storage!r}")
     align = cfg.tier_end_align
     if align is None:
         align = workload.content_block_size if workload is not None and workload.content_block_size else 0
-    return StoreHitSpans(interval=cfg.tier_checkpoint_interval, end_align=align)
+    policy = StoreSpansSpill if cfg.tier_storage == "spans+spill" else StoreHitSpans
+    return policy(interval=cfg.tier_checkpoint_interval, end_align=align)
 
 
 def _make_sequence(req: SimRequest, tiered: bool = False) -> Sequence:

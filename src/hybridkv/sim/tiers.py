@@ -37,8 +37,10 @@ PCIe 4 NVMe drive's sequential read), 100 us; net 3 GB/s (a 25 GbE link), 1 ms. 
   ``extra_load_s``). The loaded tokens are not computed.
 * Stores: write-through of what each step computed, to every tier, assumed to overlap with compute
   (no time is charged); they take capacity and evict. What is written is the storage policy's
-  choice (``connectors.storage``): ``StoreHitSpans`` (default) keeps growing layers for every block
-  and the other groups' blocks only around checkpoints, ``StoreAll`` every layer of every block.
+  choice (``connectors.storage``): ``StoreSpansSpill`` (default) every block, those outside the hit
+  spans at low priority (evicted first; a low entry never evicts a normal one; one that serves a
+  read becomes normal), ``StoreHitSpans`` growing layers for every block and the other groups'
+  blocks only around checkpoints, ``StoreAll`` every layer of every block at normal priority.
   The call that completes a prompt touches its chain head last, so a prompt's tail is evicted
   before the prefix it shares.
 * Tier reads for an admission that did not fit yet count in the tier's hit counters
@@ -199,11 +201,14 @@ def _key_group(key: bytes) -> bytes:
 
 
 class SimTier(KVTier):
-    """A ``KVTier`` of keys and nominal block sizes under a byte budget, least recently used evicted.
+    """A ``KVTier`` of keys and nominal block sizes under a byte budget: low-priority entries evicted
+    first, then normal ones, least recently used first within each (``KVTier.priorities``).
 
     ``get_many`` answers a held key with a 1-byte value, the tier's ``index``: the caller learns which
     tier served the block (``SimConnector`` takes it as the payload; there is no frame to check).
     """
+
+    priorities = True
 
     def __init__(self, spec: TierSpec, index: int, block_bytes: Mapping[int, int]) -> None:
         super().__init__()
@@ -217,14 +222,19 @@ class SimTier(KVTier):
         self._tag = bytes([index])
         self._block_bytes = {str(g).encode(): size for g, size in block_bytes.items()}  # keyed as in tier keys
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # key -> nominal bytes, LRU first
+        self._low: OrderedDict[bytes, int] = OrderedDict()  # the low-priority ones, LRU first
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return [k in self._entries for k in keys]
+        entries, low = self._entries, self._low
+        return [k in entries or k in low for k in keys]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
         for k in keys:
             size = self._entries.get(k)
+            if size is None and k in self._low:  # served a hit: promoted to normal
+                size = self._entries[k] = self._low.pop(k)
+                self.stats.low_promotions += 1
             if size is None:
                 self.stats.misses += 1
                 out.append(None)
@@ -235,47 +245,76 @@ class SimTier(KVTier):
             out.append(self._tag)
         return out
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        entries = self._entries
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], low: bool = False) -> None:
+        entries, lows = self._entries, self._low
         capacity = self.capacity_bytes
         stats = self.stats
         for key, _value in items:
             size = self._block_bytes[_key_group(key)]
             if size > capacity:
                 continue  # would evict everything and still not fit
+            as_low = low and key not in entries  # a normal entry stays normal
             old = entries.pop(key, None)
+            if old is None:
+                old = lows.pop(key, None)
             if old is not None:
                 self.used_bytes -= old
             while self.used_bytes + size > capacity:
-                _, evicted = entries.popitem(last=False)
+                if lows:
+                    _, evicted = lows.popitem(last=False)
+                    stats.low_evictions += 1
+                elif as_low:
+                    break
+                else:
+                    _, evicted = entries.popitem(last=False)
                 self.used_bytes -= evicted
                 stats.evictions += 1
-            entries[key] = size
+            if self.used_bytes + size > capacity:
+                stats.low_skipped += 1  # a low entry never evicts a normal one
+                continue
+            (lows if as_low else entries)[key] = size
             self.used_bytes += size
             stats.puts += 1
             stats.bytes_written += size
+            stats.low_puts += as_low
 
     def delete(self, key: bytes) -> None:
         old = self._entries.pop(key, None)
+        if old is None:
+            old = self._low.pop(key, None)
         if old is not None:
             self.used_bytes -= old
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
-        entries = self._entries
+        entries, lows = self._entries, self._low
         for k in keys:
             if k in entries:
                 entries.move_to_end(k)
+            elif k in lows:
+                lows.move_to_end(k)
+
+    def prioritize_many(self, keys: Sequence[bytes]) -> None:
+        lows = self._low
+        for k in keys:
+            if k in lows:
+                self._entries[k] = lows.pop(k)
+                self.stats.low_promotions += 1
 
     def entries_per_group(self) -> dict[int, int]:
         """How many blocks of each group the tier holds."""
         out: dict[int, int] = {}
-        for k in self._entries:
-            g = int(_key_group(k))
-            out[g] = out.get(g, 0) + 1
+        for entries in (self._entries, self._low):
+            for k in entries:
+                g = int(_key_group(k))
+                out[g] = out.get(g, 0) + 1
         return out
 
+    def low_priority_entries(self) -> int:
+        """How many entries the tier holds at low priority."""
+        return len(self._low)
+
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._low)
 
 
 def _no_payload(_group: int, _block: int) -> bytes:
@@ -366,16 +405,23 @@ class SimConnector(KVConnector):
 
     def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables,
               read_block: ReadBlock = _no_payload, start_token: int = 0) -> int:
-        keys = [key for _, _, key in self.offered(seq, num_tokens, start_token)]
+        normal, low = self.offered_by_priority(seq, num_tokens, start_token)
         stored: set[bytes] = set()
         targets = self.tiers if self.write_through else self.tiers[:1]
-        for lo in range(0, len(keys), self.batch_blocks):
-            batch = keys[lo : lo + self.batch_blocks]
-            for tier in targets:
-                items = [(k, b"") for k, there in zip(batch, tier.exists_many(batch)) if not there]
-                if items:
-                    tier.put_many(items)
-                    stored.update(k for k, _ in items)
+        for offers, is_low in ((normal, False), (low, True)):
+            keys = [key for _, _, key in offers]
+            for lo in range(0, len(keys), self.batch_blocks):
+                batch = keys[lo : lo + self.batch_blocks]
+                for tier in targets:
+                    if is_low and not tier.priorities:
+                        continue
+                    present = tier.exists_many(batch)
+                    items = [(k, b"") for k, there in zip(batch, present) if not there]
+                    if items:
+                        tier.put_many(items, is_low)
+                        stored.update(k for k, _ in items)
+                    if not is_low and tier.priorities and len(items) < len(batch):
+                        tier.prioritize_many([k for k, there in zip(batch, present) if there])
         self.stats.stored_blocks += len(stored)
         self._touch_prompt(seq, start_token, num_tokens, targets)
         return len(stored)
@@ -466,5 +512,10 @@ class SimTiers:
                 "evictions": st.evictions,
                 "used_bytes": tier.used_bytes,
                 "entries": len(tier),
+                "low_entries": tier.low_priority_entries(),
+                "low_puts": st.low_puts,
+                "low_evictions": st.low_evictions,
+                "low_skipped": st.low_skipped,
+                "low_promotions": st.low_promotions,
             }
         return out
