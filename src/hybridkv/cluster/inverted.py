@@ -84,12 +84,14 @@ def chain_runs(hashes: list[bytes], n: int, held: dict[bytes, int], replicas: in
         return []
     masks = list(map(held.get, hashes[:n], repeat(0, n)))
     # A replica's chain ends at the first mask without its bit: the first place of some distinct
-    # mask (a chain's masks take few distinct values), taken in order of first place.
+    # mask (a chain's masks take few distinct values; ``dict.fromkeys`` lists them in order of
+    # first place).
     runs = []
     alive = replicas
-    for first, mask in sorted((masks.index(m), m) for m in set(masks)):
+    for mask in dict.fromkeys(masks):
         lost = alive & ~mask
         if lost:
+            first = masks.index(mask)
             if first:
                 runs.append((first, lost))
             alive &= mask
@@ -149,9 +151,7 @@ def predict_together(keys: RequestKeys, views: Sequence[ReplicaView], medium: st
     scheme, hbs, short = first.scheme, rules.hash_block_size, bool(first.short_hashes)
     align = fast.alignment
     bound = (keys.sequence.num_tokens - 1) // align * align
-    everyone = 0
-    for view in views:
-        everyone |= view.bit
+    everyone = reduce(or_, [view.bit for view in views], 0)
     at: dict[int, int] = {}  # hit point the chains allow -> the bits of the replicas there
     for i, (group, size) in enumerate(fast.chains):
         h = keys.hashes(scheme, hbs, size, short)
@@ -180,9 +180,11 @@ def predict_together(keys: RequestKeys, views: Sequence[ReplicaView], medium: st
             m = min(top // size, len(h))
             spans.append((h, list(map(masks.maps.get((medium, group), _NONE).get, h[:m], repeat(0, m))), size, need))
         at = settle_together(align, at, spans)
-    tokens = {bit: point for point, bits in at.items() for bit in _bits(bits)}
-    out: list[Prediction] = []
-    for view in views:
-        t = tokens.get(view.bit, 0)
-        out.append(Prediction(view.name, t, ((medium, t),)) if t else view.no_hit)
+    out = [view.no_hit for view in views]
+    if at:
+        place = {view.bit: i for i, view in enumerate(views)}
+        for point, bits in at.items():
+            for bit in _bits(bits):
+                i = place[bit]
+                out[i] = Prediction(views[i].name, point, ((medium, point),))
     return out
