@@ -80,6 +80,14 @@ class FastHits:
             if False in flags:
                 n = flags.index(False)
             bound = min(bound, n * size // align * align)
+        return self.settle(bound, held, hashes)
+
+    def settle(self, bound: int, held: Mapping[int, Mapping[bytes, object]],
+               hashes: Callable[[int], list[bytes]]) -> int:
+        """The longest hit at most ``bound`` (aligned, within the chains) that every window and
+        checkpoint group agrees on: the fixed point over the ``spans`` groups."""
+        align = self.alignment
+        empty: Mapping[bytes, object] = {}
         changed = True
         while changed and bound > 0:
             changed = False

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from hybridkv.cluster.events import EventBatch
 from hybridkv.cluster.hashes import HashScheme, VllmHashes
+from hybridkv.cluster.inverted import JointKey, ReplicaMasks, predict_together
 from hybridkv.cluster.layouts import ReplicaLayout
 from hybridkv.cluster.replica import Held, Prediction, ReplicaView, RequestKeys
 from hybridkv.core import KVCacheLayout
@@ -52,6 +53,17 @@ class StreamStats:
     """The last few batch numbers that could not be applied (lost in transit, undecodable)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """How ``lookup_keys`` predicts a set of replicas, valid while the masks' version is unchanged."""
+
+    version: int
+    order: list[str]
+    alone: list[ReplicaView]
+    together: list[tuple[str, list[ReplicaView], list[str]]]
+    reorder: bool
+
+
 class ClusterIndex:
     """Replicas' cached blocks from their KV events, and the hit each would find for a request."""
 
@@ -61,6 +73,9 @@ class ClusterIndex:
         self.shared: dict[str, Held] = {m: {} for m in shared_media}
         """Media every replica reads (a shared tier such as Redis), filled by any replica's events."""
         self.max_model_len = max_model_len
+        self.masks = ReplicaMasks()
+        """Per (medium, group), which replicas hold each hash: lookups walk a request's chain once."""
+        self._plan: _Plan | None = None
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, name: str, *, scheme: HashScheme | None = None, layout: KVCacheLayout | None = None,
@@ -73,13 +88,16 @@ class ClusterIndex:
             raise InvalidInputError(f"replica {name!r} is already in the index")
         view = ReplicaView(name, scheme or VllmHashes(),
                            ReplicaLayout(layout, expected_groups=expected_groups, max_model_len=self.max_model_len))
+        view.attach(self.masks, self.masks.allocate())
         self.views[name] = view
         self.streams[name] = StreamStats()
         return view
 
     def remove_replica(self, name: str) -> None:
         """Stop following ``name`` and forget what it held."""
-        self._view(name)
+        view = self._view(name)
+        view.clear()
+        self.masks.release(view.bit)
         del self.views[name]
         del self.streams[name]
 
@@ -163,8 +181,43 @@ class ClusterIndex:
     def lookup_keys(self, keys: RequestKeys, replicas: Iterable[str] | None = None, *,
                     chain_only: bool = False) -> dict[str, Prediction]:
         """``lookup`` for a request whose hashes may already be computed (``RequestKeys``)."""
+        if chain_only or self.shared:
+            names = self.views if replicas is None else replicas
+            return {name: self._view(name).predict(keys, self.shared, chain_only=chain_only) for name in names}
+        cached = self._plan if replicas is None else None
+        if cached is not None and cached.version == self.masks.version:
+            plan = cached
+        else:
+            plan = self._make_plan(self.views if replicas is None else replicas)
+            if replicas is None:
+                self._plan = plan
+        out = {view.name: view.predict(keys, self.shared) for view in plan.alone}
+        for medium, views, names in plan.together:
+            out.update(zip(names, predict_together(keys, views, medium, self.masks)))
+        return {name: out[name] for name in plan.order} if plan.reorder else out
+
+    def _make_plan(self, names: Iterable[str]) -> _Plan:
+        """Which replicas are predicted together (one walk of a request's chain over the masks, per
+        group of replicas that hash and lay out blocks alike) and which each by its own view."""
+        version = self.masks.version
+        order: list[str] = []
+        alone: list[ReplicaView] = []
+        together: dict[JointKey, list[ReplicaView]] = {}
+        for name in names:
+            view = self._view(name)
+            order.append(name)
+            key = view.joint_key()
+            if key is None:
+                alone.append(view)
+            else:
+                together.setdefault(key, []).append(view)
+        groups = [(views[0].media_in_order()[0], views, [v.name for v in views]) for views in together.values()]
+        return _Plan(version, order, alone, groups, len(groups) + bool(alone) > 1)
+
+    def lookup_each(self, keys: RequestKeys, replicas: Iterable[str] | None = None) -> dict[str, Prediction]:
+        """``lookup_keys`` with every replica predicted by its own view (what the masks must agree with)."""
         names = self.views if replicas is None else replicas
-        return {name: self._view(name).predict(keys, self.shared, chain_only=chain_only) for name in names}
+        return {name: self._view(name).predict(keys, self.shared) for name in names}
 
     def num_blocks(self) -> dict[str, int]:
         """Hashes indexed per replica (and per shared medium, as ``shared:MEDIUM``)."""

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.cluster.events import MEDIUM_GPU, AllClearedEvent, BlockRemovedEvent, BlockStoredEvent, WireEvent
 from hybridkv.cluster.hashes import HashScheme
 from hybridkv.cluster.layouts import ReplicaLayout
 from hybridkv.core import Sequence as KVSequence
+
+if TYPE_CHECKING:
+    from hybridkv.cluster.inverted import JointKey, ReplicaMasks
 
 Held = dict[int, dict[bytes, int]]
 """Per group, hash -> how many cached blocks hold it (always >= 1)."""
@@ -112,7 +115,7 @@ class ReplicaView:
     """What one replica's events say it holds, and the hit it would find for a request."""
 
     __slots__ = ("name", "scheme", "layout", "media", "short_hashes", "verified", "hash_problem",
-                 "unknown_removals", "candidate", "_order")
+                 "unknown_removals", "candidate", "_order", "masks", "bit", "no_hit", "_joint")
 
     def __init__(self, name: str, scheme: HashScheme, layout: ReplicaLayout) -> None:
         self.name = name
@@ -130,6 +133,45 @@ class ReplicaView:
         """A store event whose first block the scheme can recompute, kept until the layout is known."""
         self.unknown_removals = 0
         """Removals of hashes this view never saw stored (a view that joined late, or lost events)."""
+        self.masks: ReplicaMasks | None = None
+        self.bit = 0
+        """This replica's bit in ``masks``, the index's map of who holds what (0: not in one)."""
+        self.no_hit = Prediction(name, 0)
+        self._joint: tuple[object, object, str, JointKey | None] | None = None
+
+    def attach(self, masks: ReplicaMasks, bit: int) -> None:
+        """Keep ``bit`` of ``masks`` equal to what this view holds on its own media (from now on:
+        call before the first event)."""
+        self.masks, self.bit = masks, bit
+        self._joint = None
+        self._regroup()
+
+    def _regroup(self) -> None:
+        """Something ``joint_key`` reads changed: the index's cached grouping is stale."""
+        if self.masks is not None:
+            self.masks.version += 1
+
+    def media_in_order(self) -> list[str]:
+        """The media this replica holds blocks on, in lookup order."""
+        return [m for m, _ in self._order]
+
+    def joint_key(self) -> JointKey | None:
+        """What replicas predicted together by one walk of a request's chain share (hash scheme,
+        hit rules, the one medium they hold blocks on), or None when this view's hits need its own
+        ``predict``: no full-attention chain, kinds ``FastHits`` does not mirror, a hash problem,
+        blocks on several media or on none, no bit in the index's masks."""
+        fast, order = self.layout.fast, self._order
+        cached = self._joint
+        if cached is not None and cached[0] is fast and cached[1] is order and cached[2] == self.hash_problem:
+            return cached[3]
+        key: JointKey | None = None
+        rules, chain = self.layout.rules, self.layout.chain_group
+        if (fast is not None and rules is not None and not self.hash_problem and self.bit and len(order) == 1
+                and chain is not None and any(g == chain for g, _ in fast.chains)):
+            key = (self.scheme.name, rules.hash_block_size, bool(self.short_hashes), order[0][0], fast.alignment,
+                   tuple(fast.chains), tuple(fast.spans), chain)
+        self._joint = (fast, order, self.hash_problem, key)
+        return key
 
     # ------------------------------------------------------------------ events
     def apply(self, events: tuple[WireEvent, ...] | list[WireEvent], shared: Mapping[str, Held]) -> None:
@@ -148,16 +190,30 @@ class ReplicaView:
         if not e.block_hashes:
             return
         group_idx = e.group_idx or 0
+        fast = self.layout.fast
         self.layout.learn(group_idx, e.kind, e.sliding_window, e.block_size)
+        if self.layout.fast is not fast:
+            self._regroup()
         if self.short_hashes is None:
             self.short_hashes = isinstance(e.block_hashes[0], int)
+            self._regroup()
         medium = e.medium or MEDIUM_GPU
         held = shared[medium] if medium in shared else self._own(medium)
         group = held.setdefault(group_idx, {})
         get = group.get
-        for h in e.block_hashes:
-            k = h if type(h) is bytes else _key(h)
-            group[k] = get(k, 0) + 1
+        if self.masks is None or medium in shared:
+            for h in e.block_hashes:
+                k = h if type(h) is bytes else _key(h)
+                group[k] = get(k, 0) + 1
+        else:
+            masks = self.masks.group(medium, group_idx)
+            bit, holders = self.bit, masks.get
+            for h in e.block_hashes:
+                k = h if type(h) is bytes else _key(h)
+                n = get(k, 0)
+                group[k] = n + 1
+                if not n:
+                    masks[k] = holders(k, 0) | bit
         # Checkable: the first block hashed without extra keys, after a digest (not 64 bits) or at
         # the start, and one block of tokens per hash (a recurrent store names one checkpoint after
         # the tokens of a whole run).
@@ -189,6 +245,7 @@ class ReplicaView:
         if held is None:
             held = self.media[medium] = {}
             self._order = [(m, self.media[m]) for m in media_order(list(self.media))]
+            self._regroup()
         return held
 
     def _removed(self, e: BlockRemovedEvent, shared: Mapping[str, Held]) -> None:
@@ -200,6 +257,7 @@ class ReplicaView:
             return
         get = group.get
         unknown = 0
+        masks = None if self.masks is None or medium in shared else self.masks.group(medium, e.group_idx or 0)
         for h in e.block_hashes:
             k = h if type(h) is bytes else _key(h)
             n = get(k, 0)
@@ -207,6 +265,12 @@ class ReplicaView:
                 group[k] = n - 1
             elif n == 1:
                 del group[k]
+                if masks is not None:
+                    left = masks[k] & ~self.bit
+                    if left:
+                        masks[k] = left
+                    else:
+                        del masks[k]
             else:
                 unknown += 1
         self.unknown_removals += unknown
@@ -228,11 +292,24 @@ class ReplicaView:
         else:
             self.hash_problem = (f"stored block hashes do not match the {self.scheme.name} scheme "
                                  f"(another hash algorithm or seed?)")
+            self._regroup()
 
     def clear(self) -> None:
         """Forget every held hash (a resync); what was learned about the layout stays."""
+        if self.masks is not None:
+            keep = ~self.bit
+            for medium, held in self.media.items():
+                for g, group in held.items():
+                    masks = self.masks.group(medium, g)
+                    for k in group:
+                        left = masks[k] & keep
+                        if left:
+                            masks[k] = left
+                        else:
+                            del masks[k]
         self.media.clear()
         self._order = []
+        self._regroup()
 
     def num_blocks(self) -> int:
         """Hashes held over all media and groups."""
