@@ -48,8 +48,8 @@ from hybridkv.cluster.scrape import BackendLoad
 from hybridkv.core import BlockHasher, KVCacheManager, Sequence, capacity_report
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
 from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig
-from hybridkv.sim.cost_model import CostModel, SeqWork, calibrate
-from hybridkv.sim.simulator import SimConfig, SimResult, _percentile, build_manager, cost_model, tier_storage
+from hybridkv.sim.cost_model import CostModel, calibrate
+from hybridkv.sim.simulator import SimConfig, SimResult, _percentile, build_manager, cost_model, step_work, tier_storage
 from hybridkv.sim.synthetic import TierKeyedSequence
 from hybridkv.sim.tiers import SimConnector, SimTier, SimTiers
 from hybridkv.sim.workloads import SimRequest, Workload, release_time
@@ -166,19 +166,7 @@ class ReplicaSim:
         if tiers is not None:
             tiers.clock.now = self.now
         out = sched.schedule()
-        for sid in out.admitted:
-            run.hits.setdefault(sid, sched.requests[sid].num_hit_tokens)
-        load_s = 0.0
-        if tiers is not None:
-            for sid in out.admitted:
-                run.tier_tokens.setdefault(sid, sched.requests[sid].num_external_tokens)
-            if out.external:
-                load_s = tiers.admit(out.external)
-        work = []
-        for sid, n in out.num_scheduled_tokens.items():
-            seq = sched.requests[sid].seq
-            c = seq.num_computed_tokens
-            work.append(SeqWork(n, c, sampled=c + n == seq.num_tokens))
+        work, load_s = step_work(sched, out, run.hits, run.tier_tokens, tiers)
         if not work and not load_s and not out.rejected:  # every waiting request waits for its tier load
             later = [r.load.ready_at for r in sched.waiting
                      if r.load is not None and not r.load.done() and r.load.ready_at > self.now]

@@ -52,7 +52,7 @@ from hybridkv.errors import InvalidInputError, SequenceTooLongError
 from hybridkv.planning.hardware import get_hardware
 from hybridkv.planning.hf_config import layer_specs, parse_config
 from hybridkv.planning.planner import DTYPE_BYTES, PlanInput, load_model, make_plan
-from hybridkv.scheduling.scheduler import Admission, Policy, Scheduler, SchedulerConfig
+from hybridkv.scheduling.scheduler import Admission, Policy, Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sim.cost_model import CostModel, Efficiency, LMHead, SeqWork, calibrate
 from hybridkv.sim.synthetic import SyntheticSequence, TierKeyedSequence
 from hybridkv.sim.tiers import SimTiers, TierSpec
@@ -230,6 +230,26 @@ def _make_sequence(req: SimRequest, tiered: bool = False) -> Sequence:
     return SyntheticSequence(req.request_id, req.segments, req.cache_salt)
 
 
+def step_work(sched: Scheduler, out: SchedulerOutput, hits: dict[str, int], tier_tokens: dict[str, int],
+              tiers: SimTiers | None) -> tuple[list[SeqWork], float]:
+    """Record the hit and tier tokens of ``out``'s admissions and start their tier loads; the step's
+    work per sequence and the seconds its blocking loads take."""
+    for sid in out.admitted:
+        hits.setdefault(sid, sched.requests[sid].num_hit_tokens)
+    load_s = 0.0
+    if tiers is not None:
+        for sid in out.admitted:
+            tier_tokens.setdefault(sid, sched.requests[sid].num_external_tokens)
+        if out.external:
+            load_s = tiers.admit(out.external)
+    work = []
+    for sid, n in out.num_scheduled_tokens.items():
+        seq = sched.requests[sid].seq
+        c = seq.num_computed_tokens
+        work.append(SeqWork(n, c, sampled=c + n == seq.num_tokens))
+    return work, load_s
+
+
 def simulate(workload: Workload, cfg: SimConfig, *,
              progress: Callable[[int, int], None] | None = None) -> SimResult:
     """Run ``workload`` on the system ``cfg``; ``progress(done, total)`` is called as requests finish."""
@@ -313,19 +333,7 @@ def simulate(workload: Workload, cfg: SimConfig, *,
         if tiers is not None:
             tiers.clock.now = now
         out = sched.schedule()
-        for sid in out.admitted:
-            hits.setdefault(sid, sched.requests[sid].num_hit_tokens)
-        load_s = 0.0
-        if tiers is not None:
-            for sid in out.admitted:
-                tier_tokens.setdefault(sid, sched.requests[sid].num_external_tokens)
-            if out.external:
-                load_s = tiers.admit(out.external)
-        work = []
-        for sid, n in out.num_scheduled_tokens.items():
-            seq = sched.requests[sid].seq
-            c = seq.num_computed_tokens
-            work.append(SeqWork(n, c, sampled=c + n == seq.num_tokens))
+        work, load_s = step_work(sched, out, hits, tier_tokens, tiers)
         if not work and not load_s and not out.rejected:  # every waiting request waits for its tier load
             now = _next_event(sched, ready, now, concurrency is None or in_flight < concurrency)
             continue
