@@ -72,17 +72,22 @@ class RequestKeys:
         found = self._groups.get(key)
         if found is not None:
             return found
-        chain_key = (scheme.name, hash_block_size)
-        base = self._chains.get(chain_key)
-        if base is None:
-            base = scheme.chain(self.token_ids, hash_block_size, self.cache_salt)
-            self._chains[chain_key] = base
+        base = self._chain(scheme, hash_block_size)
         k = block_size // hash_block_size
         out = base if k == 1 else base[k - 1 :: k]
         if short:
             out = [h[-8:] for h in out]
         self._groups[key] = out
         return out
+
+    def _chain(self, scheme: HashScheme, hash_block_size: int) -> list[bytes]:
+        """The request's chain of ``hash_block_size`` hashes under ``scheme``, computed once."""
+        chain_key = (scheme.name, hash_block_size)
+        base = self._chains.get(chain_key)
+        if base is None:
+            base = scheme.chain(self.token_ids, hash_block_size, self.cache_salt)
+            self._chains[chain_key] = base
+        return base
 
 
 class _PrefixOr(Mapping[bytes, int]):

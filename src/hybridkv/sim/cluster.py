@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.cluster.events import from_core_events, group_metadata, make_batch
-from hybridkv.cluster.hashes import HybridkvHashes
+from hybridkv.cluster.hashes import HashScheme, HybridkvHashes
 from hybridkv.cluster.index import ClusterIndex
 from hybridkv.cluster.replica import RequestKeys
 from hybridkv.cluster.routing import POLICIES, BackendState, Policy
@@ -120,17 +120,13 @@ class SequenceKeys(RequestKeys):
         self._chains = {}
         self._groups = {}
 
-    def hashes(self, scheme: object, hash_block_size: int, block_size: int, short: bool) -> list[bytes]:
-        key = ("sequence", hash_block_size, block_size, short)
-        found = self._groups.get(key)
-        if found is None:
-            base = list(self.sequence.block_hashes(self.hasher, hash_block_size))
-            k = block_size // hash_block_size
-            found = base if k == 1 else base[k - 1 :: k]
-            if short:
-                found = [h[-8:] for h in found]
-            self._groups[key] = found
-        return found
+    def _chain(self, scheme: HashScheme, hash_block_size: int) -> list[bytes]:
+        """The sequence's own block hashes (the scheme is the manager's: hybridkv's chain)."""
+        key = ("sequence", hash_block_size)
+        base = self._chains.get(key)
+        if base is None:
+            base = self._chains[key] = list(self.sequence.block_hashes(self.hasher, hash_block_size))
+        return base
 
 
 class ReplicaSim:
