@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hybridkv.engine.engine import RequestOutput
 from hybridkv.errors import InvalidInputError
 from hybridkv.server.chat import plain_messages
-from hybridkv.server.context import ServerContext, cancel_on_disconnect, first_or_error
+from hybridkv.server.context import ServerContext, cancel_on_disconnect, start_choices
 from hybridkv.server.errors import APIError
-from hybridkv.server.generation import Choice, collect_finals, make_choices, run_choices
+from hybridkv.server.generation import Choice, collect_finals, make_choices
 from hybridkv.server.openai_format import chat_logprobs, check_n, finish_reason, sampling_params, sse, usage
 from hybridkv.server.protocol import MAX_CHOICES, ChatCompletionRequest
 
@@ -52,13 +52,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                              vocab_size=ctx.tokenize.vocab_size, logprobs=k, stop_token_ids=stops)
     choices = make_choices([prompt], params, n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    outputs = run_choices(ctx.engine, request_id, choices, cache_salt=body.cache_salt, priority=body.priority or 0,
-                          n=n)
-    first = await first_or_error(request, outputs)
-    if first is None:
+    started = await start_choices(ctx, request, request_id, choices, cache_salt=body.cache_salt,
+                                  priority=body.priority or 0, n=n)
+    if started is None:
         return Response(status_code=499)
-    if first[1].finished:
-        finish_reason(first[1])  # a request that failed or was refused at once answers with its error status
+    first, outputs = started
     created = int(time.time())
 
     def logprobs(output: RequestOutput, start: int) -> dict[str, Any] | None:

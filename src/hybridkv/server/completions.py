@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridkv.engine.engine import RequestOutput
 from hybridkv.errors import InvalidInputError
-from hybridkv.server.context import ServerContext, cancel_on_disconnect, first_or_error
+from hybridkv.server.context import ServerContext, cancel_on_disconnect, start_choices
 from hybridkv.server.errors import APIError
-from hybridkv.server.generation import Choice, Prompt, collect_finals, make_choices, run_choices
+from hybridkv.server.generation import Choice, Prompt, collect_finals, make_choices
 from hybridkv.server.openai_format import check_n, completion_logprobs, finish_reason, sampling_params, sse, usage
 from hybridkv.server.protocol import MAX_CHOICES, CompletionRequest
 
@@ -64,13 +64,11 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                              prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None)
     choices = make_choices(prompts, params, n)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    outputs = run_choices(ctx.engine, request_id, choices, cache_salt=body.cache_salt, priority=body.priority or 0,
-                          n=n)
-    first = await first_or_error(request, outputs)
-    if first is None:
+    started = await start_choices(ctx, request, request_id, choices, cache_salt=body.cache_salt,
+                                  priority=body.priority or 0, n=n)
+    if started is None:
         return Response(status_code=499)
-    if first[1].finished:
-        finish_reason(first[1])  # a request that failed or was refused at once answers with its error status
+    first, outputs = started
     created = int(time.time())
 
     def prompt_text(prompt: Prompt) -> str:

@@ -4,19 +4,19 @@ template; and waiting on the engine while watching for the client going away."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
 
-from hybridkv.engine.config import Tokenizer
+from hybridkv.engine.config import RequestOutput, Tokenizer
 from hybridkv.errors import InvalidInputError
 from hybridkv.server.async_engine import AsyncEngine, EngineClosedError
 from hybridkv.server.chat import ChatTemplate
 from hybridkv.server.errors import APIError
-from hybridkv.server.generation import Tokenize
-from hybridkv.server.openai_format import TokenText
+from hybridkv.server.generation import Choice, Tokenize, run_choices
+from hybridkv.server.openai_format import TokenText, finish_reason
 
 T = TypeVar("T")
 
@@ -74,3 +74,20 @@ async def first_or_error(request: Request, outputs: AsyncIterator[T]) -> T | Non
         if aclose is not None:
             await aclose()
     return first
+
+
+ChoiceOutputs = AsyncGenerator[tuple[Choice, RequestOutput], None]
+
+
+async def start_choices(ctx: ServerContext, request: Request, request_id: str, choices: list[Choice], *,
+                        cache_salt: str | None, priority: int, n: int
+                        ) -> tuple[tuple[Choice, RequestOutput], ChoiceOutputs] | None:
+    """Submit ``choices``: their first output and the rest to come, None if the client left. A request
+    that failed or was refused at once raises its ``APIError`` (bad input, shutting down, too large)."""
+    outputs = run_choices(ctx.engine, request_id, choices, cache_salt=cache_salt, priority=priority, n=n)
+    first = await first_or_error(request, outputs)
+    if first is None:
+        return None
+    if first[1].finished:
+        finish_reason(first[1])
+    return first, outputs
