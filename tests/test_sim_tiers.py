@@ -8,6 +8,8 @@ from functools import partial
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv.cli import main
 from hybridkv.errors import InvalidInputError
@@ -15,7 +17,7 @@ from hybridkv.sim import simulator
 from hybridkv.sim.cli import variants
 from hybridkv.sim.cost_model import CostModel, SeqWork
 from hybridkv.sim.simulator import SimConfig, build_manager, simulate
-from hybridkv.sim.tiers import SimTiers, TierSpec, group_block_bytes, parse_tiers
+from hybridkv.sim.tiers import SimTier, SimTiers, TierSpec, group_block_bytes, parse_tiers
 from hybridkv.sim.workloads import ClosedLoop, Workload, shared_prefix
 
 # Gemma 3 1B (sliding window 512 + full attention) with a 30k-token pool; 10 prefixes of 4,000
@@ -220,3 +222,51 @@ def test_cli_rejects_bad_tiers_with_status_2(capsys: pytest.CaptureFixture[str])
     assert exc.value.code == 2 and "BANDWIDTH" in capsys.readouterr().err
     assert main([*ARGS, "--compare", "tier=none,host:big"]) == 2
     assert "tier 'host:big'" in capsys.readouterr().err
+
+
+_KEYS = [b"hkv1/ns/%d/%03d" % (g, i) for g in range(3) for i in range(40)]
+
+
+def _by_steps(tier: SimTier, keys: list[bytes], low: bool, batch: int) -> list[bytes]:
+    """``KVConnector.store``'s writes of one priority, step by step: presence, puts, promotions."""
+    put: list[bytes] = []
+    for lo in range(0, len(keys), batch):
+        block = keys[lo : lo + batch]
+        present = tier.exists_many(block)
+        items = [(k, b"") for k, there in zip(block, present) if not there]
+        if items:
+            tier.put_many(items, low)
+            put += [k for k, _ in items]
+        if not low and len(items) < len(block):
+            tier.prioritize_many([k for k, there in zip(block, present) if there])
+    return put
+
+
+def _state(tier: SimTier) -> tuple[object, ...]:
+    st = tier.stats
+    return (list(tier._entries.items()), list(tier._low.items()), tier.used_bytes, st.puts, st.evictions,
+            st.low_evictions, st.low_skipped, st.low_puts, st.low_promotions, st.bytes_written)
+
+
+@settings(max_examples=150, deadline=None)
+@given(capacity=st.integers(1, 40), batch=st.integers(1, 9),
+       ops=st.lists(st.tuples(st.sampled_from(["offer", "get", "touch"]), st.booleans(),
+                              st.lists(st.sampled_from(_KEYS), min_size=1, max_size=30, unique=True)),
+                    max_size=25))
+def test_bulk_offers_leave_the_tier_as_puts_one_by_one(capacity: int, batch: int,
+                                                       ops: list[tuple[str, bool, list[bytes]]]) -> None:
+    # Group 2's blocks are a fifth the size of the others (as Gemma 3 27B's last window group).
+    sizes = {0: 5, 1: 5, 2: 1}
+    spec = TierSpec("host", capacity, 1e9)
+    bulk, steps = SimTier(spec, 0, sizes), SimTier(spec, 0, sizes)
+    for op, low, keys in ops:
+        if op == "offer":
+            block_sizes = [sizes[int(k.split(b"/")[2])] for k in keys]
+            assert bulk.offer(keys, block_sizes, low, batch) == _by_steps(steps, keys, low, batch)
+        elif op == "get":
+            assert bulk.get_many(keys) == steps.get_many(keys)
+        else:
+            bulk.touch_many(keys)
+            steps.touch_many(keys)
+        assert _state(bulk) == _state(steps)
+        assert bulk.used_bytes == sum(bulk._entries.values()) + sum(bulk._low.values()) <= capacity

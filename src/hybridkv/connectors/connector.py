@@ -429,6 +429,18 @@ class KVConnector:
     def offered_by_priority(self, seq: Sequence, num_tokens: int, start_token: int = 0
                             ) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int, bytes]]]:
         """``offered``, split into ``(normal, low)`` priority (``StoragePolicy.prioritized``)."""
+        normal, low = self.chosen_by_priority(seq, num_tokens, start_token)
+        key = self.key
+
+        def keyed(offers: dict[int, list[Offer]]) -> list[tuple[int, int, bytes]]:
+            return [(g, b, key(g, h)) for g, blocks in offers.items() for _, b, h in blocks]
+
+        return keyed(normal), keyed(low)
+
+    def chosen_by_priority(self, seq: Sequence, num_tokens: int, start_token: int = 0
+                           ) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
+        """The storage policy's choice for tokens ``(start_token, num_tokens]``, per group, before keying:
+        ``(normal, low)`` priority ``Offer`` lists (junctions the lookups found included)."""
         if (not isinstance(num_tokens, int) or not isinstance(start_token, int)
                 or not 0 <= start_token <= num_tokens <= seq.num_tokens):
             raise InvalidInputError(
@@ -441,13 +453,7 @@ class KVConnector:
             with self._lock:
                 junctions = self._junctions.positions(self.manager.block_hashes(seq, g), self._block_size[g],
                                                       start_token, num_tokens)
-        normal, low = self.storage.prioritized(self.manager, seq, start_token, num_tokens, junctions)
-        key = self.key
-
-        def keyed(offers: dict[int, list[Offer]]) -> list[tuple[int, int, bytes]]:
-            return [(g, b, key(g, h)) for g, blocks in offers.items() for _, b, h in blocks]
-
-        return keyed(normal), keyed(low)
+        return self.storage.prioritized(self.manager, seq, start_token, num_tokens, junctions)
 
     def store(self, seq: Sequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock,
               start_token: int = 0) -> int:

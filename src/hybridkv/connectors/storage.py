@@ -134,9 +134,7 @@ class StoreHitSpans(StoragePolicy):
                 continue
             if points is None:
                 points = self.checkpoints(manager, seq, start, end, junctions)
-            wanted: set[int] = set()
-            for p in points:
-                wanted.update(manager.hit_span(g, p))
+            wanted = _spans(manager, g, points)
             if not wanted:
                 out[g] = []
                 continue
@@ -160,17 +158,36 @@ class StoreSpansSpill(StoreHitSpans):
 
     def prioritized(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
                     junctions: Iterable[int] = ()) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
-        normal = StoreHitSpans.offers(self, manager, seq, start, end, junctions)
+        """``StoreHitSpans.offers`` at normal priority; the rest of each window group's registered
+        blocks in ``(start, end]`` at low priority (one walk of the group's blocks for both)."""
+        normal: dict[int, list[Offer]] = {}
         low: dict[int, list[Offer]] = {}
-        for g, kept in normal.items():
+        points: list[int] | None = None
+        for g in manager.caching_groups:
             spec = manager.layout.groups[g].spec
             if spec.grows_with_sequence or _recurrent(manager, g):
-                continue  # every registered block is kept at normal priority already
-            spans = {o[0] for o in kept}
-            rest = [o for o in manager.registered_blocks(seq, g, start, end) if o[0] not in spans]
+                normal[g] = manager.registered_blocks(seq, g, start, end)  # every block: normal priority
+                continue
+            if points is None:
+                points = self.checkpoints(manager, seq, start, end, junctions)
+            wanted = _spans(manager, g, points)
+            bs = manager.group_block_size(g)
+            # A checkpoint's span ends at or before ``end`` and may reach back before ``start``.
+            regs = manager.registered_blocks(seq, g, min(min(wanted) * bs, start) if wanted else start, end)
+            first = start // bs
+            normal[g] = [o for o in regs if o[0] in wanted] if wanted else []
+            rest = [o for o in regs if o[0] >= first and o[0] not in wanted]
             if rest:
                 low[g] = rest
         return normal, low
+
+
+def _spans(manager: KVCacheManager, group: int, points: Iterable[int]) -> set[int]:
+    """Table indices of ``group`` that hits ending at ``points`` need (``hit_span`` at each)."""
+    wanted: set[int] = set()
+    for p in points:
+        wanted.update(manager.hit_span(group, p))
+    return wanted
 
 
 def _recurrent(manager: KVCacheManager, group: int) -> bool:

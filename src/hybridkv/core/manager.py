@@ -235,12 +235,11 @@ class KVCacheManager:
         table = g.tables.get(seq.seq_id, [])
         hashes = self.block_hashes(seq, g)
         block_hash = self.pool.block_hash
-        out = []
-        for i in range(start_token // g.block_size, min(end_token // g.block_size, len(hashes), len(table))):
-            b = table[i]
-            if b != NULL_BLOCK and block_hash[b] == hashes[i]:
-                out.append((i, b, hashes[i]))
-        return out
+        first, last = start_token // g.block_size, min(end_token // g.block_size, len(hashes), len(table))
+        if first >= last:
+            return []
+        return [(i, b, h) for i, b, h in zip(range(first, last), table[first:last], hashes[first:last])
+                if b != NULL_BLOCK and block_hash[b] == h]
 
     @property
     def hits_possible(self) -> bool:

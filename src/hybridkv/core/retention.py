@@ -324,6 +324,8 @@ class WindowRetainer(Retainer):
         hashes = self.hashes(seq, anchor)
         first = start // bs
         last = min(end // bs, len(hashes))
+        if known.keys().isdisjoint(hashes[first:last]):
+            return []
         return [(i + 1) * bs for i in range(first, last) if hashes[i] in known and (i + 1) * bs % align == 0]
 
     def _admit_under(self, anchor_block: int) -> Callable[[int], bool]:
@@ -345,6 +347,8 @@ class WindowRetainer(Retainer):
         stop = min(hi * group.block_size + span_tokens, len(hashes) * anchor.block_size)
         known = self._junctions
         out: list[tuple[int, int]] = []
+        if known.keys().isdisjoint(hashes[max(0, start // anchor.block_size - 1) : stop // anchor.block_size]):
+            return out  # no junction in reach (the common case), found in one set operation
         for boundary in range(start, stop + 1, align):
             i = boundary // anchor.block_size - 1
             if hashes[i] in known:
@@ -356,12 +360,28 @@ class WindowRetainer(Retainer):
         return out
 
     def _classify(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]], dropped: bool) -> None:
+        if not freed:
+            return
         idxs = [i for i, _ in freed]
-        junctions = self._junction_anchors(seq, group, min(idxs), max(idxs)) if freed and self._junctions else []
+        junctions = self._junction_anchors(seq, group, min(idxs), max(idxs)) if self._junctions else []
         windows = [(group.hit_span(boundary), a) for boundary, a in junctions]
         align = self.alignment
         replay = group.hit_span((seq.num_prompt_tokens - 1) // align * align)
         # Consecutive blocks of one class are released in one call, in ``freed``'s order.
+        if not windows:  # no junction window: the LRU, or ``low`` outside the replay window when dropped
+            if not dropped:
+                self._release_run(("lru", NULL_BLOCK), [b for _, b in freed])
+                return
+            lo, hi = replay
+            runs: list[int] = []
+            inside = lo <= freed[0][0] < hi
+            for i, b in freed:
+                if (lo <= i < hi) is not inside:
+                    self._release_run(("lru" if inside else "low", NULL_BLOCK), runs)
+                    runs, inside = [], not inside
+                runs.append(b)
+            self._release_run(("lru" if inside else "low", NULL_BLOCK), runs)
+            return
         run: list[int] = []
         run_class: tuple[str, int] = ("", NULL_BLOCK)
         for i, b in freed:

@@ -50,10 +50,12 @@ PCIe 4 NVMe drive's sequential read), 100 us; net 3 GB/s (a 25 GbE link), 1 ms. 
 from __future__ import annotations
 
 import argparse
-from collections import OrderedDict
+from bisect import bisect_left
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate, islice, repeat
 from typing import Any
 
 from hybridkv.connectors.base import KVTier
@@ -200,6 +202,26 @@ def _key_group(key: bytes) -> bytes:
     return key[i : key.index(b"/", i)]
 
 
+def _head_covering(entries: OrderedDict[bytes, int], need: int, sizes: tuple[int, int]) -> tuple[int, int]:
+    """``(n, bytes)``: the fewest oldest entries whose bytes reach ``need`` (all of them, and their
+    bytes, when they do not), in C-level passes over the head. ``sizes``: the smallest and largest
+    entry size, which bound how far to look."""
+    smallest, largest = sizes
+    sums = list(accumulate(islice(entries.values(), need // largest + 1)))
+    if sums and sums[-1] < need and len(sums) < len(entries):  # smaller entries: look further
+        sums = list(accumulate(islice(entries.values(), need // smallest + 1)))
+    if not sums:
+        return 0, 0
+    n = bisect_left(sums, need)
+    return (n + 1, sums[n]) if n < len(sums) else (len(sums), sums[-1])
+
+
+def _drop_head(entries: OrderedDict[bytes, int], n: int) -> None:
+    """Remove the ``n`` oldest entries (a C-level loop)."""
+    if n:
+        deque(map(entries.__delitem__, list(islice(entries, n))), maxlen=0)
+
+
 class SimTier(KVTier):
     """A ``KVTier`` of keys and nominal block sizes under a byte budget: low-priority entries evicted
     first, then normal ones, least recently used first within each (``KVTier.priorities``).
@@ -221,6 +243,7 @@ class SimTier(KVTier):
         self.used_bytes = 0
         self._tag = bytes([index])
         self._block_bytes = {str(g).encode(): size for g, size in block_bytes.items()}  # keyed as in tier keys
+        self._sizes = (max(1, min(block_bytes.values(), default=1)), max(1, max(block_bytes.values(), default=1)))
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # key -> nominal bytes, LRU first
         self._low: OrderedDict[bytes, int] = OrderedDict()  # the low-priority ones, LRU first
 
@@ -277,6 +300,99 @@ class SimTier(KVTier):
             stats.puts += 1
             stats.bytes_written += size
             stats.low_puts += as_low
+
+    def offer(self, keys: Sequence[bytes], sizes: Sequence[int], low: bool, batch: int) -> list[bytes]:
+        """``KVConnector.store``'s writes of one priority to this tier, in one call: per batch of
+        ``batch`` keys, those the tier lacks are put (``put_many``, with their nominal ``sizes`` given
+        rather than read from the keys), then, for a normal offer, those it holds at low priority are
+        promoted (``prioritize_many``). The same steps in the same order, so the same end state.
+        Returns the keys put (offered while absent, whether or not they fitted).
+
+        A batch the tier holds none of, whose evictions reach only entries older than the batch (the
+        steady state of a full tier), goes in bulk (``_put_fresh``): C-level dict operations instead
+        of a Python loop per key, the same end state."""
+        entries, lows = self._entries, self._low
+        put: list[bytes] = []
+        for lo in range(0, len(keys), batch):
+            block = keys[lo : lo + batch]
+            block_sizes = sizes[lo : lo + batch]
+            if (entries.keys().isdisjoint(block) and lows.keys().isdisjoint(block)
+                    and self._put_fresh(block, block_sizes, low)):
+                put += block
+                continue
+            held = [k in entries or k in lows for k in block]
+            for key, size, there in zip(block, block_sizes, held):
+                if not there:
+                    put.append(key)  # absent before the batch, so absent now: keys of one store are distinct
+                    self._put_one(key, size, low)
+            if not low:
+                for key, there in zip(block, held):
+                    if there and key in lows:
+                        entries[key] = lows.pop(key)
+                        self.stats.low_promotions += 1
+        return put
+
+    def _put_one(self, key: bytes, size: int, low: bool) -> None:
+        """``put_many``'s step for one absent key of a known size."""
+        entries, lows, stats = self._entries, self._low, self.stats
+        capacity = self.capacity_bytes
+        if size > capacity:
+            return  # would evict everything and still not fit
+        while self.used_bytes + size > capacity:
+            if lows:
+                self.used_bytes -= lows.popitem(last=False)[1]
+                stats.low_evictions += 1
+            elif low:
+                break
+            else:
+                self.used_bytes -= entries.popitem(last=False)[1]
+            stats.evictions += 1
+        if self.used_bytes + size > capacity:
+            stats.low_skipped += 1  # a low entry never evicts a normal one
+            return
+        (lows if low else entries)[key] = size
+        self.used_bytes += size
+        stats.puts += 1
+        stats.bytes_written += size
+        stats.low_puts += low
+
+    def _put_fresh(self, keys: Sequence[bytes], sizes: Sequence[int], low: bool) -> bool:
+        """Put ``keys`` (none held) at once when that ends as ``_put_one`` key by key would: the
+        entries to evict (oldest low ones first, then, for a normal put, the oldest normal ones)
+        all predate the batch. Key by key, each put evicts from the head until it fits, so the
+        evicted entries are the shortest head whose bytes cover the batch's excess, which this
+        evicts before adding the batch at the tail. Returns False, changing nothing, otherwise."""
+        total = sum(sizes)
+        capacity = self.capacity_bytes
+        need = self.used_bytes + total - capacity
+        if need <= 0:
+            n_low = n_normal = 0
+            freed = 0
+        else:
+            if total > capacity:
+                return False
+            n_low, freed = _head_covering(self._low, need, self._sizes)
+            n_normal = 0
+            if freed < need:
+                if low:
+                    return False  # a low entry never evicts a normal one: some of the batch is skipped
+                if n_low < len(self._low):
+                    return False  # cannot happen (the head did not cover though more was there)
+                n_normal, more = _head_covering(self._entries, need - freed, self._sizes)
+                freed += more
+                if freed < need:
+                    return False
+            _drop_head(self._low, n_low)
+            _drop_head(self._entries, n_normal)
+        (self._low if low else self._entries).update(zip(keys, sizes))
+        self.used_bytes += total - freed
+        st = self.stats
+        st.evictions += n_low + n_normal
+        st.low_evictions += n_low
+        st.puts += len(keys)
+        st.bytes_written += total
+        st.low_puts += len(keys) if low else 0
+        return True
 
     def delete(self, key: bytes) -> None:
         old = self._entries.pop(key, None)
@@ -403,28 +519,41 @@ class SimConnector(KVConnector):
                            self.clock)
         return SimLoad(fetched, now + seconds, self.clock)
 
+    def key(self, group: int, block_hash: bytes) -> bytes:
+        """A simulated tier's key: the group's tier-key prefix and the raw hash bytes (a key never
+        leaves the process, so the hex of ``frame.tier_key`` would only cost time)."""
+        return self._prefix[group] + block_hash
+
+    def keys(self, seq: KVSequence, group: int) -> list[bytes]:
+        prefix = self._prefix[group]
+        return [prefix + h for h in self.manager.block_hashes(seq, group)]
+
     def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables,
               read_block: ReadBlock = _no_payload, start_token: int = 0) -> int:
-        normal, low = self.offered_by_priority(seq, num_tokens, start_token)
-        stored: set[bytes] = set()
-        targets = self.tiers if self.write_through else self.tiers[:1]
+        normal, low = self.chosen_by_priority(seq, num_tokens, start_token)
+        targets: list[SimTier] = self.sim_tiers if self.write_through else self.sim_tiers[:1]
+        prefix, size = self._prefix, self.block_bytes
+        stored = 0
+        seen: set[bytes] = set()
         for offers, is_low in ((normal, False), (low, True)):
-            keys = [key for _, _, key in offers]
-            for lo in range(0, len(keys), self.batch_blocks):
-                batch = keys[lo : lo + self.batch_blocks]
-                for tier in targets:
-                    if is_low and not tier.priorities:
-                        continue
-                    present = tier.exists_many(batch)
-                    items = [(k, b"") for k, there in zip(batch, present) if not there]
-                    if items:
-                        tier.put_many(items, is_low)
-                        stored.update(k for k, _ in items)
-                    if not is_low and tier.priorities and len(items) < len(batch):
-                        tier.prioritize_many([k for k, there in zip(batch, present) if there])
-        self.stats.stored_blocks += len(stored)
-        self._touch_prompt(seq, start_token, num_tokens, targets)
-        return len(stored)
+            keys: list[bytes] = []
+            sizes: list[int] = []
+            for g, blocks in offers.items():
+                p = prefix[g]
+                keys += [p + h for _, _, h in blocks]
+                sizes += repeat(size[g], len(blocks))
+            if not keys:
+                continue
+            for tier in targets:
+                put = tier.offer(keys, sizes, is_low, self.batch_blocks)
+                if len(targets) == 1:
+                    stored += len(put)
+                else:
+                    seen.update(put)
+        stored += len(seen)
+        self.stats.stored_blocks += stored
+        self._touch_prompt(seq, start_token, num_tokens, self.tiers if self.write_through else self.tiers[:1])
+        return stored
 
 
 class SimTiers:
