@@ -8,6 +8,8 @@ import sys
 from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv import BlockHasher, BlockPool, BlockRemoved, BlockStored, InvalidInputError, Sequence
 from hybridkv.core.hashing import encode_extra_keys
@@ -188,3 +190,63 @@ def test_bad_tokens_are_rejected_with_the_offending_value() -> None:
     with pytest.raises(InvalidInputError, match="'x'"):
         seq.append_token_ids(["x"])  # type: ignore[list-item]
     assert seq.num_tokens == 2  # nothing was appended
+
+
+def _pool_state(pool: BlockPool) -> tuple[object, ...]:
+    return (list(pool.block_hash), [dict(i) for i in pool.index], [dict(d) for d in pool._dups], list(pool.ref_cnt),
+            list(pool._low), list(pool._lru), pool.num_free_blocks, pool.num_admissible_blocks, pool.evictions)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["take", "free", "free_low", "keep"]), st.integers(1, 9),
+                          st.integers(0, 5), st.booleans()), max_size=40))
+def test_bulk_eviction_leaves_the_pool_as_block_by_block_eviction(ops: list[tuple[str, int, int, bool]]) -> None:
+    # With events on, the pool evicts block by block (each eviction is an event); without, in bulk
+    # where it can. Both must take the same blocks and end in the same state, with kept windows,
+    # duplicate hashes (a tiny hash space) and `low` blocks in play.
+    pools = [BlockPool(12, num_groups=2, kept_tier=KeptBlocks, enable_events=events) for events in (True, False)]
+    held: list[list[tuple[int, int]]] = [[], []]  # (group, block) per pool
+    for op, n, salt, flag in ops:
+        for k, pool in enumerate(pools):
+            mine = held[k]
+            if op == "take":
+                n = min(n, pool.num_admissible_blocks)
+                if not n:
+                    continue
+                blocks = pool.allocate(n, allow_reserved=flag)
+                group = salt % 2
+                pool.cache_blocks(group, blocks, [b"h%d" % ((salt + i) % 7) for i in range(n)])
+                mine += [(group, b) for b in blocks]
+            elif mine:
+                chosen = mine[:n]
+                del mine[:n]
+                blocks = [b for _, b in chosen]
+                if op == "free":
+                    pool.free(blocks)
+                elif op == "free_low":
+                    pool.free_low(blocks)
+                else:  # windows (group 1) kept under the first full-attention (group 0) block still held
+                    anchor = next((b for g, b in mine if g == 0), None)
+                    if anchor is None:
+                        pool.free(blocks)
+                    else:
+                        keep(pool, blocks, anchor)
+            pool.check_invariants()
+        assert _pool_state(pools[0]) == _pool_state(pools[1])
+        assert held[0] == held[1]
+
+
+def test_eviction_of_an_anchor_releases_its_windows_before_the_next_lru_block() -> None:
+    # Three cached blocks in the LRU, the oldest an anchor with two kept windows: evicting the
+    # anchor releases its windows to `low`, which go before the LRU's next blocks (no bulk
+    # eviction may skip past the anchor).
+    pool = BlockPool(8, num_groups=2, kept_tier=KeptBlocks)
+    anchors = pool.allocate(3, allow_reserved=False)
+    pool.cache_blocks(0, anchors, [b"a0", b"a1", b"a2"])
+    windows = pool.allocate(2, allow_reserved=False)
+    pool.cache_blocks(1, windows, [b"w0", b"w1"])
+    keep(pool, windows, anchors[0])
+    pool.free(anchors)
+    assert pool.allocate(5, allow_reserved=False) == [6, 7, anchors[0], *windows]
+    assert pool.get_cached_block(0, b"a1") == anchors[1]
+    pool.check_invariants()

@@ -56,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate, islice, repeat
+from operator import itemgetter
 from typing import Any
 
 from hybridkv.connectors.base import KVTier
@@ -216,6 +217,10 @@ def _head_covering(entries: OrderedDict[bytes, int], need: int, sizes: tuple[int
     return (n + 1, sums[n]) if n < len(sums) else (len(sums), sums[-1])
 
 
+_hash_of = itemgetter(2)
+"""The block hash of an ``Offer`` ``(index, block id, hash)``."""
+
+
 def _drop_head(entries: OrderedDict[bytes, int], n: int) -> None:
     """Remove the ``n`` oldest entries (a C-level loop)."""
     if n:
@@ -321,6 +326,12 @@ class SimTier(KVTier):
                 put += block
                 continue
             held = [k in entries or k in lows for k in block]
+            if (low and not lows and self.used_bytes + self._sizes[0] > self.capacity_bytes
+                    and self._sizes[1] <= self.capacity_bytes):
+                absent = [k for k, there in zip(block, held) if not there]
+                put += absent  # a full tier without low entries: every low put is skipped
+                self.stats.low_skipped += len(absent)
+                continue
             for key, size, there in zip(block, block_sizes, held):
                 if not there:
                     put.append(key)  # absent before the batch, so absent now: keys of one store are distinct
@@ -539,8 +550,7 @@ class SimConnector(KVConnector):
             keys: list[bytes] = []
             sizes: list[int] = []
             for g, blocks in offers.items():
-                p = prefix[g]
-                keys += [p + h for _, _, h in blocks]
+                keys += map(prefix[g].__add__, map(_hash_of, blocks))  # C-level passes
                 sizes += repeat(size[g], len(blocks))
             if not keys:
                 continue
