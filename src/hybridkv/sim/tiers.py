@@ -55,8 +55,8 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import accumulate, islice, repeat
-from operator import itemgetter
+from itertools import accumulate, filterfalse, islice, repeat
+from operator import itemgetter, or_
 from typing import Any
 
 from hybridkv.connectors.base import KVTier
@@ -275,11 +275,9 @@ class SimTier(KVTier):
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]], low: bool = False) -> None:
         entries, lows = self._entries, self._low
-        capacity = self.capacity_bytes
-        stats = self.stats
         for key, _value in items:
             size = self._block_bytes[_key_group(key)]
-            if size > capacity:
+            if size > self.capacity_bytes:
                 continue  # would evict everything and still not fit
             as_low = low and key not in entries  # a normal entry stays normal
             old = entries.pop(key, None)
@@ -287,24 +285,7 @@ class SimTier(KVTier):
                 old = lows.pop(key, None)
             if old is not None:
                 self.used_bytes -= old
-            while self.used_bytes + size > capacity:
-                if lows:
-                    _, evicted = lows.popitem(last=False)
-                    stats.low_evictions += 1
-                elif as_low:
-                    break
-                else:
-                    _, evicted = entries.popitem(last=False)
-                self.used_bytes -= evicted
-                stats.evictions += 1
-            if self.used_bytes + size > capacity:
-                stats.low_skipped += 1  # a low entry never evicts a normal one
-                continue
-            (lows if as_low else entries)[key] = size
-            self.used_bytes += size
-            stats.puts += 1
-            stats.bytes_written += size
-            stats.low_puts += as_low
+            self._put_one(key, size, as_low)
 
     def offer(self, keys: Sequence[bytes], sizes: Sequence[int], low: bool, batch: int) -> list[bytes]:
         """``KVConnector.store``'s writes of one priority to this tier, in one call: per batch of
@@ -317,21 +298,22 @@ class SimTier(KVTier):
         steady state of a full tier), goes in bulk (``_put_fresh``): C-level dict operations instead
         of a Python loop per key, the same end state."""
         entries, lows = self._entries, self._low
+        smallest, largest = self._sizes
         put: list[bytes] = []
         for lo in range(0, len(keys), batch):
             block = keys[lo : lo + batch]
             block_sizes = sizes[lo : lo + batch]
+            if (low and not lows and self.used_bytes + smallest > self.capacity_bytes
+                    and largest <= self.capacity_bytes):
+                absent = list(filterfalse(entries.__contains__, block))
+                put += absent  # a full tier without low entries: every low put is skipped
+                self.stats.low_skipped += len(absent)
+                continue
             if (entries.keys().isdisjoint(block) and lows.keys().isdisjoint(block)
                     and self._put_fresh(block, block_sizes, low)):
                 put += block
                 continue
-            held = [k in entries or k in lows for k in block]
-            if (low and not lows and self.used_bytes + self._sizes[0] > self.capacity_bytes
-                    and self._sizes[1] <= self.capacity_bytes):
-                absent = [k for k, there in zip(block, held) if not there]
-                put += absent  # a full tier without low entries: every low put is skipped
-                self.stats.low_skipped += len(absent)
-                continue
+            held = list(map(or_, map(entries.__contains__, block), map(lows.__contains__, block)))
             for key, size, there in zip(block, block_sizes, held):
                 if not there:
                     put.append(key)  # absent before the batch, so absent now: keys of one store are distinct
@@ -344,7 +326,8 @@ class SimTier(KVTier):
         return put
 
     def _put_one(self, key: bytes, size: int, low: bool) -> None:
-        """``put_many``'s step for one absent key of a known size."""
+        """Put one absent key of a known size: evict (low entries first; a low put evicts no normal
+        entry) until it fits, or count it skipped."""
         entries, lows, stats = self._entries, self._low, self.stats
         capacity = self.capacity_bytes
         if size > capacity:
