@@ -203,18 +203,20 @@ def _key_group(key: bytes) -> bytes:
     return key[i : key.index(b"/", i)]
 
 
-def _head_covering(entries: OrderedDict[bytes, int], need: int, sizes: tuple[int, int]) -> tuple[int, int]:
+def _head_covering(entries: OrderedDict[bytes, int], need: int, largest: int) -> tuple[int, int]:
     """``(n, bytes)``: the fewest oldest entries whose bytes reach ``need`` (all of them, and their
-    bytes, when they do not), in C-level passes over the head. ``sizes``: the smallest and largest
-    entry size, which bound how far to look."""
-    smallest, largest = sizes
-    sums = list(accumulate(islice(entries.values(), need // largest + 1)))
-    if sums and sums[-1] < need and len(sums) < len(entries):  # smaller entries: look further
-        sums = list(accumulate(islice(entries.values(), need // smallest + 1)))
-    if not sums:
-        return 0, 0
+    bytes, when they do not), in C-level passes over the head, each reading as many entries as
+    entries of the ``largest`` size would need."""
+    sums: list[int] = []
+    total = 0
+    while total < need and len(sums) < len(entries):
+        running = accumulate(islice(entries.values(), len(sums), len(sums) + (need - total) // largest + 1),
+                             initial=total)
+        next(running)  # the initial value
+        sums += running
+        total = sums[-1]
     n = bisect_left(sums, need)
-    return (n + 1, sums[n]) if n < len(sums) else (len(sums), sums[-1])
+    return (n + 1, sums[n]) if n < len(sums) else (len(sums), total)
 
 
 _hash_of = itemgetter(2)
@@ -365,14 +367,14 @@ class SimTier(KVTier):
         else:
             if total > capacity:
                 return False
-            n_low, freed = _head_covering(self._low, need, self._sizes)
+            n_low, freed = _head_covering(self._low, need, self._sizes[1])
             n_normal = 0
             if freed < need:
                 if low:
                     return False  # a low entry never evicts a normal one: some of the batch is skipped
                 if n_low < len(self._low):
                     return False  # cannot happen (the head did not cover though more was there)
-                n_normal, more = _head_covering(self._entries, need - freed, self._sizes)
+                n_normal, more = _head_covering(self._entries, need - freed, self._sizes[1])
                 freed += more
                 if freed < need:
                     return False
