@@ -55,6 +55,14 @@ def test_a_tier_keeps_no_change_log_until_asked() -> None:
     assert host.take_changes() == [(True, b"new")]
 
 
+def test_a_connector_without_events_has_its_tiers_log_nothing(tmp_path: Path) -> None:
+    host, disk = HostTier(2000), DiskTier(tmp_path, 2000)
+    conn = connector([host, disk], manager(400, full()))
+    produce(conn, list(range(200)))  # twelve blocks into tiers of six or seven: both evict
+    assert host.stats.evictions > 0 and disk.stats.evictions > 0
+    assert conn.take_events() == [] and host._changes is None and disk._changes is None
+
+
 def test_host_eviction_logs_the_evicted_key_as_left_low_priority_first() -> None:
     host = HostTier(300)
     host.record_changes()
