@@ -29,6 +29,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hybridkv.cluster.replica import Prediction
 from hybridkv.cluster.router_cli import main as route_main
 from hybridkv.cluster.routing import BackendState, Policy
 from hybridkv.cluster.scrape import BackendLoad, parse_load
@@ -77,6 +78,32 @@ def test_a_failed_backend_is_tried_last() -> None:
     assert Policy("round_robin").rank([a, b, c], {}, 0).order[-1] == "a"
 
 
+def test_a_tier_hit_is_credited_below_a_device_hit_of_the_same_length() -> None:
+    a, b = BackendState("a", "http://a"), BackendState("b", "http://b")
+    policy = Policy("hybrid_exact")
+
+    def rank(pa: Prediction, pb: Prediction) -> tuple[str, ...]:
+        found = {"a": pa, "b": pb}
+        return policy.rank([a, b], {n: p.tokens for n, p in found.items()}, 1000,
+                           credited={n: policy.credit(p) for n, p in found.items()}).order
+
+    device = Prediction("a", 800, (("GPU", 800),))
+    # 800 host tokens are worth 640 device tokens: the device hit wins whichever backend comes first.
+    assert rank(device, Prediction("b", 800, (("CPU", 800),))) == ("a", "b")
+    assert rank(Prediction("a", 800, (("CPU", 800),)), Prediction("b", 800, (("GPU", 800),))) == ("b", "a")
+    # 100 device tokens and 900 host tokens (100 + 720 = 820) beat 800 on the device.
+    assert rank(device, Prediction("b", 1000, (("GPU", 100), ("CPU", 900)))) == ("b", "a")
+    # A disk hit counts half: 1000 disk tokens (500) lose to 800 on the device.
+    assert rank(device, Prediction("b", 1000, (("STORAGE", 1000),))) == ("a", "b")
+
+
+def test_medium_weights_can_be_set_and_unknown_media_count_half() -> None:
+    policy = Policy("hybrid_exact", medium_weights={"STORAGE": 0.9, "CPU": 1})
+    hit = Prediction("a", 700, (("GPU", 100), ("CPU", 200), ("STORAGE", 300), ("REDIS", 100)))
+    assert policy.credit(hit) == 100 + 200 + 270 + 50
+    assert Policy("hybrid_exact").credit(hit) == 100 + 160 + 150 + 50
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--backend", "127.0.0.1:8001"], "must be an http:// or https:// URL"),
     (["--backend", "http://h:1,events=h:2"], "events must be a ZMQ endpoint"),
@@ -85,6 +112,8 @@ def test_a_failed_backend_is_tried_last() -> None:
     (["--backend", "http://h:1,colour=red"], "unknown option 'colour'"),
     (["--backend", "http://h:1", "--backend", "http://h:1"], "the same URL given twice"),
     (["--backend", "http://h:1,hash=md5"], "unknown hash scheme 'md5'"),
+    (["--backend", "http://h:1", "--medium-weight", "CPU"], "--medium-weight 'CPU': expected MEDIUM=FRACTION"),
+    (["--backend", "http://h:1", "--medium-weight", "CPU=1.5"], "with a fraction in [0, 1]"),
 ])
 def test_a_bad_command_line_is_one_line_and_exit_2(argv: list[str], message: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,9 +7,10 @@ socket (a ROUTER) for the batches from a number on. A background thread owns bot
 dropped (subscribers see a gap and resync). Unlike vLLM's publisher, which connects to any endpoint
 without a wildcard, this one always binds: replicas publish, the router connects to each.
 
-An engine calls ``publish_manager(manager)`` after each step (the manager built with
-``enable_events=True``): the manager's events become one batch tagged with each group's index, kind
-and window and the medium (``GPU`` for the device pool; a tier passes its own).
+An engine calls ``publish_manager(manager, tiers=connector.take_events())`` after each step (the
+manager built with ``enable_events=True``, the connector's events enabled): the manager's events and
+its external tiers' become one batch, each tagged with its group's index, kind and window and its
+medium (``GPU`` for the device pool, ``CPU`` for a host tier, ``STORAGE`` for a disk tier).
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import queue
 import threading
 import typing
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 import zmq
 
 from hybridkv.cluster.events import MEDIUM_GPU, WireEvent, from_core_events, group_metadata, make_batch
 from hybridkv.cluster.wire import END_SEQ, encode_batch, seq_bytes
-from hybridkv.core import KVCacheManager
+from hybridkv.core import KVCacheEvent, KVCacheManager
 from hybridkv.errors import InvalidInputError
 
 _IDLE = object()
@@ -86,13 +87,17 @@ class KVEventPublisher:
                 return None
         return seq
 
-    def publish_manager(self, manager: KVCacheManager, *, medium: str = MEDIUM_GPU) -> int | None:
-        """Publish the events ``manager`` collected since the last call as one batch of ``medium``
-        (nothing when there are none); returns the batch number."""
+    def publish_manager(self, manager: KVCacheManager, *, medium: str = MEDIUM_GPU,
+                        tiers: Iterable[tuple[str, Sequence[KVCacheEvent]]] = ()) -> int | None:
+        """Publish the events ``manager`` collected since the last call as ``medium``, then ``tiers``'
+        (each of its own medium: ``KVConnector.take_events()``), as one batch (nothing when there are
+        none); returns the batch number."""
         meta = self._metadata.get(id(manager))
         if meta is None:
             meta = self._metadata[id(manager)] = group_metadata(manager.layout)
         events = from_core_events(manager.take_events(), meta, medium=medium, int_hashes=self.int_hashes)
+        for tier_medium, tier_events in tiers:
+            events += from_core_events(tier_events, meta, medium=tier_medium, int_hashes=self.int_hashes)
         return self.publish(events) if events else None
 
     @property

@@ -2,7 +2,8 @@
 
 For each completion or chat completion the router takes the prompt's token ids (given, or from a
 backend's ``/tokenize``), asks the index how many prompt tokens each backend would serve from its
-caches (fed by the backends' KV events over ZMQ), ranks the backends by predicted hit against load
+caches, per medium (fed by the backends' KV events over ZMQ), ranks the backends by predicted hit
+(device tokens in full, a tier's at a discount: its load costs time) against load
 (``routing.Policy``; load scraped from each backend's ``/metrics``) and forwards the request
 unchanged. Streams pass through as they arrive. A backend that fails before answering (connection
 refused or dropped, a 5xx) is taken out of rotation and the request goes to the next one; a stream
@@ -61,6 +62,8 @@ class RouterConfig:
     metrics_interval: float = 0.5
     request_timeout: float = 600.0
     shared_media: list[str] = field(default_factory=list)
+    medium_weights: dict[str, float] = field(default_factory=dict)
+    """What a hit token on each medium is worth against one on the device (``routing.MEDIUM_WEIGHTS``)."""
 
 
 class ClusterRouter:
@@ -68,7 +71,8 @@ class ClusterRouter:
 
     def __init__(self, config: RouterConfig, *, client: httpx.AsyncClient | None = None) -> None:
         self.config = config
-        self.policy = Policy(config.policy, load_weight=config.load_weight, kv_weight=config.kv_weight)
+        self.policy = Policy(config.policy, load_weight=config.load_weight, kv_weight=config.kv_weight,
+                             medium_weights=config.medium_weights)
         self.backends = {s.name: BackendState(s.name, s.url.rstrip("/")) for s in config.backends}
         self.index = ClusterIndex(shared_media=config.shared_media)
         self.lock = threading.Lock()
@@ -166,13 +170,15 @@ class ClusterRouter:
         """The backends to try for ``body``, and its prompt length in tokens (0 when unknown)."""
         tokens = await self._token_ids(kind, body) if self.policy.uses_hits else None
         predicted: dict[str, int] = {}
+        credited: dict[str, float] = {}
         if tokens:
             salt = body.get("cache_salt")
             keys = RequestKeys(tokens, salt if isinstance(salt, str) else None)
             with self.lock:
                 found = self.index.lookup_keys(keys, chain_only=self.policy.name == "prefix")
             predicted = {name: p.tokens for name, p in found.items()}
-        decision = self.policy.rank(list(self.backends.values()), predicted, len(tokens or ()))
+            credited = {name: self.policy.credit(p) for name, p in found.items()}
+        decision = self.policy.rank(list(self.backends.values()), predicted, len(tokens or ()), credited=credited)
         return decision, len(tokens or ())
 
     async def forward(self, kind: str, body: dict[str, Any]) -> Response:

@@ -54,6 +54,22 @@ def parse_backend(spec: str, default_hash: str = "vllm") -> Any:
     return BackendSpec(url.rstrip("/"), **fields)
 
 
+def parse_medium_weights(specs: list[str]) -> dict[str, float]:
+    """``MEDIUM=FRACTION`` options as a map; ``InvalidInputError`` naming the bad one."""
+    out: dict[str, float] = {}
+    for spec in specs:
+        medium, sep, value = spec.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not sep or not medium or not 0 <= weight <= 1:
+            raise InvalidInputError(f"--medium-weight {spec!r}: expected MEDIUM=FRACTION with a fraction in [0, 1], "
+                                    f"e.g. CPU=0.8")
+        out[medium] = weight
+    return out
+
+
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``hybridkv route`` options."""
     from hybridkv.cluster.routing import POLICIES
@@ -73,6 +89,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                              "request's prompt (default: %(default)s)")
     parser.add_argument("--metrics-interval", type=float, default=0.5,
                         help="seconds between scrapes of each backend's /metrics (default: %(default)s)")
+    parser.add_argument("--medium-weight", action="append", default=[], metavar="MEDIUM=FRACTION",
+                        help="what a predicted hit token on MEDIUM is worth against one on the device, 0..1 "
+                             "(its load costs time; defaults: CPU=0.8, STORAGE=0.5, any other 0.5; repeatable)")
     parser.add_argument("--shared-medium", action="append", default=[], metavar="MEDIUM",
                         help="a medium every backend reads (a shared tier such as Redis); its events, from any "
                              "backend, extend every backend's predicted hit")
@@ -103,13 +122,15 @@ def route_main(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"--backend: the same URL given twice ({', '.join(names)})")
         for b in backends:
             scheme_named(b.hash_scheme)
-        Policy(args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight)
+        weights = parse_medium_weights(args.medium_weight)
+        Policy(args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight, medium_weights=weights)
         if args.metrics_interval <= 0:
             raise InvalidInputError(f"--metrics-interval must be positive, got {args.metrics_interval}")
         if not 0 <= args.port <= 65535:
             raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
         config = RouterConfig(backends, policy=args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight,
-                              metrics_interval=args.metrics_interval, shared_media=args.shared_medium)
+                              metrics_interval=args.metrics_interval, shared_media=args.shared_medium,
+                              medium_weights=weights)
         router = ClusterRouter(config)
     except InvalidInputError as exc:
         print(f"hybridkv route: {exc}", file=sys.stderr)

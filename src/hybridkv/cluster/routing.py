@@ -5,10 +5,11 @@ in that order, the next one only when a backend dies before answering:
 
 * ``hybrid_exact`` (default) and ``prefix``: the least estimated work, in prompt tokens::
 
-      cost(b) = (prompt_tokens - predicted_hit(b)) + prompt_tokens * (load_weight * load(b) + kv_weight * kv_usage(b))
+      cost(b) = (prompt_tokens - credited_hit(b)) + prompt_tokens * (load_weight * load(b) + kv_weight * kv_usage(b))
 
-  where ``predicted_hit`` comes from the index (``hybrid_exact``: the hybrid rule;
-  ``prefix``: the full-attention chain alone, what deployed prefix-aware routers use), ``load`` is
+  where the hit comes from the index (``hybrid_exact``: the hybrid rule; ``prefix``: the
+  full-attention chain alone, what deployed prefix-aware routers use), each medium's tokens credited
+  at its ``medium_weights`` (below), ``load`` is
   the larger of the requests this router has in flight there and the running + waiting requests
   the backend last reported, ``kv_usage`` its KV-cache usage (0..1). The weights are fractions of
   the request's own prompt, so the balance does not depend on prompt lengths: with the default
@@ -20,18 +21,36 @@ in that order, the next one only when a backend dies before answering:
 * ``least_loaded``: the same cost without the hit term;
 * ``round_robin``: in turn.
 
+A hit in an external tier saves the prefill of its tokens but costs their load, so the index's
+prediction per medium (``Prediction.by_medium``) is credited at a weight per medium: 1 for the
+device (``GPU``), ``MEDIUM_WEIGHTS`` by default for host memory (``CPU``: 0.8) and a disk
+(``STORAGE``: 0.5), ``OTHER_MEDIUM_WEIGHT`` (0.5) for any other (a shared tier). A weight is
+``1 - load time / prefill time`` per token: a Llama-3-8B-class model on an H100 prefills a token in
+about 30 us and loads its 128 KiB of KV from host memory (PCIe 5, 25 GB/s) in 5 us (0.8), from a
+5 GB/s NVMe drive in 26 us (about 0.1); a 70B model over eight GPUs loads 40 KiB per GPU (host 0.95,
+disk 0.75). So a device hit beats an equal host hit, and a host hit beats a device hit less than 0.8
+as long. Set them for the deployment (``--medium-weight MEDIUM=FRACTION``).
+
 Ties go to the backend with fewer requests in flight, then rotate from one request to the next.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hybridkv.cluster.events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
+from hybridkv.cluster.replica import Prediction
 from hybridkv.cluster.scrape import BackendLoad
 from hybridkv.errors import InvalidInputError
 
 POLICIES = ("hybrid_exact", "prefix", "least_loaded", "round_robin")
+MEDIUM_WEIGHTS: dict[str, float] = {MEDIUM_GPU: 1.0, MEDIUM_CPU: 0.8, MEDIUM_STORAGE: 0.5}
+"""What a predicted hit token on each medium is worth against one on the device (see above)."""
+OTHER_MEDIUM_WEIGHT = 0.5
+"""The worth of a hit token on a medium ``MEDIUM_WEIGHTS`` does not name."""
 
 
 @dataclass
@@ -83,22 +102,40 @@ class Decision:
 class Policy:
     """Ranks backends for one request."""
 
-    def __init__(self, name: str = "hybrid_exact", *, load_weight: float = 0.25, kv_weight: float = 0.0) -> None:
+    def __init__(self, name: str = "hybrid_exact", *, load_weight: float = 0.25, kv_weight: float = 0.0,
+                 medium_weights: Mapping[str, float] | None = None) -> None:
         if name not in POLICIES:
             raise InvalidInputError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
         if load_weight < 0 or kv_weight < 0:
             raise InvalidInputError(f"load_weight and kv_weight must be >= 0, got {load_weight}, {kv_weight}")
+        weights = dict(MEDIUM_WEIGHTS)
+        for medium, weight in (medium_weights or {}).items():
+            if not isinstance(medium, str) or not medium:
+                raise InvalidInputError(f"a medium weight needs a medium name, got {medium!r}")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1:
+                raise InvalidInputError(f"the weight of medium {medium} must be a fraction in [0, 1], got {weight!r}")
+            weights[medium] = float(weight)
         self.name = name
         self.load_weight = load_weight
         self.kv_weight = kv_weight
+        self.medium_weights = weights
+        """Per medium, what one predicted hit token there is worth against one on the device."""
         self._turn = 0
 
     @property
     def uses_hits(self) -> bool:
         return self.name in ("hybrid_exact", "prefix")
 
-    def rank(self, backends: list[BackendState], predicted: dict[str, int], prompt_tokens: int) -> Decision:
-        """The order to try ``backends`` in (healthy ones first) for a prompt of ``prompt_tokens``."""
+    def credit(self, prediction: Prediction) -> float:
+        """The prompt tokens a predicted hit saves, each medium's at its weight (``medium_weights``)."""
+        weights = self.medium_weights
+        return math.fsum(weights.get(m, OTHER_MEDIUM_WEIGHT) * n for m, n in prediction.by_medium)
+
+    def rank(self, backends: list[BackendState], predicted: Mapping[str, int], prompt_tokens: int, *,
+             credited: Mapping[str, float] | None = None) -> Decision:
+        """The order to try ``backends`` in (healthy ones first) for a prompt of ``prompt_tokens``.
+        ``predicted``: each backend's predicted hit tokens; ``credited``: what they are worth
+        (``credit``; default: ``predicted``, as if every token were on the device)."""
         if not backends:
             raise InvalidInputError("no backends to route to")
         healthy = [b for b in backends if b.healthy]
@@ -108,8 +145,8 @@ class Policy:
             start = self._turn % len(pool)
             self._turn += 1
             order = pool[start:] + pool[:start] + rest
-            return Decision(tuple(b.name for b in order), predicted, {}, "round_robin")
-        hits = predicted if self.uses_hits else {}
+            return Decision(tuple(b.name for b in order), dict(predicted), {}, "round_robin")
+        hits: Mapping[str, float] = (predicted if credited is None else credited) if self.uses_hits else {}
         scale = max(prompt_tokens, 1)
         costs = {b.name: (prompt_tokens - hits.get(b.name, 0))
                  + scale * (self.load_weight * b.queue + self.kv_weight * b.load.kv_usage) for b in backends}
@@ -119,5 +156,5 @@ class Policy:
         position = {b.name: (i - turn) % len(backends) for i, b in enumerate(backends)}
         ranked = sorted(pool, key=lambda b: (costs[b.name], b.inflight, position[b.name]))
         ranked += sorted(rest, key=lambda b: (costs[b.name], position[b.name]))
-        reason = "hit" if self.uses_hits and hits.get(ranked[0].name, 0) > 0 else "load"
-        return Decision(tuple(b.name for b in ranked), predicted, costs, reason)
+        reason = "hit" if self.uses_hits and predicted.get(ranked[0].name, 0) > 0 else "load"
+        return Decision(tuple(b.name for b in ranked), dict(predicted), costs, reason)

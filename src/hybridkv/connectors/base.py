@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+Change = tuple[bool, bytes]
+"""``(entered, key)``: the tier began (True) or stopped (False) holding ``key``."""
 
 
 class TierError(Exception):
@@ -53,6 +57,10 @@ class KVTier(ABC):
     other entry, least recently used first, never evicts a normal entry to make room for one, and makes
     one that serves a read (``get_many``) or is marked (``prioritize_many``) normal. A tier without
     priorities stores a low put as a normal one; the connector offers it none (``connectors.storage``)."""
+    medium: str | None = None
+    """The storage medium its KV events name, in vLLM's strings (``CPU``: host memory, ``STORAGE``: a
+    disk), for a tier that can log which keys enter and leave it (``record_changes``); None: no events."""
+    _changes: deque[Change] | None = None
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -83,3 +91,18 @@ class KVTier(ABC):
         """Make the low-priority entries among ``keys`` normal (others are left as they are). A tier
         without priorities ignores it."""
         return None
+
+    def record_changes(self, on: bool = True) -> None:
+        """Start (``on``) or stop logging which keys enter and leave the tier, for ``take_changes``. Off
+        by default (nothing is kept); a tier without a ``medium`` cannot tell and ignores it."""
+        return None
+
+    def take_changes(self) -> list[Change]:
+        """The keys that entered or left the tier since the last call, in order: a key is reported once
+        when it becomes held (stored) and once when it stops being held (evicted, deleted, found corrupt
+        or gone), never twice in a row the same way. Empty unless recording. Safe beside another thread
+        that stores or loads."""
+        log = self._changes
+        if not log:
+            return []
+        return [log.popleft() for _ in range(len(log))]

@@ -51,7 +51,8 @@ from hybridkv.connectors.frame import (
 from hybridkv.connectors.loads import BackgroundLoads, DoneLoad, PendingLoad
 from hybridkv.connectors.lookup import by_position, positions, probe_hit
 from hybridkv.connectors.storage import JunctionMemory, Offer, StoragePolicy, StoreSpansSpill
-from hybridkv.core import NULL_BLOCK, KVCacheLayout, KVCacheManager, Sequence
+from hybridkv.connectors.tier_events import TierEvents
+from hybridkv.core import NULL_BLOCK, KVCacheEvent, KVCacheLayout, KVCacheManager, Sequence
 from hybridkv.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,8 @@ class KVConnector:
     ``HYBRIDKV_TIER_KEY`` or ``HYBRIDKV_TIER_KEY_FILE`` (``connectors.auth``); a shared tier without
     a key is refused unless ``allow_unauthenticated``. ``payload_bytes[group]`` is the size of one block's payload; by
     default the group's layers times its page size (what ``PagedKVCache.read_block`` of the
-    engine returns). A frame of another size is rejected as ``wrong_size``.
+    engine returns). A frame of another size is rejected as ``wrong_size``. ``enable_events`` makes the
+    tiers with a medium log what enters and leaves them, for ``take_events`` (``connectors.tier_events``).
     """
 
     def __init__(self, tiers: SequenceABC[KVTier], manager: KVCacheManager, *, namespace: str,
@@ -192,6 +194,8 @@ class KVConnector:
         # never resume from an external prefix.
         self._possible = manager.hits_possible
         self._junctions = JunctionMemory()
+        self.events: TierEvents | None = None
+        """The tiers' KV events, once ``enable_events`` was called."""
         self._lock = threading.RLock()  # counters and junctions: a background load runs beside store()
 
     # ------------------------------------------------------------------ keys and windows
@@ -316,7 +320,7 @@ class KVConnector:
             key = self.key
             keys = [key(g, hashes[g][i]) for g, i in items]
             for lo in range(0, len(items), self.batch_blocks):
-                got = self._get(keys[lo : lo + self.batch_blocks])
+                got = self._get(keys[lo : lo + self.batch_blocks], seq)
                 for (g, i), payload in zip(items[lo : lo + self.batch_blocks], got):
                     if payload is not None:
                         payloads[(g, i)] = payload
@@ -335,8 +339,9 @@ class KVConnector:
             self.stats.fetched_tokens += stop - start_token
         return FetchedKV(seq.seq_id, start_token, stop - start_token, payloads)
 
-    def _get(self, keys: list[bytes]) -> list[bytes | None]:
-        """Verified payloads of ``keys`` from the first tier that serves each, promoting upwards."""
+    def _get(self, keys: list[bytes], seq: Sequence | None = None) -> list[bytes | None]:
+        """Verified payloads of ``keys`` (blocks of ``seq``) from the first tier that serves each,
+        promoting upwards."""
         out: list[bytes | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         rejected: set[int] = set()  # counted as a fault already
@@ -366,6 +371,8 @@ class KVConnector:
                 loaded += len(value)
                 promote.append((keys[j], value))
             if depth and self.promote and promote:
+                if self.events is not None and seq is not None:
+                    self.events.note(seq, [k for k, _ in promote])
                 for upper in self.tiers[:depth]:
                     self._safe(upper.put_many, promote)
                 promoted += len(promote)
@@ -471,6 +478,8 @@ class KVConnector:
         normal, low = self.offered_by_priority(seq, num_tokens, start_token)
         stored: set[bytes] = set()
         targets = self.tiers if self.write_through else self.tiers[:1]
+        if self.events is not None:
+            self.events.note(seq, [key for offers in (normal, low) for _, _, key in offers])
         for offers, is_low in ((normal, False), (low, True)):
             for lo in range(0, len(offers), self.batch_blocks):
                 batch = offers[lo : lo + self.batch_blocks]
@@ -509,6 +518,18 @@ class KVConnector:
         for tier in targets:
             for lo in range(0, len(keys), 4096):
                 self._safe(tier.touch_many, keys[lo : lo + 4096])
+
+    # ------------------------------------------------------------------ events
+    def enable_events(self) -> TierEvents:
+        """Start logging what enters and leaves the tiers that publish events (a medium, not shared);
+        returns the log (``take_events`` drains it). Idempotent."""
+        if self.events is None:
+            self.events = TierEvents(self.tiers, self.manager)
+        return self.events
+
+    def take_events(self) -> list[tuple[str, list[KVCacheEvent]]]:
+        """Per publishing tier, its medium and its events since the last call (empty until enabled)."""
+        return [] if self.events is None else self.events.take()
 
     # ------------------------------------------------------------------ faults
     def _safe(self, method: Callable[[_A], _T], arg: _A) -> _T | Literal[_Failed.FAILED]:

@@ -20,6 +20,11 @@ The directory's environment is not trusted:
   ``resync_interval_s`` seconds (and after a full filesystem) so ``used_bytes`` is what is on disk;
 * a temporary file is removed only when it is stale: its writer (named in the file name by host
   and process id) is no longer running on this host, or it is older than ``STALE_TEMP_S``.
+
+Its KV events (``record_changes``) name the medium ``STORAGE``, as vLLM's file-system offloading tier
+does. A file is named by a digest of its key, so the tier reports only the entries this process
+stored while recording (it keeps their keys then): an entry found on disk (an earlier run's, another
+process's) is never reported, and neither is its removal.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar
 
@@ -95,6 +100,7 @@ class DiskTier(KVTier):
 
     name = "disk"
     priorities = True
+    medium = "STORAGE"
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *, shared: bool = False,
                  fsync: bool = False, resync_interval_s: float = 10.0) -> None:
@@ -113,6 +119,8 @@ class DiskTier(KVTier):
         self._low: OrderedDict[str, int] = OrderedDict()  # the low-priority ones, least recently used first
         self._lock = threading.RLock()
         self._tmp_tag = f"{_host()}.{os.getpid()}"
+        self._known: dict[str, bytes] | None = None
+        """While recording changes: the key of every entry reported as entered (they are all indexed)."""
         self._synced_at = 0.0
         try:
             if not os.path.isdir(self.path):
@@ -148,6 +156,9 @@ class DiskTier(KVTier):
         self._index = OrderedDict((name, size) for mtime, name, size in found if mtime >= cut)
         self.used_bytes = sum(self._index.values()) + sum(self._low.values())
         self._synced_at = time.monotonic()
+        if self._known:
+            for name in [n for n in self._known if n not in self._index and n not in self._low]:
+                self._left(name)  # removed by another process
 
     def _stale_temp(self, name: str, mtime: float, now: float) -> bool:
         """Whether a temporary file was abandoned: its writer is gone, or it is very old."""
@@ -189,6 +200,7 @@ class DiskTier(KVTier):
                 data = f.read()
         except FileNotFoundError:
             self._forget(name)
+            self._left(name)
             self.stats.misses += 1
             return None
         except OSError as exc:
@@ -223,6 +235,7 @@ class DiskTier(KVTier):
     @_locked
     def put_many(self, items: Sequence[tuple[bytes, bytes]], low: bool = False) -> None:
         self._maybe_resync()
+        known, log = self._known, self._changes
         for key, value in items:
             data = _HEADER.pack(_MAGIC, zlib.crc32(value), len(value)) + value
             if len(data) > self.capacity_bytes:
@@ -230,14 +243,23 @@ class DiskTier(KVTier):
             name = self._name(key)
             as_low = low and name not in self._index  # a normal entry stays normal
             self._forget(name)
-            if not self._evict(len(data), as_low) or not self._write(name, data, as_low):
+            try:
+                stored = self._evict(len(data), as_low) and self._write(name, data, as_low)
+            except TierError:
+                self._left(name)
+                raise
+            if not stored:
                 self.stats.low_skipped += 1
+                self._left(name)
                 continue
             (self._low if as_low else self._index)[name] = len(data)
             self.used_bytes += len(data)
             self.stats.puts += 1
             self.stats.bytes_written += len(data)
             self.stats.low_puts += as_low
+            if known is not None and log is not None and name not in known:
+                known[name] = key
+                log.append((True, key))
 
     def _write(self, name: str, data: bytes, low: bool = False) -> bool:
         """Write ``data`` as ``name`` atomically (``low``: with a low-priority time); on a full filesystem
@@ -343,7 +365,21 @@ class DiskTier(KVTier):
 
     def _remove(self, name: str) -> None:
         self._forget(name)
+        self._left(name)
         self._remove_quietly(os.path.join(self.path, name))
+
+    def _left(self, name: str) -> None:
+        """``name`` is no longer indexed: report its key if it was reported as entered."""
+        known, log = self._known, self._changes
+        if known is not None and log is not None and name in known:
+            log.append((False, known.pop(name)))
+
+    @_locked
+    def record_changes(self, on: bool = True) -> None:
+        if not on:
+            self._changes = self._known = None
+        elif self._known is None:
+            self._changes, self._known = deque(), {}
 
     @staticmethod
     def _remove_quietly(file: str) -> None:

@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from hybridkv.connectors.base import KVTier, TierError, TierTimeout
+from hybridkv.connectors.base import Change, KVTier, TierError, TierTimeout
 
 Fault = Literal["error", "timeout", "short", "corrupt", "lose"]
 FAULTS: tuple[Fault, ...] = ("error", "timeout", "short", "corrupt", "lose")
@@ -28,6 +28,7 @@ class FaultyTier(KVTier):
         self.name = f"faulty({inner.name})"
         self.shared = inner.shared
         self.priorities = inner.priorities
+        self.medium = inner.medium
         self.stats = inner.stats
         self.faults = dict(faults or {})
         self.rate = rate
@@ -76,3 +77,9 @@ class FaultyTier(KVTier):
 
     def prioritize_many(self, keys: Sequence[bytes]) -> None:
         self.inner.prioritize_many(keys)
+
+    def record_changes(self, on: bool = True) -> None:
+        self.inner.record_changes(on)
+
+    def take_changes(self) -> list[Change]:
+        return self.inner.take_changes()

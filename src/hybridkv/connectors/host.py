@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from hybridkv.connectors.base import KVTier
@@ -13,10 +13,11 @@ from hybridkv.errors import InvalidInputError
 class HostTier(KVTier):
     """Host memory of this process: low-priority entries evicted first, then normal ones, least
     recently used first within each (``KVTier.priorities``). Thread-safe (a background load may read
-    while the engine stores)."""
+    while the engine stores). Its KV events name the medium ``CPU``, as vLLM's CPU offloading does."""
 
     name = "host"
     priorities = True
+    medium = "CPU"
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__()
@@ -51,32 +52,39 @@ class HostTier(KVTier):
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]], low: bool = False) -> None:
         with self._lock:
+            log = self._changes
             for key, value in items:
                 if len(value) > self.capacity_bytes:
                     continue  # would evict everything and still not fit
                 as_low = low and key not in self._entries  # a normal entry stays normal
-                self._delete(key)
+                had = self._delete(key)
                 if not self._make_room(len(value), as_low):
                     self.stats.low_skipped += 1
+                    if had and log is not None:
+                        log.append((False, key))
                     continue
                 (self._low if as_low else self._entries)[key] = value
                 self.used_bytes += len(value)
                 self.stats.puts += 1
                 self.stats.bytes_written += len(value)
                 self.stats.low_puts += as_low
+                if not had and log is not None:
+                    log.append((True, key))
 
     def _make_room(self, size: int, low: bool) -> bool:
         """Evict low entries, then (for a normal put) normal ones, until ``size`` more bytes fit."""
         while self.used_bytes + size > self.capacity_bytes:
             if self._low:
-                _, old = self._low.popitem(last=False)
+                key, old = self._low.popitem(last=False)
                 self.stats.low_evictions += 1
             elif low:
                 return False
             else:
-                _, old = self._entries.popitem(last=False)
+                key, old = self._entries.popitem(last=False)
             self.used_bytes -= len(old)
             self.stats.evictions += 1
+            if self._changes is not None:
+                self._changes.append((False, key))
         return True
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
@@ -95,14 +103,25 @@ class HostTier(KVTier):
 
     def delete(self, key: bytes) -> None:
         with self._lock:
-            self._delete(key)
+            if self._delete(key) and self._changes is not None:
+                self._changes.append((False, key))
 
-    def _delete(self, key: bytes) -> None:
+    def _delete(self, key: bytes) -> bool:
+        """Drop ``key`` without logging it; whether it was held."""
         old = self._entries.pop(key, None)
         if old is None:
             old = self._low.pop(key, None)
-        if old is not None:
-            self.used_bytes -= len(old)
+        if old is None:
+            return False
+        self.used_bytes -= len(old)
+        return True
+
+    def record_changes(self, on: bool = True) -> None:
+        with self._lock:
+            if not on:
+                self._changes = None
+            elif self._changes is None:
+                self._changes = deque()
 
     def low_priority_entries(self) -> int:
         """How many entries the tier holds at low priority."""

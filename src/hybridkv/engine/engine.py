@@ -121,6 +121,8 @@ class LLMEngine:
 
             self.events = KVEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint)
         self.connector = build_connector(cfg, self.manager) if cfg.kv_tiers else None
+        if self.events is not None and self.connector is not None:
+            self.connector.enable_events()  # host and disk tiers publish too (connectors.tier_events)
         self.scheduler = Scheduler(self.manager, connector=self.connector, config=SchedulerConfig(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
@@ -344,7 +346,8 @@ class LLMEngine:
                 del self._tracked[sid]
                 self.scheduler.forget(sid)
         if self.events is not None:
-            self.events.publish_manager(self.manager)
+            tiers = self.connector.take_events() if self.connector is not None else ()
+            self.events.publish_manager(self.manager, tiers=tiers)
         self.metrics.generation_tokens += len(sampled)
         self.metrics.steps += 1
         self.metrics.step_seconds.observe(time.perf_counter() - start)
