@@ -7,21 +7,24 @@ while the replica of bit ``b`` holds ``h`` in group ``g`` of its medium ``m``.
 
 ``predict_together`` predicts the hit of replicas that hash and lay out blocks alike (one hash
 scheme, one set of group block sizes, windows and alignment, one medium each; see
-``ReplicaView.joint_key``). It is ``FastHits.longest_hit`` for each of them, with the
-full-attention chains walked once for all:
+``ReplicaView.joint_key`` and ``JointGroup``). It is ``FastHits.longest_hit`` for each of them,
+every step a mask operation over all of them at once:
 
-* the masks of the request's chain hashes, AND-ed in order (``accumulate``): replica ``b``'s chain
-  is as long as the run of leading masks with bit ``b``;
-* then, per replica with a non-empty chain, the window and checkpoint groups from its own counts
-  (``FastHits.settle``), at the hit points below its chain, longest first.
+* the masks of the request's chain hashes, AND-ed in order (``chain_reach``): replica ``b``'s chain
+  is as long as the run of leading masks with bit ``b``; where each replica's run ends is found by
+  bisection, once per distinct run end (``chain_ends``);
+* the window and checkpoint groups (``settle_together``): the replicas whose chains end at one hit
+  point are checked together, one AND over the masks of the blocks a group needs before it; a
+  replica that lacks one moves below it and is checked again there.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Hashable, Sequence
 from functools import reduce
-from itertools import repeat
-from operator import and_, or_
+from itertools import accumulate, repeat
+from operator import and_, neg, or_
 from typing import TYPE_CHECKING
 
 from hybridkv.cluster.replica import Prediction, RequestKeys
@@ -66,125 +69,138 @@ class ReplicaMasks:
 
 
 _NONE: dict[bytes, int] = {}
+_MAX_CACHED = 4096
+"""Predictions a joint group keeps per replica (one per hit point) before it starts over."""
 
 
-def _bits(mask: int) -> list[int]:
-    out = []
-    while mask:
-        bit = mask & -mask
-        mask ^= bit
-        out.append(bit)
-    return out
+class JointGroup:
+    """Replicas predicted together: alike views (one ``joint_key``) holding blocks on one medium, and
+    what their predictions share (valid while the masks' version is unchanged)."""
+
+    __slots__ = ("medium", "views", "names", "everyone", "place", "no_hits", "hashing", "alignment", "chains",
+                 "spans", "_hits")
+
+    def __init__(self, medium: str, views: Sequence[ReplicaView]) -> None:
+        first = views[0]
+        fast, rules = first.layout.fast, first.layout.rules
+        assert fast is not None and rules is not None, "joint views have fast hit rules (ReplicaView.joint_key)"
+        self.medium = medium
+        self.views = list(views)
+        self.names = [view.name for view in views]
+        self.everyone = reduce(or_, [view.bit for view in views], 0)
+        """The bits of the views."""
+        self.place = {view.bit: i for i, view in enumerate(views)}
+        """A view's bit -> its place in ``views``."""
+        self.no_hits = [view.no_hit for view in views]
+        self.hashing = (first.scheme, rules.hash_block_size, bool(first.short_hashes))
+        """How the views hash a request (``RequestKeys.hashes``' first, second and last arguments)."""
+        align = self.alignment = fast.alignment
+        self.chains = [((medium, g), size, align // size) for g, size in fast.chains]
+        """Per full-attention group: its key in the masks, block size and blocks per aligned point."""
+        self.spans = [((medium, g), size, align // size, need) for g, size, need in fast.spans]
+        """Per window or checkpoint group: the same, and the blocks it needs before a hit point."""
+        self._hits: list[dict[int, Prediction]] = [{} for _ in views]
+        """Per view, hit point -> the prediction of that hit (predictions are values: shared)."""
+
+    def prediction(self, i: int, point: int) -> Prediction:
+        """View ``i``'s prediction of a ``point``-token hit on the medium."""
+        hits = self._hits[i]
+        found = hits.get(point)
+        if found is None:
+            if len(hits) >= _MAX_CACHED:
+                hits.clear()
+            found = hits[point] = Prediction(self.names[i], point, ((self.medium, point),))
+        return found
 
 
-def chain_runs(hashes: list[bytes], n: int, held: dict[bytes, int], replicas: int) -> list[tuple[int, int]]:
-    """The replicas of ``replicas`` by how many of ``hashes[:n]`` each holds in a row from the first:
-    ``(length, their bits)`` per length above 0."""
+def chain_reach(hashes: list[bytes], n: int, held: dict[bytes, int], replicas: int, step: int) -> list[int]:
+    """Per point ``q`` (0, 1, ...), the replicas of ``replicas`` that hold ``hashes[:q * step]``, for
+    ``q * step <= n``: the masks of the chain AND-ed in order, one in ``step``. Each is a subset of
+    the one before; a list of one (``replicas`` at 0) when no replica holds the first hash."""
     if n <= 0 or not held.get(hashes[0], 0) & replicas:
-        return []
-    masks = list(map(held.get, hashes[:n], repeat(0, n)))
-    # A replica's chain ends at the first mask without its bit: the first place of some distinct
-    # mask (a chain's masks take few distinct values; ``dict.fromkeys`` lists them in order of
-    # first place).
-    runs = []
-    alive = replicas
-    for mask in dict.fromkeys(masks):
-        lost = alive & ~mask
-        if lost:
-            first = masks.index(mask)
-            if first:
-                runs.append((first, lost))
-            alive &= mask
-    if alive:
-        runs.append((n, alive))
-    return runs
+        return [replicas]
+    reach = list(accumulate(map(held.get, hashes, repeat(0, n)), and_, initial=replicas))
+    return reach if step == 1 else reach[::step]
 
 
-def settle_together(align: int, at: dict[int, int], spans: list[tuple[list[bytes], list[int], int, int]]
-                    ) -> dict[int, int]:
-    """``FastHits.settle`` for the replicas of ``at`` (hit point -> the bits of the replicas there),
-    the window and checkpoint groups read from masks: the bits settled at each point. ``spans``:
-    per span group, the request's hashes, their masks, the block size and the blocks needed
-    before a hit point.
+def chain_ends(reach: list[int]) -> dict[int, int]:
+    """Point -> the replicas whose reach (``chain_reach``) ends there, for points above 0.
 
-    The settled hit is the longest aligned point at most the start where every span group holds the
-    blocks it needs, so replicas at one point are checked together (one AND over a window's masks);
-    one that lacks a block moves to the aligned start of the last block it lacks (the next point
-    that group could accept) and is checked there again, with the replicas already at that point."""
+    A reach is a subset of the one before, so never a larger number: the end of each distinct
+    reach is found by bisection (keys negated to ascend), one per distinct reach."""
+    at: dict[int, int] = {}
+    n, end, bits = len(reach), 0, reach[0]
+    while True:
+        end = bisect_right(reach, -bits, end, key=neg)  # one past the last point ``bits`` reaches
+        after = reach[end] if end < n else 0
+        if end > 1:
+            at[end - 1] = bits & ~after
+        if not after:
+            return at
+        bits = after
+
+
+def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int]]) -> dict[int, int]:
+    """``FastHits.settle`` for the replicas of ``at`` (point -> the bits of the replicas there, points
+    in units of the hit alignment), the window and checkpoint groups read from masks: the bits
+    settled at each point. ``spans``: per span group, the masks of the request's blocks from the
+    first, the group's blocks per point and the blocks it needs before a hit point.
+
+    A replica's settled hit is the longest point at most its start where every span group holds the
+    blocks it needs. Replicas at one point are checked together (one AND over a window's masks);
+    one that lacks a block moves to the last point at or below the last block it lacks (no point
+    above can be accepted by that group) and is checked again there, in the next round."""
     done: dict[int, int] = {}
     while at:
-        point = max(at)
-        ok = at.pop(point)
-        for h, masks, size, need in spans:
-            e = min(point // size, len(h))
-            if e * size != point:  # this group has no hit point in (e * size, point]
-                low = e * size // align * align
-                if low > 0:
-                    at[low] = at.get(low, 0) | ok
-                ok = 0
-                break
-            held = reduce(and_, masks[max(0, e - need):e], ok)
-            if held != ok:
-                for bit in _bits(ok & ~held):
+        moved: dict[int, int] = {}
+        for q, ok in at.items():
+            for masks, k, need in spans:
+                e = q * k
+                held = reduce(and_, masks[e - need if e > need else 0 : e], ok)
+                if held != ok:
+                    lost = ok ^ held
                     j = e - 1
-                    while masks[j] & bit:
+                    while lost:
+                        gone = lost & ~masks[j]
+                        if gone:
+                            lost ^= gone
+                            if j >= k:
+                                moved[j // k] = moved.get(j // k, 0) | gone
                         j -= 1
-                    low = j * size // align * align
-                    if low > 0:
-                        at[low] = at.get(low, 0) | bit
-                ok = held
-                if not ok:
-                    break
-        if ok:
-            done[point] = ok
+                    ok = held
+                    if not ok:
+                        break
+            if ok:
+                done[q] = done.get(q, 0) | ok
+        at = moved
     return done
 
 
-def predict_together(keys: RequestKeys, views: Sequence[ReplicaView], medium: str,
-                     masks: ReplicaMasks) -> list[Prediction]:
-    """The hits of ``views`` (alike: one ``joint_key``, each holding blocks on ``medium`` alone), as
-    each view's ``predict`` would find them."""
-    first = views[0]
-    layout = first.layout
-    fast, rules = layout.fast, layout.rules
-    assert fast is not None and rules is not None
-    scheme, hbs, short = first.scheme, rules.hash_block_size, bool(first.short_hashes)
-    align = fast.alignment
-    bound = (keys.sequence.num_tokens - 1) // align * align
-    everyone = reduce(or_, [view.bit for view in views], 0)
-    at: dict[int, int] = {}  # hit point the chains allow -> the bits of the replicas there
-    for i, (group, size) in enumerate(fast.chains):
+def predict_together(keys: RequestKeys, group: JointGroup, masks: ReplicaMasks) -> list[Prediction]:
+    """The hits of ``group``'s views, as each view's ``predict`` would find them."""
+    scheme, hbs, short = group.hashing
+    maps, align = masks.maps, group.alignment
+    top = (keys.sequence.num_tokens - 1) // align  # hit points are 1 .. top alignments
+    reach: list[int] = []
+    for i, (key, size, k) in enumerate(group.chains):
         h = keys.hashes(scheme, hbs, size, short)
-        n = min(bound // size, len(h)) if bound > 0 else 0
-        runs = chain_runs(h, n, masks.maps.get((medium, group), _NONE), everyone)
-        if i == 0:
-            for length, bits in runs:
-                point = length * size // align * align
-                if point > 0:
-                    at[point] = at.get(point, 0) | bits
-        else:  # each replica's point, cut by this chain
-            lengths = {bit: length for length, bits in runs for bit in _bits(bits)}
-            cut: dict[int, int] = {}
-            for point, bits in at.items():
-                for bit in _bits(bits):
-                    p = min(point, min(point // size, lengths.get(bit, 0)) * size // align * align)
-                    if p > 0:
-                        cut[p] = cut.get(p, 0) | bit
-            at = cut
-        everyone = reduce(or_, at.values(), 0)
-    if at and fast.spans:
-        top = max(at)
+        r = chain_reach(h, min(top * k, len(h)), maps.get(key, _NONE), group.everyone, k)
+        reach = r if i == 0 else list(map(and_, reach, r))
+    at = chain_ends(reach)
+    if at and group.spans:
+        hi = max(at)
         spans = []
-        for group, size, need in fast.spans:
-            h = keys.hashes(scheme, hbs, size, short)
-            m = min(top // size, len(h))
-            spans.append((h, list(map(masks.maps.get((medium, group), _NONE).get, h[:m], repeat(0, m))), size, need))
-        at = settle_together(align, at, spans)
-    out = [view.no_hit for view in views]
-    if at:
-        place = {view.bit: i for i, view in enumerate(views)}
-        for point, bits in at.items():
-            for bit in _bits(bits):
-                i = place[bit]
-                out[i] = Prediction(views[i].name, point, ((medium, point),))
+        for key, size, k, need in group.spans:
+            # ``repeat`` bounds the map: the masks of the first ``hi * k`` blocks
+            spans.append((list(map(maps.get(key, _NONE).get, keys.hashes(scheme, hbs, size, short),
+                                   repeat(0, hi * k))), k, need))
+        at = settle_together(at, spans)
+    out = list(group.no_hits)
+    place, prediction = group.place, group.prediction
+    for q, bits in at.items():
+        while bits:
+            bit = bits & -bits
+            bits ^= bit
+            i = place[bit]
+            out[i] = prediction(i, q * align)
     return out
