@@ -22,7 +22,7 @@ from hybridkv.cluster import (
     make_batch,
 )
 from hybridkv.cluster.events import ExternalHash
-from hybridkv.cluster.inverted import chain_ends, chain_reach, settle_together
+from hybridkv.cluster.inverted import SLOTS, chain_ends, chain_reach, settle_together
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
 SWA = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, sliding_window=48)
@@ -41,27 +41,27 @@ def _layout(name: str) -> KVCacheLayout:
 
 
 def _check_masks(index: ClusterIndex) -> None:
-    """Bit b is set for hash h in (medium, group) exactly while b's replica holds h there."""
+    """Replica b's bit for group g is set for hash h exactly while b holds h in g (on that medium)."""
     expect: dict[tuple[str, int], dict[bytes, int]] = {}
     for view in index.views.values():
         for medium, held in view.media.items():
             for g, group in held.items():
-                into = expect.setdefault((medium, g), {})
+                into = expect.setdefault((medium, g // SLOTS), {})
                 for h in group:
-                    into[h] = into.get(h, 0) | view.bit
+                    into[h] = into.get(h, 0) | view.bit << g % SLOTS
     assert {k: v for k, v in index.masks.maps.items() if v} == {k: v for k, v in expect.items() if v}
 
 
 def test_chain_reach_and_ends_group_replicas_by_how_far_they_hold_the_chain() -> None:
-    h = [bytes([i]) * 8 for i in range(6)]
-    # Replica 1 holds all 6, replica 2 the first 3 and the 5th, replica 4 the 2nd on only.
-    held = {h[0]: 1 | 2, h[1]: 1 | 2 | 4, h[2]: 1 | 2 | 4, h[3]: 1 | 4, h[4]: 1 | 2 | 4, h[5]: 1 | 4}
-    assert chain_reach(h, 6, held, 1 | 2 | 4, 1) == [7, 3, 3, 3, 1, 1, 1]
-    assert chain_ends(chain_reach(h, 6, held, 1 | 2 | 4, 1)) == {3: 2, 6: 1}
-    assert chain_ends(chain_reach(h, 4, held, 1 | 2 | 4, 1)) == {3: 2, 4: 1}
+    # Masks of a 6-block chain: replica 1 holds all 6, replica 2 the first 3 and the 5th, replica 4
+    # the 2nd on only.
+    masks = [1 | 2, 1 | 2 | 4, 1 | 2 | 4, 1 | 4, 1 | 2 | 4, 1 | 4]
+    assert chain_reach(masks, 1 | 2 | 4, 1) == [7, 3, 3, 3, 1, 1, 1]
+    assert chain_ends(chain_reach(masks, 1 | 2 | 4, 1)) == {3: 2, 6: 1}
+    assert chain_ends(chain_reach(masks[:4], 1 | 2 | 4, 1)) == {3: 2, 4: 1}
     # Points of two blocks: replica 2's 3 blocks reach point 1 only.
-    assert chain_ends(chain_reach(h, 6, held, 1 | 2 | 4, 2)) == {1: 2, 3: 1}
-    assert chain_ends(chain_reach(h, 6, held, 4, 1)) == {}
+    assert chain_ends(chain_reach(masks, 1 | 2 | 4, 2)) == {1: 2, 3: 1}
+    assert chain_ends(chain_reach(masks, 4, 1)) == {}
 
 
 @given(masks=st.lists(st.integers(0, 255), max_size=40), replicas=st.integers(1, 255))
@@ -80,10 +80,13 @@ def test_settle_moves_a_replica_missing_a_window_block_below_the_block_it_lacks(
     # block 4 (window of point 6: blocks 3-5), so it is checked again at point 4 (blocks 1-3),
     # where it lacks block 1 and moves to point 1 (block 0), which it holds.
     masks = [7, 5, 7, 7, 5, 7]
-    assert settle_together({6: 1 | 2, 4: 4}, [(masks, 1, 3)]) == {6: 1, 4: 4, 1: 2}
+    assert settle_together({6: 1 | 2, 4: 4}, [(masks, 0, 1, 3)]) == {6: 1, 4: 4, 1: 2}
     # Points of two blocks: a block missing at 3 moves a replica to point 1 (blocks 0-1).
-    assert settle_together({3: 1 | 2}, [([3, 3, 3, 1, 3, 3], 2, 2)]) == {3: 1 | 2}
-    assert settle_together({3: 1 | 2}, [([3, 3, 3, 1, 1, 3], 2, 2)]) == {3: 1, 1: 2}
+    assert settle_together({3: 1 | 2}, [([3, 3, 3, 1, 3, 3], 0, 2, 2)]) == {3: 1 | 2}
+    assert settle_together({3: 1 | 2}, [([3, 3, 3, 1, 1, 3], 0, 2, 2)]) == {3: 1, 1: 2}
+    # The same window group in the second place of each replica's bits (shift 1): replica 1's
+    # bits 2, replica 2's bits 8.
+    assert settle_together({3: 1 | 4}, [([10, 10, 10, 2, 2, 10], 1, 2, 2)]) == {3: 1, 1: 4}
 
 
 @settings(max_examples=60, deadline=None)
@@ -152,11 +155,12 @@ def test_a_replica_removed_leaves_no_bit_and_its_bit_is_reused() -> None:
     for name in ("a", "b"):
         index.apply_events(name, make_batch([BlockStoredEvent(tuple(hs), None, (), 16, MEDIUM_GPU, 0),
                                              BlockStoredEvent(tuple(hs), None, (), 16, MEDIUM_GPU, 1)]))
-    assert index.masks.maps[(MEDIUM_GPU, 0)][hs[0]] == 0b11
+    a, b = index.views["a"].bit, index.views["b"].bit
+    assert [index.masks.holders(MEDIUM_GPU, g, hs[0]) for g in (0, 1)] == [a | b, a | b]
     index.remove_replica("a")
-    assert index.masks.maps[(MEDIUM_GPU, 0)][hs[0]] == 0b10
+    assert [index.masks.holders(MEDIUM_GPU, g, hs[0]) for g in (0, 1)] == [b, b]
     index.add_replica("c", scheme=SCHEME, layout=_layout("full+swa"))
-    assert index.views["c"].bit == 0b01
+    assert index.views["c"].bit == a
     assert {n: p.tokens for n, p in index.lookup(prompt + [1]).items()} == {"b": 64, "c": 0}
 
 

@@ -1,9 +1,13 @@
 """Which replicas hold a block hash, and every replica's hit from one walk of a request's chain.
 
-``ReplicaMasks`` keeps, per (medium, group), one map from block hash to a bitmask of the replicas
-whose caches hold it (each replica owns one bit). It lives beside each replica's own counts
-(``ReplicaView.media``) and is kept equal to them: bit ``b`` is set in ``maps[(m, g)][h]`` exactly
-while the replica of bit ``b`` holds ``h`` in group ``g`` of its medium ``m``.
+``ReplicaMasks`` keeps, per medium, one map from block hash to a bitmask of the replicas whose
+caches hold it, for ``SLOTS`` groups at once: each replica owns one bit per group, its bit for group
+``g`` being its replica bit shifted by ``g % SLOTS`` in map ``g // SLOTS`` (replica bits are
+``SLOTS`` places apart). A request's hashes at one block size are the same for every group of that
+size, so one lookup per hash reads a full-attention group and its window group together. The
+masks live beside each replica's own counts (``ReplicaView.media``) and are kept equal to them:
+the bit of replica ``b`` and group ``g`` is set for ``h`` exactly while ``b`` holds ``h`` in group
+``g`` of that medium.
 
 ``predict_together`` predicts the hit of replicas that hash and lay out blocks alike (one hash
 scheme, one set of group block sizes, windows and alignment, one medium each; see
@@ -36,8 +40,15 @@ JointKey = Hashable
 """What replicas predicted together share (``ReplicaView.joint_key``)."""
 
 
+_NONE: dict[bytes, int] = {}
+SLOTS = 2
+"""Groups per map: group ``g``'s bits are in map ``g // SLOTS``, a replica's bit shifted by ``g % SLOTS``."""
+
+
 class ReplicaMasks:
-    """Per (medium, group): block hash -> bitmask of the replicas holding it (never 0)."""
+    """Per medium and run of ``SLOTS`` groups: block hash -> the bits of the replicas' groups holding
+    it (never 0). Replica bits are ``SLOTS`` apart, so one lookup of a hash answers for every group
+    of the run (the request's hashes at equal block sizes are equal)."""
 
     __slots__ = ("maps", "used", "version")
 
@@ -49,8 +60,10 @@ class ReplicaMasks:
         """Bumped whenever a replica's ``joint_key`` may have changed (or a replica came or went)."""
 
     def allocate(self) -> int:
-        """A bit no replica has (the lowest free one)."""
-        bit = ~self.used & (self.used + 1)
+        """A replica bit no replica has (the lowest free one, a multiple of ``SLOTS`` places)."""
+        bit = 1
+        while self.used & bit:
+            bit <<= SLOTS
         self.used |= bit
         self.version += 1
         return bit
@@ -60,15 +73,29 @@ class ReplicaMasks:
         self.used &= ~bit
         self.version += 1
 
-    def group(self, medium: str, group: int) -> dict[bytes, int]:
-        """The map of ``group`` on ``medium`` (created empty)."""
-        found = self.maps.get((medium, group))
+    def group(self, medium: str, group: int) -> tuple[dict[bytes, int], int]:
+        """The map of ``group`` on ``medium`` (created empty), and the shift of its replicas' bits there."""
+        key = (medium, group // SLOTS)
+        found = self.maps.get(key)
         if found is None:
-            found = self.maps[(medium, group)] = {}
-        return found
+            found = self.maps[key] = {}
+        return found, group % SLOTS
+
+    def holders(self, medium: str, group: int, h: bytes) -> int:
+        """The bits of the replicas that hold ``h`` in ``group`` on ``medium``."""
+        shift = group % SLOTS
+        return self.maps.get((medium, group // SLOTS), _NONE).get(h, 0) >> shift & _spread(self.used)
 
 
-_NONE: dict[bytes, int] = {}
+def _spread(used: int) -> int:
+    """Every replica bit up to the highest of ``used`` (the places a replica bit can have)."""
+    out, bit = 0, 1
+    while bit <= used:
+        out |= bit
+        bit <<= SLOTS
+    return out
+
+
 _MAX_CACHED = 4096
 """Predictions a joint group keeps per replica (one per hit point) before it starts over."""
 
@@ -95,9 +122,10 @@ class JointGroup:
         self.hashing = (first.scheme, rules.hash_block_size, bool(first.short_hashes))
         """How the views hash a request (``RequestKeys.hashes``' first, second and last arguments)."""
         align = self.alignment = fast.alignment
-        self.chains = [((medium, g), size, align // size) for g, size in fast.chains]
-        """Per full-attention group: its key in the masks, block size and blocks per aligned point."""
-        self.spans = [((medium, g), size, align // size, need) for g, size, need in fast.spans]
+        self.chains = [((medium, g // SLOTS), g % SLOTS, size, align // size) for g, size in fast.chains]
+        """Per full-attention group: its map's key in the masks, the shift of its bits there, its block
+        size and its blocks per aligned point."""
+        self.spans = [((medium, g // SLOTS), g % SLOTS, size, align // size, need) for g, size, need in fast.spans]
         """Per window or checkpoint group: the same, and the blocks it needs before a hit point."""
         self._hits: list[dict[int, Prediction]] = [{} for _ in views]
         """Per view, hit point -> the prediction of that hit (predictions are values: shared)."""
@@ -113,13 +141,10 @@ class JointGroup:
         return found
 
 
-def chain_reach(hashes: list[bytes], n: int, held: dict[bytes, int], replicas: int, step: int) -> list[int]:
-    """Per point ``q`` (0, 1, ...), the replicas of ``replicas`` that hold ``hashes[:q * step]``, for
-    ``q * step <= n``: the masks of the chain AND-ed in order, one in ``step``. Each is a subset of
-    the one before; a list of one (``replicas`` at 0) when no replica holds the first hash."""
-    if n <= 0 or not held.get(hashes[0], 0) & replicas:
-        return [replicas]
-    reach = list(accumulate(map(held.get, hashes, repeat(0, n)), and_, initial=replicas))
+def chain_reach(masks: list[int], replicas: int, step: int) -> list[int]:
+    """Per point ``q`` (0, 1, ...), the bits of ``replicas`` set in each of ``masks[:q * step]``: the
+    masks of a request's chain AND-ed in order, one in ``step``. Each is a subset of the one before."""
+    reach = list(accumulate(masks, and_, initial=replicas))
     return reach if step == 1 else reach[::step]
 
 
@@ -140,11 +165,12 @@ def chain_ends(reach: list[int]) -> dict[int, int]:
         bits = after
 
 
-def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int]]) -> dict[int, int]:
+def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int, int]]) -> dict[int, int]:
     """``FastHits.settle`` for the replicas of ``at`` (point -> the bits of the replicas there, points
     in units of the hit alignment), the window and checkpoint groups read from masks: the bits
     settled at each point. ``spans``: per span group, the masks of the request's blocks from the
-    first, the group's blocks per point and the blocks it needs before a hit point.
+    first, the shift of the group's bits in them, its blocks per point and the blocks it needs
+    before a hit point.
 
     A replica's settled hit is the longest point at most its start where every span group holds the
     blocks it needs. Replicas at one point are checked together (one AND over a window's masks);
@@ -154,20 +180,21 @@ def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int]])
     while at:
         moved: dict[int, int] = {}
         for q, ok in at.items():
-            for masks, k, need in spans:
+            for masks, shift, k, need in spans:
                 e = q * k
-                held = reduce(and_, masks[e - need if e > need else 0 : e], ok)
-                if held != ok:
-                    lost = ok ^ held
+                want = ok << shift
+                held = reduce(and_, masks[e - need if e > need else 0 : e], want)
+                if held != want:
+                    lost = want ^ held
                     j = e - 1
                     while lost:
                         gone = lost & ~masks[j]
                         if gone:
                             lost ^= gone
                             if j >= k:
-                                moved[j // k] = moved.get(j // k, 0) | gone
+                                moved[j // k] = moved.get(j // k, 0) | gone >> shift
                         j -= 1
-                    ok = held
+                    ok = held >> shift
                     if not ok:
                         break
             if ok:
@@ -179,21 +206,31 @@ def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int]])
 def predict_together(keys: RequestKeys, group: JointGroup, masks: ReplicaMasks) -> list[Prediction]:
     """The hits of ``group``'s views, as each view's ``predict`` would find them."""
     scheme, hbs, short = group.hashing
-    maps, align = masks.maps, group.alignment
+    maps, align, everyone = masks.maps, group.alignment, group.everyone
     top = (keys.sequence.num_tokens - 1) // align  # hit points are 1 .. top alignments
-    reach: list[int] = []
-    for i, (key, size, k) in enumerate(group.chains):
+    found: dict[tuple[tuple[str, int], int], list[int]] = {}  # (map, block size) -> the request's masks
+    reach = [everyone]
+    for i, (key, shift, size, k) in enumerate(group.chains):
         h = keys.hashes(scheme, hbs, size, short)
-        r = chain_reach(h, min(top * k, len(h)), maps.get(key, _NONE), group.everyone, k)
+        n = min(top * k, len(h))
+        held = maps.get(key, _NONE)
+        if n <= 0 or not held.get(h[0], 0) >> shift & everyone:
+            reach = [everyone]  # no replica holds the chain's first block: no hit
+            break
+        got = found[(key, size)] = list(map(held.get, h, repeat(0, n)))  # ``repeat`` bounds it to n
+        r = chain_reach(got, everyone << shift, k)
+        if shift:
+            r = [bits >> shift for bits in r]
         reach = r if i == 0 else list(map(and_, reach, r))
     at = chain_ends(reach)
     if at and group.spans:
         hi = max(at)
         spans = []
-        for key, size, k, need in group.spans:
-            # ``repeat`` bounds the map: the masks of the first ``hi * k`` blocks
-            spans.append((list(map(maps.get(key, _NONE).get, keys.hashes(scheme, hbs, size, short),
-                                   repeat(0, hi * k))), k, need))
+        for key, shift, size, k, need in group.spans:
+            known = found.get((key, size))  # a chain's masks at this size hold this group's bits too
+            if known is None:
+                known = list(map(maps.get(key, _NONE).get, keys.hashes(scheme, hbs, size, short), repeat(0, hi * k)))
+            spans.append((known, shift, k, need))
         at = settle_together(at, spans)
     out = list(group.no_hits)
     place, prediction = group.place, group.prediction
