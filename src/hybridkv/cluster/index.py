@@ -192,11 +192,10 @@ class ClusterIndex:
             if replicas is None:
                 self._plan = plan
         if not plan.alone and len(plan.together) == 1:  # the usual cluster: every replica alike
-            group = plan.together[0]
-            return dict(zip(group.names, predict_together(keys, group, self.masks)))
+            return predict_together(keys, plan.together[0], self.masks)
         out = {view.name: view.predict(keys, self.shared) for view in plan.alone}
         for group in plan.together:
-            out.update(zip(group.names, predict_together(keys, group, self.masks)))
+            out.update(predict_together(keys, group, self.masks))
         return {name: out[name] for name in plan.order} if plan.reorder else out
 
     def _make_plan(self, names: Iterable[str]) -> _Plan:

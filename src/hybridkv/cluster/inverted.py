@@ -96,7 +96,7 @@ def _spread(used: int) -> int:
     return out
 
 
-_MAX_CACHED = 4096
+_MAX_SHARED = 4096
 """Predictions a joint group keeps per replica (one per hit point) before it starts over."""
 
 
@@ -104,21 +104,22 @@ class JointGroup:
     """Replicas predicted together: alike views (one ``joint_key``) holding blocks on one medium, and
     what their predictions share (valid while the masks' version is unchanged)."""
 
-    __slots__ = ("medium", "views", "names", "everyone", "place", "no_hits", "hashing", "alignment", "chains",
-                 "spans", "_hits")
+    __slots__ = ("medium", "views", "everyone", "no_hits", "hits", "hashing", "alignment", "chains", "spans")
 
     def __init__(self, medium: str, views: Sequence[ReplicaView]) -> None:
         first = views[0]
         fast, rules = first.layout.fast, first.layout.rules
         assert fast is not None and rules is not None, "joint views have fast hit rules (ReplicaView.joint_key)"
         self.medium = medium
-        self.views = list(views)
-        self.names = [view.name for view in views]
-        self.everyone = reduce(or_, [view.bit for view in views], 0)
+        self.views = {view.bit: view for view in views}
+        """The views by their bits."""
+        self.everyone = reduce(or_, self.views, 0)
         """The bits of the views."""
-        self.place = {view.bit: i for i, view in enumerate(views)}
-        """A view's bit -> its place in ``views``."""
-        self.no_hits = [view.no_hit for view in views]
+        self.no_hits = {view.name: view.no_hit for view in views}
+        """Every view's name and its prediction of no hit, in the order of ``views``."""
+        self.hits: dict[int, dict[int, Prediction]] = {view.bit: {} for view in views}
+        """Per view's bit, hit point -> the prediction of that hit, shared by the lookups that find it
+        (predictions are values; a router's requests keep landing on the same hit points)."""
         self.hashing = (first.scheme, rules.hash_block_size, bool(first.short_hashes))
         """How the views hash a request (``RequestKeys.hashes``' first, second and last arguments)."""
         align = self.alignment = fast.alignment
@@ -127,17 +128,15 @@ class JointGroup:
         size and its blocks per aligned point."""
         self.spans = [((medium, g // SLOTS), g % SLOTS, size, align // size, need) for g, size, need in fast.spans]
         """Per window or checkpoint group: the same, and the blocks it needs before a hit point."""
-        self._hits: list[dict[int, Prediction]] = [{} for _ in views]
-        """Per view, hit point -> the prediction of that hit (predictions are values: shared)."""
 
-    def prediction(self, i: int, point: int) -> Prediction:
-        """View ``i``'s prediction of a ``point``-token hit on the medium."""
-        hits = self._hits[i]
+    def prediction(self, bit: int, point: int) -> Prediction:
+        """The prediction of a ``point``-token hit on the medium for the view of ``bit``, shared."""
+        hits = self.hits[bit]
         found = hits.get(point)
         if found is None:
-            if len(hits) >= _MAX_CACHED:
+            if len(hits) >= _MAX_SHARED:
                 hits.clear()
-            found = hits[point] = Prediction(self.names[i], point, ((self.medium, point),))
+            found = hits[point] = Prediction(self.views[bit].name, point, ((self.medium, point),))
         return found
 
 
@@ -203,8 +202,8 @@ def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int, i
     return done
 
 
-def predict_together(keys: RequestKeys, group: JointGroup, masks: ReplicaMasks) -> list[Prediction]:
-    """The hits of ``group``'s views, as each view's ``predict`` would find them."""
+def predict_together(keys: RequestKeys, group: JointGroup, masks: ReplicaMasks) -> dict[str, Prediction]:
+    """Per view of ``group`` (in its order), the hit its ``predict`` would find."""
     scheme, hbs, short = group.hashing
     maps, align, everyone = masks.maps, group.alignment, group.everyone
     top = (keys.sequence.num_tokens - 1) // align  # hit points are 1 .. top alignments
@@ -232,12 +231,13 @@ def predict_together(keys: RequestKeys, group: JointGroup, masks: ReplicaMasks) 
                 known = list(map(maps.get(key, _NONE).get, keys.hashes(scheme, hbs, size, short), repeat(0, hi * k)))
             spans.append((known, shift, k, need))
         at = settle_together(at, spans)
-    out = list(group.no_hits)
-    place, prediction = group.place, group.prediction
+    out = group.no_hits.copy()
+    hits = group.hits
     for q, bits in at.items():
+        point = q * align
         while bits:
             bit = bits & -bits
             bits ^= bit
-            i = place[bit]
-            out[i] = prediction(i, q * align)
+            hit = hits[bit].get(point) or group.prediction(bit, point)
+            out[hit.replica] = hit
     return out
