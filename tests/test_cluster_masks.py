@@ -22,7 +22,7 @@ from hybridkv.cluster import (
     make_batch,
 )
 from hybridkv.cluster.events import ExternalHash
-from hybridkv.cluster.inverted import SLOTS, chain_ends, chain_reach, settle_together
+from hybridkv.cluster.inverted import SLOTS, chain_ends, chain_reach, last_window, settle_together
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
 SWA = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, sliding_window=48)
@@ -73,6 +73,14 @@ def test_chain_ends_are_the_last_point_each_replica_reaches(masks: list[int], re
         if last:
             expect[last] = expect.get(last, 0) | bit
     assert chain_ends(reach) == expect
+
+
+@given(held=st.lists(st.booleans(), max_size=60), need=st.integers(1, 8), k=st.integers(1, 3), data=st.data())
+def test_last_window_is_the_highest_aligned_end_with_every_needed_block_held(
+        held: list[bool], need: int, k: int, data: st.DataObject) -> None:
+    top = data.draw(st.integers(0, len(held)))
+    valid = [e for e in range(k, top + 1, k) if all(held[max(0, e - need) : e])]
+    assert last_window(bytes(held), top, need, k) == max(valid, default=0)
 
 
 def test_settle_moves_a_replica_missing_a_window_block_below_the_block_it_lacks() -> None:

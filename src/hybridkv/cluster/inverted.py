@@ -173,8 +173,8 @@ def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int, i
 
     A replica's settled hit is the longest point at most its start where every span group holds the
     blocks it needs. Replicas at one point are checked together (one AND over a window's masks);
-    one that lacks a block moves to the last point at or below the last block it lacks (no point
-    above can be accepted by that group) and is checked again there, in the next round."""
+    one that lacks a block moves to the next lower point that group accepts (``last_window``) and
+    is checked again there, in the next round, by every group."""
     done: dict[int, int] = {}
     while at:
         moved: dict[int, int] = {}
@@ -185,14 +185,12 @@ def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int, i
                 held = reduce(and_, masks[e - need if e > need else 0 : e], want)
                 if held != want:
                     lost = want ^ held
-                    j = e - 1
                     while lost:
-                        gone = lost & ~masks[j]
-                        if gone:
-                            lost ^= gone
-                            if j >= k:
-                                moved[j // k] = moved.get(j // k, 0) | gone >> shift
-                        j -= 1
+                        bit = lost & -lost
+                        lost ^= bit
+                        end = last_window(bytes(map(bool, map(bit.__and__, masks[:e]))), e - 1, need, k)
+                        if end:
+                            moved[end // k] = moved.get(end // k, 0) | bit >> shift
                     ok = held >> shift
                     if not ok:
                         break
@@ -200,6 +198,28 @@ def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int, i
                 done[q] = done.get(q, 0) | ok
         at = moved
     return done
+
+
+def last_window(held: bytes, top: int, need: int, k: int) -> int:
+    """The largest end ``e <= top``, a positive multiple of ``k``, with ``held[max(0, e - need) : e]``
+    all ones (0: none). ``held`` has one byte per block, 1 where it is held.
+
+    Valid ends lie in runs of held blocks: in a run ``[start, stop)`` they are ``start + need ..
+    stop`` (``1 .. stop`` when the run starts at the first block). The runs are found from the top
+    down by searching the bytes, so a replica that lacks a long stretch of window blocks moves past
+    it in a few searches, not one block at a time."""
+    window = b"\x01" * need
+    while top > 0:
+        s = held.rfind(window, 0, top)  # the highest full window that ends at or below top
+        if s < 0:  # none: only the windows cut at the first block, within its leading run
+            gap = held.find(b"\x00", 0, top)
+            return (top if gap < 0 else gap) // k * k
+        start = held.rfind(b"\x00", 0, s) + 1
+        end = (s + need) // k * k
+        if end >= (start + need if start else 1):
+            return end
+        top = start - 1
+    return 0
 
 
 def predict_together(keys: RequestKeys, group: JointGroup, masks: ReplicaMasks) -> dict[str, Prediction]:
