@@ -18,6 +18,9 @@
    for the first request that puts the replicas at these hit points.
    Memory per indexed block: traced allocations of the filled index / hashes held.
    Run for vLLM's default 64-bit event hashes and for full 32-byte digests.
+3. Settling: the same, with windows kept only at the end of each replica's prefix, so the replicas
+   whose prefix runs past the request hold no window where their chain ends and must be moved
+   down to the next point their window group accepts (here: none, a hit of 0).
 
 Target: <= 20 us per 1,000-token lookup against 8 replicas x 100,000 indexed blocks (the index
 lookup; hashing the request is reported beside it: it is done once per request, whatever the
@@ -53,11 +56,12 @@ def gemma_like_layout() -> KVCacheLayout:
 
 
 def fill(index: ClusterIndex, scheme: VllmHashes, replicas: int, blocks: int, shared: list[int],
-         other: list[int], int_hashes: bool, seed: int) -> None:
+         other: list[int], int_hashes: bool, seed: int, junctions: bool = True) -> None:
     """Give every replica ``blocks`` indexed hashes. Replica ``r`` holds the shared prefix to a depth
-    of its own with the windows at every 256th token of it (junctions earlier requests left), then
-    2,000-token requests that continue the prefix with tokens of their own: their own full-chain
-    blocks in group 0, the blocks of their last ``WINDOW`` tokens in group 1."""
+    of its own with the windows at every 256th token of it (junctions earlier requests left; with
+    ``junctions`` off, at the end of its prefix only), then 2,000-token requests that continue the
+    prefix with tokens of their own: their own full-chain blocks in group 0, the blocks of their
+    last ``WINDOW`` tokens in group 1."""
     rng = random.Random(seed)
     window_blocks = WINDOW // BLOCK
 
@@ -73,7 +77,7 @@ def fill(index: ClusterIndex, scheme: VllmHashes, replicas: int, blocks: int, sh
         index.add_replica(name, scheme=scheme, layout=gemma_like_layout())
         depth = len(shared) * (r + 1) // replicas // BLOCK * BLOCK
         h = scheme.chain(shared[:depth], BLOCK, None)
-        ends = sorted({*range(256 // BLOCK, len(h) + 1, 256 // BLOCK), len(h)})
+        ends = sorted({*range(256 // BLOCK, len(h) + 1, 256 // BLOCK), len(h)}) if junctions else [len(h)]
         windows = sorted({i for end in ends for i in range(max(0, end - window_blocks), end)})
         index.deliver(name, 0, make_batch([stored(h, 0), stored([h[i] for i in windows], 1)]))
         seq = 1
@@ -157,6 +161,23 @@ def cost(replicas: int, blocks: int, repeat: int, int_hashes: bool) -> None:
         print(f"    the same, each replica by its own view (no masks; equal predictions): {min(each) * 1e6:.1f} us")
 
 
+def settling(replicas: int, blocks: int, repeat: int) -> None:
+    """The lookup when replicas must settle below their chains: windows kept only at the end of
+    each replica's prefix, so the replicas whose prefix runs past the request's end hold no window
+    at their chain's end and are walked down to the next point their window group accepts."""
+    scheme = VllmHashes()
+    rng = random.Random(1)
+    shared = [rng.randrange(1, 250_000) for _ in range(1500)]
+    other = [rng.randrange(1, 250_000) for _ in range(1000)]
+    index = ClusterIndex()
+    fill(index, scheme, replicas, blocks, shared, other, True, seed=2, junctions=False)
+    _, lookup, each, first, hits = _time(index, scheme, shared[:1000], True, repeat)
+    print(f"\nwindows only at each replica's prefix end (64-bit hashes), 1,000-token request: predicted hits {hits}")
+    print(f"    index lookup, all {replicas} replicas: {min(lookup) * 1e6:.1f} us (best of {repeat}; median "
+          f"{sorted(lookup)[len(lookup) // 2] * 1e6:.1f} us); first time at these hit points: "
+          f"{min(first) * 1e6:.1f} us; each replica by its own view: {min(each) * 1e6:.1f} us")
+
+
 def exactness(python: str, requests: int) -> None:
     print(f"exactness against vLLM's KVCacheManager + ZmqEventPublisher ({requests} requests per layout, "
           f"80-block pool):")
@@ -186,6 +207,7 @@ def main() -> None:
         print("exactness against vLLM: skipped (pass --reference-python VENV/bin/python)")
     for int_hashes in (True, False):
         cost(args.replicas, args.blocks, args.repeat, int_hashes)
+    settling(args.replicas, args.blocks, args.repeat)
 
 
 if __name__ == "__main__":
