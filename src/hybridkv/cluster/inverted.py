@@ -19,7 +19,10 @@ every step a mask operation over all of them at once:
   bisection, once per distinct run end (``chain_ends``);
 * the window and checkpoint groups (``settle_together``): the replicas whose chains end at one hit
   point are checked together, one AND over the masks of the blocks a group needs before it; a
-  replica that lacks one moves below it and is checked again there.
+  replica that lacks one moves to the next point that group accepts (``last_window``, a few byte
+  searches however far down it is) and is checked again there.
+
+The predictions themselves are values, shared per replica and hit point (``JointGroup``).
 """
 
 from __future__ import annotations
