@@ -13,8 +13,14 @@
    1,000-token request that shares a prefix with every replica is looked up: the time to hash it
    once (per hash scheme) and the time to predict every replica's hit from the hashes, best of
    ``--repeat`` (and, beside it, each replica predicted by its own view, without the index's masks).
+   The index shares each replica's prediction per hit point between lookups (a router's requests
+   keep landing on the same hit points); the lookup is also timed with those dropped first, as
+   for the first request that puts the replicas at these hit points.
    Memory per indexed block: traced allocations of the filled index / hashes held.
    Run for vLLM's default 64-bit event hashes and for full 32-byte digests.
+3. Settling: the same, with windows kept only at the end of each replica's prefix, so the replicas
+   whose prefix runs past the request hold no window where their chain ends and must be moved
+   down to the next point their window group accepts (here: none, a hit of 0).
 
 Target: <= 20 us per 1,000-token lookup against 8 replicas x 100,000 indexed blocks (the index
 lookup; hashing the request is reported beside it: it is done once per request, whatever the
@@ -50,11 +56,12 @@ def gemma_like_layout() -> KVCacheLayout:
 
 
 def fill(index: ClusterIndex, scheme: VllmHashes, replicas: int, blocks: int, shared: list[int],
-         other: list[int], int_hashes: bool, seed: int) -> None:
+         other: list[int], int_hashes: bool, seed: int, junctions: bool = True) -> None:
     """Give every replica ``blocks`` indexed hashes. Replica ``r`` holds the shared prefix to a depth
-    of its own with the windows at every 256th token of it (junctions earlier requests left), then
-    2,000-token requests that continue the prefix with tokens of their own: their own full-chain
-    blocks in group 0, the blocks of their last ``WINDOW`` tokens in group 1."""
+    of its own with the windows at every 256th token of it (junctions earlier requests left; with
+    ``junctions`` off, at the end of its prefix only), then 2,000-token requests that continue the
+    prefix with tokens of their own: their own full-chain blocks in group 0, the blocks of their
+    last ``WINDOW`` tokens in group 1."""
     rng = random.Random(seed)
     window_blocks = WINDOW // BLOCK
 
@@ -70,7 +77,7 @@ def fill(index: ClusterIndex, scheme: VllmHashes, replicas: int, blocks: int, sh
         index.add_replica(name, scheme=scheme, layout=gemma_like_layout())
         depth = len(shared) * (r + 1) // replicas // BLOCK * BLOCK
         h = scheme.chain(shared[:depth], BLOCK, None)
-        ends = sorted({*range(256 // BLOCK, len(h) + 1, 256 // BLOCK), len(h)})
+        ends = sorted({*range(256 // BLOCK, len(h) + 1, 256 // BLOCK), len(h)}) if junctions else [len(h)]
         windows = sorted({i for end in ends for i in range(max(0, end - window_blocks), end)})
         index.deliver(name, 0, make_batch([stored(h, 0), stored([h[i] for i in windows], 1)]))
         seq = 1
@@ -88,9 +95,18 @@ def fill(index: ClusterIndex, scheme: VllmHashes, replicas: int, blocks: int, sh
             seq += 1
 
 
+def _unshare(index: ClusterIndex) -> None:
+    """Drop the predictions the index shares between lookups (one per replica and hit point), so the
+    next lookup builds them, as the first request that puts a replica at a new hit point does."""
+    assert index._plan is not None  # the bench reaches in: no caller needs this
+    for group in index._plan.together:
+        for hits in group.hits.values():
+            hits.clear()
+
+
 def _time(index: ClusterIndex, scheme: VllmHashes, request: list[int], int_hashes: bool, repeat: int
-          ) -> tuple[list[float], list[float], list[float], list[int]]:
-    hashing, lookup, each = [], [], []
+          ) -> tuple[list[float], list[float], list[float], list[float], list[int]]:
+    hashing, lookup, each, first = [], [], [], []
     found = {}
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -102,10 +118,15 @@ def _time(index: ClusterIndex, scheme: VllmHashes, request: list[int], int_hashe
         alone = index.lookup_each(keys)
         t3 = time.perf_counter()
         assert alone == found
+        _unshare(index)
+        t4 = time.perf_counter()
+        assert index.lookup_keys(keys) == found
+        t5 = time.perf_counter()
         hashing.append(t1 - t0)
         lookup.append(t2 - t1)
         each.append(t3 - t2)
-    return hashing, lookup, each, [p.tokens for p in found.values()]
+        first.append(t5 - t4)
+    return hashing, lookup, each, first, [p.tokens for p in found.values()]
 
 
 def cost(replicas: int, blocks: int, repeat: int, int_hashes: bool) -> None:
@@ -130,12 +151,31 @@ def cost(replicas: int, blocks: int, repeat: int, int_hashes: bool) -> None:
     print(f"  memory: {used / held:.0f} bytes per indexed block (traced allocations, {used / 2**20:.1f} MiB)")
     for what, request in (("every replica holds a prefix of it", shared[:1000]),
                           ("2 replicas hold its prefix", other)):
-        hashing, lookup, each, hits = _time(index, scheme, request, int_hashes, repeat)
+        hashing, lookup, each, first, hits = _time(index, scheme, request, int_hashes, repeat)
         print(f"  1,000-token request, {what}: predicted hits {hits}")
         print(f"    hash it once (vLLM sha256 mirror, token check included): {min(hashing) * 1e6:.1f} us; "
               f"index lookup, all {replicas} replicas: {min(lookup) * 1e6:.1f} us "
               f"(best of {repeat}; median {sorted(lookup)[len(lookup) // 2] * 1e6:.1f} us)")
+        print(f"    the same, the first time these hit points are predicted (predictions not yet shared): "
+              f"{min(first) * 1e6:.1f} us")
         print(f"    the same, each replica by its own view (no masks; equal predictions): {min(each) * 1e6:.1f} us")
+
+
+def settling(replicas: int, blocks: int, repeat: int) -> None:
+    """The lookup when replicas must settle below their chains: windows kept only at the end of
+    each replica's prefix, so the replicas whose prefix runs past the request's end hold no window
+    at their chain's end and are walked down to the next point their window group accepts."""
+    scheme = VllmHashes()
+    rng = random.Random(1)
+    shared = [rng.randrange(1, 250_000) for _ in range(1500)]
+    other = [rng.randrange(1, 250_000) for _ in range(1000)]
+    index = ClusterIndex()
+    fill(index, scheme, replicas, blocks, shared, other, True, seed=2, junctions=False)
+    _, lookup, each, first, hits = _time(index, scheme, shared[:1000], True, repeat)
+    print(f"\nwindows only at each replica's prefix end (64-bit hashes), 1,000-token request: predicted hits {hits}")
+    print(f"    index lookup, all {replicas} replicas: {min(lookup) * 1e6:.1f} us (best of {repeat}; median "
+          f"{sorted(lookup)[len(lookup) // 2] * 1e6:.1f} us); first time at these hit points: "
+          f"{min(first) * 1e6:.1f} us; each replica by its own view: {min(each) * 1e6:.1f} us")
 
 
 def exactness(python: str, requests: int) -> None:
@@ -167,6 +207,7 @@ def main() -> None:
         print("exactness against vLLM: skipped (pass --reference-python VENV/bin/python)")
     for int_hashes in (True, False):
         cost(args.replicas, args.blocks, args.repeat, int_hashes)
+    settling(args.replicas, args.blocks, args.repeat)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ prediction equals what its own view predicts, whatever the events did."""
 from __future__ import annotations
 
 import random
+from itertools import accumulate
+from operator import and_
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,7 +22,7 @@ from hybridkv.cluster import (
     make_batch,
 )
 from hybridkv.cluster.events import ExternalHash
-from hybridkv.cluster.inverted import chain_runs
+from hybridkv.cluster.inverted import SLOTS, chain_ends, chain_reach, last_window, settle_together
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
 SWA = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, sliding_window=48)
@@ -39,24 +41,60 @@ def _layout(name: str) -> KVCacheLayout:
 
 
 def _check_masks(index: ClusterIndex) -> None:
-    """Bit b is set for hash h in (medium, group) exactly while b's replica holds h there."""
+    """Replica b's bit for group g is set for hash h exactly while b holds h in g (on that medium)."""
     expect: dict[tuple[str, int], dict[bytes, int]] = {}
     for view in index.views.values():
         for medium, held in view.media.items():
             for g, group in held.items():
-                into = expect.setdefault((medium, g), {})
+                into = expect.setdefault((medium, g // SLOTS), {})
                 for h in group:
-                    into[h] = into.get(h, 0) | view.bit
+                    into[h] = into.get(h, 0) | view.bit << g % SLOTS
     assert {k: v for k, v in index.masks.maps.items() if v} == {k: v for k, v in expect.items() if v}
 
 
-def test_chain_runs_group_replicas_by_how_far_they_hold_the_chain() -> None:
-    h = [bytes([i]) * 8 for i in range(6)]
-    # Replica 1 holds all 6, replica 2 the first 3 and the 5th, replica 4 the 2nd on only.
-    held = {h[0]: 1 | 2, h[1]: 1 | 2 | 4, h[2]: 1 | 2 | 4, h[3]: 1 | 4, h[4]: 1 | 2 | 4, h[5]: 1 | 4}
-    assert sorted(chain_runs(h, 6, held, 1 | 2 | 4)) == [(3, 2), (6, 1)]
-    assert sorted(chain_runs(h, 4, held, 1 | 2 | 4)) == [(3, 2), (4, 1)]
-    assert chain_runs(h, 6, held, 4) == []
+def test_chain_reach_and_ends_group_replicas_by_how_far_they_hold_the_chain() -> None:
+    # Masks of a 6-block chain: replica 1 holds all 6, replica 2 the first 3 and the 5th, replica 4
+    # the 2nd on only.
+    masks = [1 | 2, 1 | 2 | 4, 1 | 2 | 4, 1 | 4, 1 | 2 | 4, 1 | 4]
+    assert chain_reach(masks, 1 | 2 | 4, 1) == [7, 3, 3, 3, 1, 1, 1]
+    assert chain_ends(chain_reach(masks, 1 | 2 | 4, 1)) == {3: 2, 6: 1}
+    assert chain_ends(chain_reach(masks[:4], 1 | 2 | 4, 1)) == {3: 2, 4: 1}
+    # Points of two blocks: replica 2's 3 blocks reach point 1 only.
+    assert chain_ends(chain_reach(masks, 1 | 2 | 4, 2)) == {1: 2, 3: 1}
+    assert chain_ends(chain_reach(masks, 4, 1)) == {}
+
+
+@given(masks=st.lists(st.integers(0, 255), max_size=40), replicas=st.integers(1, 255))
+def test_chain_ends_are_the_last_point_each_replica_reaches(masks: list[int], replicas: int) -> None:
+    reach = list(accumulate(masks, and_, initial=replicas))
+    expect: dict[int, int] = {}
+    for bit in (1 << b for b in range(8) if replicas >> b & 1):
+        last = max(q for q, r in enumerate(reach) if r & bit)
+        if last:
+            expect[last] = expect.get(last, 0) | bit
+    assert chain_ends(reach) == expect
+
+
+@given(held=st.lists(st.booleans(), max_size=60), need=st.integers(1, 8), k=st.integers(1, 3), data=st.data())
+def test_last_window_is_the_highest_aligned_end_with_every_needed_block_held(
+        held: list[bool], need: int, k: int, data: st.DataObject) -> None:
+    top = data.draw(st.integers(0, len(held)))
+    valid = [e for e in range(k, top + 1, k) if all(held[max(0, e - need) : e])]
+    assert last_window(bytes(held), top, need, k) == max(valid, default=0)
+
+
+def test_settle_moves_a_replica_missing_a_window_block_below_the_block_it_lacks() -> None:
+    # Windows of 3 blocks; replicas 1 and 2 start at point 6, replica 4 at point 4. Replica 2 lacks
+    # block 4 (window of point 6: blocks 3-5), so it is checked again at point 4 (blocks 1-3),
+    # where it lacks block 1 and moves to point 1 (block 0), which it holds.
+    masks = [7, 5, 7, 7, 5, 7]
+    assert settle_together({6: 1 | 2, 4: 4}, [(masks, 0, 1, 3)]) == {6: 1, 4: 4, 1: 2}
+    # Points of two blocks: a block missing at 3 moves a replica to point 1 (blocks 0-1).
+    assert settle_together({3: 1 | 2}, [([3, 3, 3, 1, 3, 3], 0, 2, 2)]) == {3: 1 | 2}
+    assert settle_together({3: 1 | 2}, [([3, 3, 3, 1, 1, 3], 0, 2, 2)]) == {3: 1, 1: 2}
+    # The same window group in the second place of each replica's bits (shift 1): replica 1's
+    # bits 2, replica 2's bits 8.
+    assert settle_together({3: 1 | 4}, [([10, 10, 10, 2, 2, 10], 1, 2, 2)]) == {3: 1, 1: 4}
 
 
 @settings(max_examples=60, deadline=None)
@@ -125,9 +163,58 @@ def test_a_replica_removed_leaves_no_bit_and_its_bit_is_reused() -> None:
     for name in ("a", "b"):
         index.apply_events(name, make_batch([BlockStoredEvent(tuple(hs), None, (), 16, MEDIUM_GPU, 0),
                                              BlockStoredEvent(tuple(hs), None, (), 16, MEDIUM_GPU, 1)]))
-    assert index.masks.maps[(MEDIUM_GPU, 0)][hs[0]] == 0b11
+    a, b = index.views["a"].bit, index.views["b"].bit
+    assert [index.masks.holders(MEDIUM_GPU, g, hs[0]) for g in (0, 1)] == [a | b, a | b]
     index.remove_replica("a")
-    assert index.masks.maps[(MEDIUM_GPU, 0)][hs[0]] == 0b10
+    assert [index.masks.holders(MEDIUM_GPU, g, hs[0]) for g in (0, 1)] == [b, b]
     index.add_replica("c", scheme=SCHEME, layout=_layout("full+swa"))
-    assert index.views["c"].bit == 0b01
+    assert index.views["c"].bit == a
     assert {n: p.tokens for n, p in index.lookup(prompt + [1]).items()} == {"b": 64, "c": 0}
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 100_000), layout=st.sampled_from(sorted(LAYOUTS)), short=st.booleans())
+def test_alike_replicas_predicted_together_equal_each_replicas_own_after_random_events(
+        seed: int, layout: str, short: bool) -> None:
+    """Six replicas of one layout, all predicted by one walk of the masks: prefixes held to different
+    depths, window and checkpoint blocks with holes (so replicas settle below their chains)."""
+    rng = random.Random(seed)
+    index = ClusterIndex()
+    names = [f"r{i}" for i in range(6)]
+    for name in names:
+        index.add_replica(name, scheme=SCHEME, layout=_layout(layout))
+    sizes = [spec.block_size for spec in LAYOUTS[layout]]
+    base = [rng.randrange(8) for _ in range(320)]
+    prompts = [base[: rng.randrange(32, 320)] + [rng.randrange(8) for _ in range(rng.randrange(64))] for _ in range(4)]
+
+    def ext(hs: list[bytes]) -> tuple[ExternalHash, ...]:
+        return tuple(int.from_bytes(h, "big") for h in hs) if short else tuple(hs)
+
+    stored: dict[str, list[tuple[int, list[bytes]]]] = {n: [] for n in names}
+    for _step in range(rng.randrange(10, 50)):
+        name = rng.choice(names)
+        op = rng.random()
+        if op < 0.7:
+            prompt = rng.choice(prompts)
+            keys = RequestKeys(prompt[: rng.randrange(1, len(prompt) + 1)])
+            holes = rng.choice([0.0, 0.05, 0.3])
+            events = []
+            for g, size in enumerate(sizes):
+                hs = keys.hashes(SCHEME, 16, size, short)
+                keep = [h for h in hs if g == 0 or rng.random() >= holes]
+                stored[name].append((g, keep))
+                events.append(BlockStoredEvent(ext(keep), None, (), size, MEDIUM_GPU, g))
+            index.apply_events(name, make_batch(events))
+        elif op < 0.9 and stored[name]:
+            g, hs = rng.choice(stored[name])
+            gone = [h for h in hs if rng.random() < 0.3]
+            index.apply_events(name, make_batch([BlockRemovedEvent(ext(gone), MEDIUM_GPU, g)]))
+        else:
+            index.apply_events(name, make_batch([AllClearedEvent()]))
+        _check_masks(index)
+        keyed = {index.views[n].joint_key() for n in names if index.views[n].num_blocks()}
+        assert len(keyed) <= 1 and None not in keyed  # every replica holding blocks is in the one joint group
+        for _ in range(3):
+            prompt = rng.choice(prompts)
+            keys = RequestKeys(prompt[: rng.randrange(1, len(prompt) + 1)])
+            assert index.lookup_keys(keys) == index.lookup_each(keys)

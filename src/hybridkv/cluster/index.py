@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from hybridkv.cluster.events import EventBatch
 from hybridkv.cluster.hashes import HashScheme, VllmHashes
-from hybridkv.cluster.inverted import JointKey, ReplicaMasks, predict_together
+from hybridkv.cluster.inverted import JointGroup, JointKey, ReplicaMasks, predict_together
 from hybridkv.cluster.layouts import ReplicaLayout
 from hybridkv.cluster.replica import Held, Prediction, ReplicaView, RequestKeys
 from hybridkv.core import KVCacheLayout
@@ -60,7 +60,7 @@ class _Plan:
     version: int
     order: list[str]
     alone: list[ReplicaView]
-    together: list[tuple[str, list[ReplicaView], list[str]]]
+    together: list[JointGroup]
     reorder: bool
 
 
@@ -191,9 +191,11 @@ class ClusterIndex:
             plan = self._make_plan(self.views if replicas is None else replicas)
             if replicas is None:
                 self._plan = plan
+        if not plan.alone and len(plan.together) == 1:  # the usual cluster: every replica alike
+            return predict_together(keys, plan.together[0], self.masks)
         out = {view.name: view.predict(keys, self.shared) for view in plan.alone}
-        for medium, views, names in plan.together:
-            out.update(zip(names, predict_together(keys, views, medium, self.masks)))
+        for group in plan.together:
+            out.update(predict_together(keys, group, self.masks))
         return {name: out[name] for name in plan.order} if plan.reorder else out
 
     def _make_plan(self, names: Iterable[str]) -> _Plan:
@@ -211,7 +213,7 @@ class ClusterIndex:
                 alone.append(view)
             else:
                 together.setdefault(key, []).append(view)
-        groups = [(views[0].media_in_order()[0], views, [v.name for v in views]) for views in together.values()]
+        groups = [JointGroup(views[0].media_in_order()[0], views) for views in together.values()]
         return _Plan(version, order, alone, groups, len(groups) + bool(alone) > 1)
 
     def lookup_each(self, keys: RequestKeys, replicas: Iterable[str] | None = None) -> dict[str, Prediction]:

@@ -1,27 +1,37 @@
 """Which replicas hold a block hash, and every replica's hit from one walk of a request's chain.
 
-``ReplicaMasks`` keeps, per (medium, group), one map from block hash to a bitmask of the replicas
-whose caches hold it (each replica owns one bit). It lives beside each replica's own counts
-(``ReplicaView.media``) and is kept equal to them: bit ``b`` is set in ``maps[(m, g)][h]`` exactly
-while the replica of bit ``b`` holds ``h`` in group ``g`` of its medium ``m``.
+``ReplicaMasks`` keeps, per medium, one map from block hash to a bitmask of the replicas whose
+caches hold it, for ``SLOTS`` groups at once: each replica owns one bit per group, its bit for group
+``g`` being its replica bit shifted by ``g % SLOTS`` in map ``g // SLOTS`` (replica bits are
+``SLOTS`` places apart). A request's hashes at one block size are the same for every group of that
+size, so one lookup per hash reads a full-attention group and its window group together. The
+masks live beside each replica's own counts (``ReplicaView.media``) and are kept equal to them:
+the bit of replica ``b`` and group ``g`` is set for ``h`` exactly while ``b`` holds ``h`` in group
+``g`` of that medium.
 
 ``predict_together`` predicts the hit of replicas that hash and lay out blocks alike (one hash
 scheme, one set of group block sizes, windows and alignment, one medium each; see
-``ReplicaView.joint_key``). It is ``FastHits.longest_hit`` for each of them, with the
-full-attention chains walked once for all:
+``ReplicaView.joint_key`` and ``JointGroup``). It is ``FastHits.longest_hit`` for each of them,
+every step a mask operation over all of them at once:
 
-* the masks of the request's chain hashes, AND-ed in order (``accumulate``): replica ``b``'s chain
-  is as long as the run of leading masks with bit ``b``;
-* then, per replica with a non-empty chain, the window and checkpoint groups from its own counts
-  (``FastHits.settle``), at the hit points below its chain, longest first.
+* the masks of the request's chain hashes, AND-ed in order (``chain_reach``): replica ``b``'s chain
+  is as long as the run of leading masks with bit ``b``; where each replica's run ends is found by
+  bisection, once per distinct run end (``chain_ends``);
+* the window and checkpoint groups (``settle_together``): the replicas whose chains end at one hit
+  point are checked together, one AND over the masks of the blocks a group needs before it; a
+  replica that lacks one moves to the next point that group accepts (``last_window``, a few byte
+  searches however far down it is) and is checked again there.
+
+The predictions themselves are values, shared per replica and hit point (``JointGroup``).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Hashable, Sequence
 from functools import reduce
-from itertools import repeat
-from operator import and_, or_
+from itertools import accumulate, repeat
+from operator import and_, neg, or_
 from typing import TYPE_CHECKING
 
 from hybridkv.cluster.replica import Prediction, RequestKeys
@@ -33,8 +43,15 @@ JointKey = Hashable
 """What replicas predicted together share (``ReplicaView.joint_key``)."""
 
 
+_NONE: dict[bytes, int] = {}
+SLOTS = 2
+"""Groups per map: group ``g``'s bits are in map ``g // SLOTS``, a replica's bit shifted by ``g % SLOTS``."""
+
+
 class ReplicaMasks:
-    """Per (medium, group): block hash -> bitmask of the replicas holding it (never 0)."""
+    """Per medium and run of ``SLOTS`` groups: block hash -> the bits of the replicas' groups holding
+    it (never 0). Replica bits are ``SLOTS`` apart, so one lookup of a hash answers for every group
+    of the run (the request's hashes at equal block sizes are equal)."""
 
     __slots__ = ("maps", "used", "version")
 
@@ -46,8 +63,10 @@ class ReplicaMasks:
         """Bumped whenever a replica's ``joint_key`` may have changed (or a replica came or went)."""
 
     def allocate(self) -> int:
-        """A bit no replica has (the lowest free one)."""
-        bit = ~self.used & (self.used + 1)
+        """A replica bit no replica has (the lowest free one, a multiple of ``SLOTS`` places)."""
+        bit = 1
+        while self.used & bit:
+            bit <<= SLOTS
         self.used |= bit
         self.version += 1
         return bit
@@ -57,134 +76,191 @@ class ReplicaMasks:
         self.used &= ~bit
         self.version += 1
 
-    def group(self, medium: str, group: int) -> dict[bytes, int]:
-        """The map of ``group`` on ``medium`` (created empty)."""
-        found = self.maps.get((medium, group))
+    def group(self, medium: str, group: int) -> tuple[dict[bytes, int], int]:
+        """The map of ``group`` on ``medium`` (created empty), and the shift of its replicas' bits there."""
+        key = (medium, group // SLOTS)
+        found = self.maps.get(key)
         if found is None:
-            found = self.maps[(medium, group)] = {}
-        return found
+            found = self.maps[key] = {}
+        return found, group % SLOTS
+
+    def holders(self, medium: str, group: int, h: bytes) -> int:
+        """The bits of the replicas that hold ``h`` in ``group`` on ``medium``."""
+        shift = group % SLOTS
+        return self.maps.get((medium, group // SLOTS), _NONE).get(h, 0) >> shift & _spread(self.used)
 
 
-_NONE: dict[bytes, int] = {}
-
-
-def _bits(mask: int) -> list[int]:
-    out = []
-    while mask:
-        bit = mask & -mask
-        mask ^= bit
-        out.append(bit)
+def _spread(used: int) -> int:
+    """Every replica bit up to the highest of ``used`` (the places a replica bit can have)."""
+    out, bit = 0, 1
+    while bit <= used:
+        out |= bit
+        bit <<= SLOTS
     return out
 
 
-def chain_runs(hashes: list[bytes], n: int, held: dict[bytes, int], replicas: int) -> list[tuple[int, int]]:
-    """The replicas of ``replicas`` by how many of ``hashes[:n]`` each holds in a row from the first:
-    ``(length, their bits)`` per length above 0."""
-    if n <= 0 or not held.get(hashes[0], 0) & replicas:
-        return []
-    masks = list(map(held.get, hashes[:n], repeat(0, n)))
-    # A replica's chain ends at the first mask without its bit: the first place of some distinct
-    # mask (a chain's masks take few distinct values; ``dict.fromkeys`` lists them in order of
-    # first place).
-    runs = []
-    alive = replicas
-    for mask in dict.fromkeys(masks):
-        lost = alive & ~mask
-        if lost:
-            first = masks.index(mask)
-            if first:
-                runs.append((first, lost))
-            alive &= mask
-    if alive:
-        runs.append((n, alive))
-    return runs
+_MAX_SHARED = 4096
+"""Predictions a joint group keeps per replica (one per hit point) before it starts over."""
 
 
-def settle_together(align: int, at: dict[int, int], spans: list[tuple[list[bytes], list[int], int, int]]
-                    ) -> dict[int, int]:
-    """``FastHits.settle`` for the replicas of ``at`` (hit point -> the bits of the replicas there),
-    the window and checkpoint groups read from masks: the bits settled at each point. ``spans``:
-    per span group, the request's hashes, their masks, the block size and the blocks needed
+class JointGroup:
+    """Replicas predicted together: alike views (one ``joint_key``) holding blocks on one medium, and
+    what their predictions share (valid while the masks' version is unchanged)."""
+
+    __slots__ = ("medium", "views", "everyone", "no_hits", "hits", "hashing", "alignment", "chains", "spans")
+
+    def __init__(self, medium: str, views: Sequence[ReplicaView]) -> None:
+        first = views[0]
+        fast, rules = first.layout.fast, first.layout.rules
+        assert fast is not None and rules is not None, "joint views have fast hit rules (ReplicaView.joint_key)"
+        self.medium = medium
+        self.views = {view.bit: view for view in views}
+        """The views by their bits."""
+        self.everyone = reduce(or_, self.views, 0)
+        """The bits of the views."""
+        self.no_hits = {view.name: view.no_hit for view in views}
+        """Every view's name and its prediction of no hit, in the order of ``views``."""
+        self.hits: dict[int, dict[int, Prediction]] = {view.bit: {} for view in views}
+        """Per view's bit, hit point -> the prediction of that hit, shared by the lookups that find it
+        (predictions are values; a router's requests keep landing on the same hit points)."""
+        self.hashing = (first.scheme, rules.hash_block_size, bool(first.short_hashes))
+        """How the views hash a request (``RequestKeys.hashes``' first, second and last arguments)."""
+        align = self.alignment = fast.alignment
+        self.chains = [((medium, g // SLOTS), g % SLOTS, size, align // size) for g, size in fast.chains]
+        """Per full-attention group: its map's key in the masks, the shift of its bits there, its block
+        size and its blocks per aligned point."""
+        self.spans = [((medium, g // SLOTS), g % SLOTS, size, align // size, need) for g, size, need in fast.spans]
+        """Per window or checkpoint group: the same, and the blocks it needs before a hit point."""
+
+    def prediction(self, bit: int, point: int) -> Prediction:
+        """The prediction of a ``point``-token hit on the medium for the view of ``bit``, shared."""
+        hits = self.hits[bit]
+        found = hits.get(point)
+        if found is None:
+            if len(hits) >= _MAX_SHARED:
+                hits.clear()
+            found = hits[point] = Prediction(self.views[bit].name, point, ((self.medium, point),))
+        return found
+
+
+def chain_reach(masks: list[int], replicas: int, step: int) -> list[int]:
+    """Per point ``q`` (0, 1, ...), the bits of ``replicas`` set in each of ``masks[:q * step]``: the
+    masks of a request's chain AND-ed in order, one in ``step``. Each is a subset of the one before."""
+    reach = list(accumulate(masks, and_, initial=replicas))
+    return reach if step == 1 else reach[::step]
+
+
+def chain_ends(reach: list[int]) -> dict[int, int]:
+    """Point -> the replicas whose reach (``chain_reach``) ends there, for points above 0.
+
+    A reach is a subset of the one before, so never a larger number: the end of each distinct
+    reach is found by bisection (keys negated to ascend), one per distinct reach."""
+    at: dict[int, int] = {}
+    n, end, bits = len(reach), 0, reach[0]
+    while True:
+        end = bisect_right(reach, -bits, end, key=neg)  # one past the last point ``bits`` reaches
+        after = reach[end] if end < n else 0
+        if end > 1:
+            at[end - 1] = bits & ~after
+        if not after:
+            return at
+        bits = after
+
+
+def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int, int]]) -> dict[int, int]:
+    """``FastHits.settle`` for the replicas of ``at`` (point -> the bits of the replicas there, points
+    in units of the hit alignment), the window and checkpoint groups read from masks: the bits
+    settled at each point. ``spans``: per span group, the masks of the request's blocks from the
+    first, the shift of the group's bits in them, its blocks per point and the blocks it needs
     before a hit point.
 
-    The settled hit is the longest aligned point at most the start where every span group holds the
-    blocks it needs, so replicas at one point are checked together (one AND over a window's masks);
-    one that lacks a block moves to the aligned start of the last block it lacks (the next point
-    that group could accept) and is checked there again, with the replicas already at that point."""
+    A replica's settled hit is the longest point at most its start where every span group holds the
+    blocks it needs. Replicas at one point are checked together (one AND over a window's masks);
+    one that lacks a block moves to the next lower point that group accepts (``last_window``) and
+    is checked again there, in the next round, by every group."""
     done: dict[int, int] = {}
     while at:
-        point = max(at)
-        ok = at.pop(point)
-        for h, masks, size, need in spans:
-            e = min(point // size, len(h))
-            if e * size != point:  # this group has no hit point in (e * size, point]
-                low = e * size // align * align
-                if low > 0:
-                    at[low] = at.get(low, 0) | ok
-                ok = 0
-                break
-            held = reduce(and_, masks[max(0, e - need):e], ok)
-            if held != ok:
-                for bit in _bits(ok & ~held):
-                    j = e - 1
-                    while masks[j] & bit:
-                        j -= 1
-                    low = j * size // align * align
-                    if low > 0:
-                        at[low] = at.get(low, 0) | bit
-                ok = held
-                if not ok:
-                    break
-        if ok:
-            done[point] = ok
+        moved: dict[int, int] = {}
+        for q, ok in at.items():
+            for masks, shift, k, need in spans:
+                e = q * k
+                want = ok << shift
+                held = reduce(and_, masks[e - need if e > need else 0 : e], want)
+                if held != want:
+                    lost = want ^ held
+                    while lost:
+                        bit = lost & -lost
+                        lost ^= bit
+                        end = last_window(bytes(map(bool, map(bit.__and__, masks[:e]))), e - 1, need, k)
+                        if end:
+                            moved[end // k] = moved.get(end // k, 0) | bit >> shift
+                    ok = held >> shift
+                    if not ok:
+                        break
+            if ok:
+                done[q] = done.get(q, 0) | ok
+        at = moved
     return done
 
 
-def predict_together(keys: RequestKeys, views: Sequence[ReplicaView], medium: str,
-                     masks: ReplicaMasks) -> list[Prediction]:
-    """The hits of ``views`` (alike: one ``joint_key``, each holding blocks on ``medium`` alone), as
-    each view's ``predict`` would find them."""
-    first = views[0]
-    layout = first.layout
-    fast, rules = layout.fast, layout.rules
-    assert fast is not None and rules is not None
-    scheme, hbs, short = first.scheme, rules.hash_block_size, bool(first.short_hashes)
-    align = fast.alignment
-    bound = (keys.sequence.num_tokens - 1) // align * align
-    everyone = reduce(or_, [view.bit for view in views], 0)
-    at: dict[int, int] = {}  # hit point the chains allow -> the bits of the replicas there
-    for i, (group, size) in enumerate(fast.chains):
+def last_window(held: bytes, top: int, need: int, k: int) -> int:
+    """The largest end ``e <= top``, a positive multiple of ``k``, with ``held[max(0, e - need) : e]``
+    all ones (0: none). ``held`` has one byte per block, 1 where it is held.
+
+    Valid ends lie in runs of held blocks: in a run ``[start, stop)`` they are ``start + need ..
+    stop`` (``1 .. stop`` when the run starts at the first block). The runs are found from the top
+    down by searching the bytes, so a replica that lacks a long stretch of window blocks moves past
+    it in a few searches, not one block at a time."""
+    window = b"\x01" * need
+    while top > 0:
+        s = held.rfind(window, 0, top)  # the highest full window that ends at or below top
+        if s < 0:  # none: only the windows cut at the first block, within its leading run
+            gap = held.find(b"\x00", 0, top)
+            return (top if gap < 0 else gap) // k * k
+        start = held.rfind(b"\x00", 0, s) + 1
+        end = (s + need) // k * k
+        if end >= (start + need if start else 1):
+            return end
+        top = start - 1
+    return 0
+
+
+def predict_together(keys: RequestKeys, group: JointGroup, masks: ReplicaMasks) -> dict[str, Prediction]:
+    """Per view of ``group`` (in its order), the hit its ``predict`` would find."""
+    scheme, hbs, short = group.hashing
+    maps, align, everyone = masks.maps, group.alignment, group.everyone
+    top = (keys.sequence.num_tokens - 1) // align  # hit points are 1 .. top alignments
+    found: dict[tuple[tuple[str, int], int], list[int]] = {}  # (map, block size) -> the request's masks
+    reach = [everyone]
+    for i, (key, shift, size, k) in enumerate(group.chains):
         h = keys.hashes(scheme, hbs, size, short)
-        n = min(bound // size, len(h)) if bound > 0 else 0
-        runs = chain_runs(h, n, masks.maps.get((medium, group), _NONE), everyone)
-        if i == 0:
-            for length, bits in runs:
-                point = length * size // align * align
-                if point > 0:
-                    at[point] = at.get(point, 0) | bits
-        else:  # each replica's point, cut by this chain
-            lengths = {bit: length for length, bits in runs for bit in _bits(bits)}
-            cut: dict[int, int] = {}
-            for point, bits in at.items():
-                for bit in _bits(bits):
-                    p = min(point, min(point // size, lengths.get(bit, 0)) * size // align * align)
-                    if p > 0:
-                        cut[p] = cut.get(p, 0) | bit
-            at = cut
-        everyone = reduce(or_, at.values(), 0)
-    if at and fast.spans:
-        top = max(at)
+        n = min(top * k, len(h))
+        held = maps.get(key, _NONE)
+        if n <= 0 or not held.get(h[0], 0) >> shift & everyone:
+            reach = [everyone]  # no replica holds the chain's first block: no hit
+            break
+        got = found[(key, size)] = list(map(held.get, h, repeat(0, n)))  # ``repeat`` bounds it to n
+        r = chain_reach(got, everyone << shift, k)
+        if shift:
+            r = [bits >> shift for bits in r]
+        reach = r if i == 0 else list(map(and_, reach, r))
+    at = chain_ends(reach)
+    if at and group.spans:
+        hi = max(at)
         spans = []
-        for group, size, need in fast.spans:
-            h = keys.hashes(scheme, hbs, size, short)
-            m = min(top // size, len(h))
-            spans.append((h, list(map(masks.maps.get((medium, group), _NONE).get, h[:m], repeat(0, m))), size, need))
-        at = settle_together(align, at, spans)
-    out = [view.no_hit for view in views]
-    if at:
-        place = {view.bit: i for i, view in enumerate(views)}
-        for point, bits in at.items():
-            for bit in _bits(bits):
-                i = place[bit]
-                out[i] = Prediction(views[i].name, point, ((medium, point),))
+        for key, shift, size, k, need in group.spans:
+            known = found.get((key, size))  # a chain's masks at this size hold this group's bits too
+            if known is None:
+                known = list(map(maps.get(key, _NONE).get, keys.hashes(scheme, hbs, size, short), repeat(0, hi * k)))
+            spans.append((known, shift, k, need))
+        at = settle_together(at, spans)
+    out = group.no_hits.copy()
+    hits = group.hits
+    for q, bits in at.items():
+        point = q * align
+        while bits:
+            bit = bits & -bits
+            bits ^= bit
+            hit = hits[bit].get(point) or group.prediction(bit, point)
+            out[hit.replica] = hit
     return out

@@ -211,8 +211,8 @@ class ReplicaView:
                 k = h if type(h) is bytes else _key(h)
                 group[k] = get(k, 0) + 1
         else:
-            masks = self.masks.group(medium, group_idx)
-            bit, holders = self.bit, masks.get
+            masks, shift = self.masks.group(medium, group_idx)
+            bit, holders = self.bit << shift, masks.get
             for h in e.block_hashes:
                 k = h if type(h) is bytes else _key(h)
                 n = get(k, 0)
@@ -262,7 +262,10 @@ class ReplicaView:
             return
         get = group.get
         unknown = 0
-        masks = None if self.masks is None or medium in shared else self.masks.group(medium, e.group_idx or 0)
+        masks, keep = None, -1
+        if self.masks is not None and medium not in shared:
+            masks, shift = self.masks.group(medium, e.group_idx or 0)
+            keep = ~(self.bit << shift)
         for h in e.block_hashes:
             k = h if type(h) is bytes else _key(h)
             n = get(k, 0)
@@ -271,7 +274,7 @@ class ReplicaView:
             elif n == 1:
                 del group[k]
                 if masks is not None:
-                    left = masks[k] & ~self.bit
+                    left = masks[k] & keep
                     if left:
                         masks[k] = left
                     else:
@@ -302,10 +305,10 @@ class ReplicaView:
     def clear(self) -> None:
         """Forget every held hash (a resync); what was learned about the layout stays."""
         if self.masks is not None:
-            keep = ~self.bit
             for medium, held in self.media.items():
                 for g, group in held.items():
-                    masks = self.masks.group(medium, g)
+                    masks, shift = self.masks.group(medium, g)
+                    keep = ~(self.bit << shift)
                     for k in group:
                         left = masks[k] & keep
                         if left:
