@@ -24,11 +24,9 @@ Every tier is O(1) for insert, remove and pop (a list, a counter and ordered dic
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
-from itertools import islice, repeat
-from operator import contains, eq
 from typing import Protocol
 
 from hybridkv.errors import InvalidInputError
@@ -291,17 +289,11 @@ class BlockPool:
         depended_on = kept.depended_on if kept is not None else None
         hashes, groups, index, dups = self.block_hash, self.block_group, self.index, self._dups
         slow = self.enable_events
-        bulk = not slow  # until a bulk attempt is refused: then block by block for the rest of the call
         while len(out) < num_blocks:
-            # ``low`` first: an evicted anchor releases its kept blocks into ``low``, and they go next.
-            tier = low if low else lru
-            if tier:
-                n = min(num_blocks - len(out), len(tier))
-                if bulk and n > 1:
-                    if self._evict_bulk(tier, n, out):
-                        continue
-                    bulk = False
-                b = tier.popitem(last=False)[0]
+            if low:  # an evicted anchor releases its kept blocks into ``low``: they go next
+                b = low.popitem(last=False)[0]
+            elif lru:
+                b = lru.popitem(last=False)[0]
             else:
                 got = kept.pop(allow_reserved) if kept is not None and len(kept) else None
                 if got is None:
@@ -321,27 +313,6 @@ class BlockPool:
                 hashes[b] = None
                 self.evictions += 1
             out.append(b)
-
-    def _evict_bulk(self, tier: OrderedDict[int, None], n: int, out: list[int]) -> bool:
-        """Evict the ``n`` oldest blocks of ``tier`` into ``out`` at once, in C-level passes, when
-        each alone holds its hash and no kept block depends on any: what the per-block path would
-        do, in the same order. Returns False, changing nothing, otherwise."""
-        victims = list(islice(tier, n))
-        hashes, groups = self.block_hash, self.block_group
-        victim_hashes: list[bytes] = list(map(hashes.__getitem__, victims))  # type: ignore[arg-type]
-        indexes = list(map(self.index.__getitem__, map(groups.__getitem__, victims)))
-        depended_on = self.kept.depended_on if self.kept is not None else None
-        if depended_on and any(map(depended_on.__contains__, victims)):
-            return False
-        if any(self._dups) and any(map(contains, map(self._dups.__getitem__, map(groups.__getitem__, victims)),
-                                       victim_hashes)):
-            return False
-        deque(map(tier.__delitem__, victims), maxlen=0)
-        deque(map(dict.__delitem__, indexes, victim_hashes), maxlen=0)
-        deque(map(hashes.__setitem__, victims, repeat(None)), maxlen=0)
-        self.evictions += n
-        out += victims
-        return True
 
     def _give_back(self, blocks: list[int]) -> None:
         """Undo a partial ``allocate``: the taken blocks become free and uncached."""
@@ -415,13 +386,7 @@ class BlockPool:
 
     def free_low(self, block_ids: Iterable[int]) -> None:
         """Like ``free``, but cached blocks reaching zero go to the ``low`` tier."""
-        released = self._release(block_ids)
-        hashes = self.block_hash
-        if None not in map(hashes.__getitem__, released):  # the common case, in C-level passes
-            deque(map(self._tier.__setitem__, released, repeat(LOW)), maxlen=0)
-            self._low.update(zip(released, repeat(None)))
-            return
-        for b in released:
+        for b in self._release(block_ids):
             if self.block_hash[b] is None:
                 self._tier[b] = UNCACHED
                 self._uncached.append(b)
@@ -446,15 +411,8 @@ class BlockPool:
         """Drop one reference on each non-null block; return those that reached zero (told to the
         kept tier before they join a tier, so a block becoming free is counted once)."""
         ref = self.ref_cnt
-        ids = list(block_ids)
-        if NULL_BLOCK not in ids and all(map(eq, map(ref.__getitem__, ids), repeat(1))) and len(set(ids)) == len(ids):
-            # The common case, in C-level passes: distinct blocks, each with its last reference.
-            deque(map(ref.__setitem__, ids, repeat(0)), maxlen=0)
-            if ids and self.kept is not None:
-                self.kept.on_freed(ids)
-            return ids
         released: list[int] = []
-        for b in ids:
+        for b in block_ids:
             if b == NULL_BLOCK:
                 continue
             r = ref[b] - 1
@@ -499,17 +457,11 @@ class BlockPool:
         idx = self.index[group]
         hashes = self.block_hash
         gid = self.block_group
-        if idx.keys().isdisjoint(block_hashes) and len(set(block_hashes)) == len(block_hashes):
-            # The common case, in C-level passes: every hash new to the group's index.
-            deque(map(hashes.__setitem__, block_ids, block_hashes), maxlen=0)
-            deque(map(gid.__setitem__, block_ids, repeat(group)), maxlen=0)
-            idx.update(zip(block_hashes, block_ids))
-        else:
-            for b, h in zip(block_ids, block_hashes):
-                hashes[b] = h
-                gid[b] = group
-                if idx.setdefault(h, b) != b:  # another block serves h already: b waits as a duplicate
-                    self._dups[group].setdefault(h, []).append(b)
+        for b, h in zip(block_ids, block_hashes):
+            hashes[b] = h
+            gid[b] = group
+            if idx.setdefault(h, b) != b:  # another block serves h already: b waits as a duplicate
+                self._dups[group].setdefault(h, []).append(b)
         if self.enable_events and block_ids:
             self._events.append(BlockStored(group, tuple(block_hashes), tuple(block_ids), parent, token_ids,
                                             block_size))

@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from itertools import chain, compress
-from operator import eq
+from itertools import chain
 
 from hybridkv.core._util import gcd_all, lcm_all
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
@@ -239,11 +238,8 @@ class KVCacheManager:
         first, last = start_token // g.block_size, min(end_token // g.block_size, len(hashes), len(table))
         if first >= last:
             return []
-        blocks, block_hashes = table[first:last], hashes[first:last]
-        # C-level passes (millions of blocks in a trace-scale simulation). The null block never has
-        # a hash (``BlockPool.check_invariants``), so its entries never match.
-        return list(compress(zip(range(first, last), blocks, block_hashes),
-                             map(eq, map(block_hash.__getitem__, blocks), block_hashes)))
+        return [(i, b, h) for i, b, h in zip(range(first, last), table[first:last], hashes[first:last])
+                if b != NULL_BLOCK and block_hash[b] == h]
 
     @property
     def hits_possible(self) -> bool:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import argparse
 from bisect import bisect_left
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -224,9 +224,9 @@ _hash_of = itemgetter(2)
 
 
 def _drop_head(entries: OrderedDict[bytes, int], n: int) -> None:
-    """Remove the ``n`` oldest entries (a C-level loop)."""
-    if n:
-        deque(map(entries.__delitem__, list(islice(entries, n))), maxlen=0)
+    """Remove the ``n`` oldest entries."""
+    for key in list(islice(entries, n)):
+        del entries[key]
 
 
 class SimTier(KVTier):

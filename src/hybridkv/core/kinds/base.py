@@ -24,8 +24,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from itertools import compress, repeat, takewhile
-from operator import is_
+from itertools import takewhile
 
 from hybridkv.core._util import cdiv
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
@@ -170,11 +169,13 @@ class KindManager:
         if end <= start:
             return []
         self.num_dropped[seq_id] = end
-        dropped = table[start:end]
-        dropped.reverse()
-        table[start:end] = [NULL_BLOCK] * (end - start)
-        # The non-null entries, last first (C-level passes: NULL_BLOCK is 0, so falsy).
-        return list(compress(zip(range(end - 1, start - 1, -1), dropped), dropped))
+        freed: list[tuple[int, int]] = []
+        for i in range(end - 1, start - 1, -1):
+            b = table[i]
+            if b != NULL_BLOCK:
+                freed.append((i, b))
+                table[i] = NULL_BLOCK
+        return freed
 
     def idle_limit(self, seq_id: str) -> int:
         """Most slots (computed + new + lookahead tokens) a running sequence's step can reach, with at
@@ -203,11 +204,7 @@ class KindManager:
         pool = self.pool
         assert pool is not None
         block_hash = pool.block_hash
-        blocks = table[start:end]
-        if NULL_BLOCK not in blocks and all(map(is_, map(block_hash.__getitem__, blocks), repeat(None))):
-            indices = list(range(start, end))  # the common case, in C-level passes: all new, none null
-        else:
-            indices = [i for i in range(start, end) if table[i] != NULL_BLOCK and block_hash[table[i]] is None]
+        indices = [i for i in range(start, end) if table[i] != NULL_BLOCK and block_hash[table[i]] is None]
         if indices and indices[-1] - indices[0] + 1 == len(indices):
             self._cache_run(pool, table, hashes, indices, token_ids)
         else:  # null entries and blocks cached already (adopted hits) stay as they are
