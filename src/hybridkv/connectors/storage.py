@@ -171,11 +171,17 @@ class StoreSpansSpill(StoreHitSpans):
             if points is None:
                 points = self.checkpoints(manager, seq, start, end, junctions)
             wanted = _spans(manager, g, points)
+            if not wanted:  # no checkpoint in range: every registered block at low priority
+                normal[g] = []
+                rest = manager.registered_blocks(seq, g, start, end)
+                if rest:
+                    low[g] = rest
+                continue
             bs = manager.group_block_size(g)
             # A checkpoint's span ends at or before ``end`` and may reach back before ``start``.
-            regs = manager.registered_blocks(seq, g, min(min(wanted) * bs, start) if wanted else start, end)
+            regs = manager.registered_blocks(seq, g, min(min(wanted) * bs, start), end)
             first = start // bs
-            normal[g] = [o for o in regs if o[0] in wanted] if wanted else []
+            normal[g] = [o for o in regs if o[0] in wanted]
             rest = [o for o in regs if o[0] >= first and o[0] not in wanted]
             if rest:
                 low[g] = rest

@@ -56,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate, filterfalse, islice, repeat
-from operator import itemgetter, or_
+from operator import or_
 from typing import Any
 
 from hybridkv.connectors.base import KVTier
@@ -217,10 +217,6 @@ def _head_covering(entries: OrderedDict[bytes, int], need: int, largest: int) ->
         total = sums[-1]
     n = bisect_left(sums, need)
     return (n + 1, sums[n]) if n < len(sums) else (len(sums), total)
-
-
-_hash_of = itemgetter(2)
-"""The block hash of an ``Offer`` ``(index, block id, hash)``."""
 
 
 def _drop_head(entries: OrderedDict[bytes, int], n: int) -> None:
@@ -535,7 +531,8 @@ class SimConnector(KVConnector):
             keys: list[bytes] = []
             sizes: list[int] = []
             for g, blocks in offers.items():
-                keys += map(prefix[g].__add__, map(_hash_of, blocks))  # C-level passes
+                p = prefix[g]
+                keys += [p + h for _, _, h in blocks]
                 sizes += repeat(size[g], len(blocks))
             if not keys:
                 continue
