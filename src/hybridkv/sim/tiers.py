@@ -56,7 +56,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate, filterfalse, islice, repeat
-from operator import or_
 from typing import Any
 
 from hybridkv.connectors.base import KVTier
@@ -292,9 +291,9 @@ class SimTier(KVTier):
         promoted (``prioritize_many``). The same steps in the same order, so the same end state.
         Returns the keys put (offered while absent, whether or not they fitted).
 
-        A batch the tier holds none of, whose evictions reach only entries older than the batch (the
-        steady state of a full tier), goes in bulk (``_put_fresh``): C-level dict operations instead
-        of a Python loop per key, the same end state."""
+        A batch's absent keys go in at once (``_put_fresh``) when their evictions reach only entries
+        older than the batch (the steady state of a full tier): dict operations on the whole batch
+        instead of a loop per key, the same end state."""
         entries, lows = self._entries, self._low
         smallest, largest = self._sizes
         put: list[bytes] = []
@@ -303,22 +302,27 @@ class SimTier(KVTier):
             block_sizes = sizes[lo : lo + batch]
             if (low and not lows and self.used_bytes + smallest > self.capacity_bytes
                     and largest <= self.capacity_bytes):
-                absent = list(filterfalse(entries.__contains__, block))
-                put += absent  # a full tier without low entries: every low put is skipped
-                self.stats.low_skipped += len(absent)
+                skipped = list(filterfalse(entries.__contains__, block))
+                put += skipped  # a full tier without low entries: every low put is skipped
+                self.stats.low_skipped += len(skipped)
                 continue
-            if (entries.keys().isdisjoint(block) and lows.keys().isdisjoint(block)
-                    and self._put_fresh(block, block_sizes, low)):
-                put += block
-                continue
-            held = list(map(or_, map(entries.__contains__, block), map(lows.__contains__, block)))
-            for key, size, there in zip(block, block_sizes, held):
-                if not there:
-                    put.append(key)  # absent before the batch, so absent now: keys of one store are distinct
+            absent: Sequence[bytes]
+            absent_sizes: Sequence[int]
+            present: list[bytes] = []
+            if entries.keys().isdisjoint(block) and lows.keys().isdisjoint(block):
+                absent, absent_sizes = block, block_sizes
+            else:
+                held = [k in entries or k in lows for k in block]
+                absent = [k for k, there in zip(block, held) if not there]
+                absent_sizes = [n for n, there in zip(block_sizes, held) if not there]
+                present = [k for k, there in zip(block, held) if there]
+            put += absent  # absent before the batch, so absent until put: keys of one store are distinct
+            if absent and not self._put_fresh(absent, absent_sizes, low):
+                for key, size in zip(absent, absent_sizes):
                     self._put_one(key, size, low)
             if not low:
-                for key, there in zip(block, held):
-                    if there and key in lows:
+                for key in present:
+                    if key in lows:
                         entries[key] = lows.pop(key)
                         self.stats.low_promotions += 1
         return put
