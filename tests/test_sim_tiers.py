@@ -250,7 +250,7 @@ def _state(tier: SimTier) -> tuple[object, ...]:
 
 @settings(max_examples=150, deadline=None)
 @given(capacity=st.integers(1, 40), batch=st.integers(1, 9),
-       ops=st.lists(st.tuples(st.sampled_from(["offer", "get", "touch"]), st.booleans(),
+       ops=st.lists(st.tuples(st.sampled_from(["offer", "offer", "get", "touch", "delete"]), st.booleans(),
                               st.lists(st.sampled_from(_KEYS), min_size=1, max_size=30, unique=True)),
                     max_size=25))
 def test_bulk_offers_leave_the_tier_as_puts_one_by_one(capacity: int, batch: int,
@@ -260,7 +260,11 @@ def test_bulk_offers_leave_the_tier_as_puts_one_by_one(capacity: int, batch: int
     spec = TierSpec("host", capacity, 1e9)
     bulk, steps = SimTier(spec, 0, sizes), SimTier(spec, 0, sizes)
     for op, low, keys in ops:
-        if op == "offer":
+        if op == "delete":
+            for key in keys[:3]:
+                bulk.delete(key)
+                steps.delete(key)
+        elif op == "offer":
             block_sizes = [sizes[int(k.split(b"/")[2])] for k in keys]
             assert bulk.offer(keys, block_sizes, low, batch) == _by_steps(steps, keys, low, batch)
         elif op == "get":
@@ -269,4 +273,6 @@ def test_bulk_offers_leave_the_tier_as_puts_one_by_one(capacity: int, batch: int
             bulk.touch_many(keys)
             steps.touch_many(keys)
         assert _state(bulk) == _state(steps)
-        assert bulk.used_bytes == sum(bulk._entries.values()) + sum(bulk._low.values()) <= capacity
+        for tier in (bulk, steps):
+            assert tier.low_bytes == sum(tier._low.values())
+            assert tier.used_bytes == sum(tier._entries.values()) + tier.low_bytes <= capacity

@@ -50,12 +50,11 @@ PCIe 4 NVMe drive's sequential read), 100 us; net 3 GB/s (a 25 GbE link), 1 ms. 
 from __future__ import annotations
 
 import argparse
-from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import accumulate, filterfalse, islice, repeat
+from itertools import filterfalse, repeat
 from typing import Any
 
 from hybridkv.connectors.base import KVTier
@@ -202,28 +201,6 @@ def _key_group(key: bytes) -> bytes:
     return key[i : key.index(b"/", i)]
 
 
-def _head_covering(entries: OrderedDict[bytes, int], need: int, largest: int) -> tuple[int, int]:
-    """``(n, bytes)``: the fewest oldest entries whose bytes reach ``need`` (all of them, and their
-    bytes, when they do not), in C-level passes over the head, each reading as many entries as
-    entries of the ``largest`` size would need."""
-    sums: list[int] = []
-    total = 0
-    while total < need and len(sums) < len(entries):
-        running = accumulate(islice(entries.values(), len(sums), len(sums) + (need - total) // largest + 1),
-                             initial=total)
-        next(running)  # the initial value
-        sums += running
-        total = sums[-1]
-    n = bisect_left(sums, need)
-    return (n + 1, sums[n]) if n < len(sums) else (len(sums), total)
-
-
-def _drop_head(entries: OrderedDict[bytes, int], n: int) -> None:
-    """Remove the ``n`` oldest entries."""
-    for key in list(islice(entries, n)):
-        del entries[key]
-
-
 class SimTier(KVTier):
     """A ``KVTier`` of keys and nominal block sizes under a byte budget: low-priority entries evicted
     first, then normal ones, least recently used first within each (``KVTier.priorities``).
@@ -243,6 +220,8 @@ class SimTier(KVTier):
         self.index = index
         self.capacity_bytes = spec.capacity_bytes
         self.used_bytes = 0
+        self.low_bytes = 0
+        """Bytes of the low-priority entries (part of ``used_bytes``)."""
         self._tag = bytes([index])
         self._block_bytes = {str(g).encode(): size for g, size in block_bytes.items()}  # keyed as in tier keys
         self._sizes = (max(1, min(block_bytes.values(), default=1)), max(1, max(block_bytes.values(), default=1)))
@@ -259,6 +238,7 @@ class SimTier(KVTier):
             size = self._entries.get(k)
             if size is None and k in self._low:  # served a hit: promoted to normal
                 size = self._entries[k] = self._low.pop(k)
+                self.low_bytes -= size
                 self.stats.low_promotions += 1
             if size is None:
                 self.stats.misses += 1
@@ -280,6 +260,7 @@ class SimTier(KVTier):
             old = entries.pop(key, None)
             if old is None:
                 old = lows.pop(key, None)
+                self.low_bytes -= old or 0
             if old is not None:
                 self.used_bytes -= old
             self._put_one(key, size, as_low)
@@ -323,7 +304,8 @@ class SimTier(KVTier):
             if not low:
                 for key in present:
                     if key in lows:
-                        entries[key] = lows.pop(key)
+                        size = entries[key] = lows.pop(key)
+                        self.low_bytes -= size
                         self.stats.low_promotions += 1
         return put
 
@@ -336,7 +318,9 @@ class SimTier(KVTier):
             return  # would evict everything and still not fit
         while self.used_bytes + size > capacity:
             if lows:
-                self.used_bytes -= lows.popitem(last=False)[1]
+                evicted = lows.popitem(last=False)[1]
+                self.used_bytes -= evicted
+                self.low_bytes -= evicted
                 stats.low_evictions += 1
             elif low:
                 break
@@ -348,6 +332,7 @@ class SimTier(KVTier):
             return
         (lows if low else entries)[key] = size
         self.used_bytes += size
+        self.low_bytes += size if low else 0
         stats.puts += 1
         stats.bytes_written += size
         stats.low_puts += low
@@ -357,31 +342,26 @@ class SimTier(KVTier):
         entries to evict (oldest low ones first, then, for a normal put, the oldest normal ones)
         all predate the batch. Key by key, each put evicts from the head until it fits, so the
         evicted entries are the shortest head whose bytes cover the batch's excess, which this
-        evicts before adding the batch at the tail. Returns False, changing nothing, otherwise."""
+        evicts before adding the batch at the tail. Returns False, changing nothing, otherwise:
+        a batch larger than the tier, or a low batch that would need more than the low entries."""
         total = sum(sizes)
-        capacity = self.capacity_bytes
-        need = self.used_bytes + total - capacity
-        if need <= 0:
-            n_low = n_normal = 0
-            freed = 0
-        else:
-            if total > capacity:
+        need = self.used_bytes + total - self.capacity_bytes
+        n_low = n_normal = freed = 0
+        if need > 0:
+            if total > self.capacity_bytes or (low and self.low_bytes < need):
                 return False
-            n_low, freed = _head_covering(self._low, need, self._sizes[1])
-            n_normal = 0
-            if freed < need:
-                if low:
-                    return False  # a low entry never evicts a normal one: some of the batch is skipped
-                if n_low < len(self._low):
-                    return False  # cannot happen (the head did not cover though more was there)
-                n_normal, more = _head_covering(self._entries, need - freed, self._sizes[1])
-                freed += more
-                if freed < need:
-                    return False
-            _drop_head(self._low, n_low)
-            _drop_head(self._entries, n_normal)
+            # Old entries cover ``need`` (the tier holds used_bytes >= need), so no new one is reached.
+            lows, entries = self._low, self._entries
+            while freed < need and lows:
+                freed += lows.popitem(last=False)[1]
+                n_low += 1
+            self.low_bytes -= freed
+            while freed < need:
+                freed += entries.popitem(last=False)[1]
+                n_normal += 1
         (self._low if low else self._entries).update(zip(keys, sizes))
         self.used_bytes += total - freed
+        self.low_bytes += total if low else 0
         st = self.stats
         st.evictions += n_low + n_normal
         st.low_evictions += n_low
@@ -394,6 +374,7 @@ class SimTier(KVTier):
         old = self._entries.pop(key, None)
         if old is None:
             old = self._low.pop(key, None)
+            self.low_bytes -= old or 0
         if old is not None:
             self.used_bytes -= old
 
@@ -409,7 +390,8 @@ class SimTier(KVTier):
         lows = self._low
         for k in keys:
             if k in lows:
-                self._entries[k] = lows.pop(k)
+                size = self._entries[k] = lows.pop(k)
+                self.low_bytes -= size
                 self.stats.low_promotions += 1
 
     def entries_per_group(self) -> dict[int, int]:
