@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 from hybridkv.errors import InvalidInputError
@@ -289,11 +290,17 @@ class BlockPool:
         depended_on = kept.depended_on if kept is not None else None
         hashes, groups, index, dups = self.block_hash, self.block_group, self.index, self._dups
         slow = self.enable_events
+        bulk = not slow  # until a run is refused: then block by block for the rest of the call
         while len(out) < num_blocks:
-            if low:  # an evicted anchor releases its kept blocks into ``low``: they go next
-                b = low.popitem(last=False)[0]
-            elif lru:
-                b = lru.popitem(last=False)[0]
+            # ``low`` first: an evicted anchor releases its kept blocks into ``low``, and they go next.
+            tier = low if low else lru
+            if tier:
+                n = min(num_blocks - len(out), len(tier))
+                if bulk and n > 1:
+                    if self._evict_run(tier, n, out):
+                        continue
+                    bulk = False
+                b = tier.popitem(last=False)[0]
             else:
                 got = kept.pop(allow_reserved) if kept is not None and len(kept) else None
                 if got is None:
@@ -313,6 +320,25 @@ class BlockPool:
                 hashes[b] = None
                 self.evictions += 1
             out.append(b)
+
+    def _evict_run(self, tier: OrderedDict[int, None], n: int, out: list[int]) -> bool:
+        """Evict the ``n`` oldest blocks of ``tier`` into ``out`` in one loop without per-block
+        checks, when each alone holds its hash and no kept block depends on any (what the per-block
+        path does for such blocks, in the same order). Returns False, changing nothing, otherwise."""
+        victims = list(islice(tier, n))
+        depended_on = self.kept.depended_on if self.kept is not None else None
+        if depended_on and any(map(depended_on.__contains__, victims)):
+            return False
+        hashes, groups, index, dups = self.block_hash, self.block_group, self.index, self._dups
+        if any(dups) and any(hashes[b] in dups[groups[b]] for b in victims):
+            return False
+        for b in victims:
+            del tier[b]
+            del index[groups[b]][hashes[b]]  # type: ignore[arg-type]
+            hashes[b] = None
+        self.evictions += n
+        out += victims
+        return True
 
     def _give_back(self, blocks: list[int]) -> None:
         """Undo a partial ``allocate``: the taken blocks become free and uncached."""
