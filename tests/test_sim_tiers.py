@@ -276,3 +276,19 @@ def test_bulk_offers_leave_the_tier_as_puts_one_by_one(capacity: int, batch: int
         for tier in (bulk, steps):
             assert tier.low_bytes == sum(tier._low.values())
             assert tier.used_bytes == sum(tier._entries.values()) + tier.low_bytes <= capacity
+
+
+def test_a_low_batch_larger_than_its_room_keeps_its_longest_suffix_that_fits() -> None:
+    # 12 bytes, 2 held by normal entries: the low entries have 10. A low batch of 1 + 5 + 5 bytes
+    # evicts its own first key and keeps the last two, exactly filling the room.
+    sizes = {0: 5, 1: 5, 2: 1}
+    spec = TierSpec("host", 12, 1e9)
+    bulk, steps = SimTier(spec, 0, sizes), SimTier(spec, 0, sizes)
+    normal = [b"hkv1/ns/2/n1", b"hkv1/ns/2/n2"]
+    batch = [b"hkv1/ns/2/a", b"hkv1/ns/0/b", b"hkv1/ns/1/c"]
+    bulk.offer(normal, [1, 1], False, 64)
+    _by_steps(steps, normal, False, 64)
+    bulk.offer(batch, [1, 5, 5], True, 64)
+    _by_steps(steps, batch, True, 64)
+    assert list(bulk._low) == batch[1:] and bulk.used_bytes == 12 and bulk.stats.low_evictions == 1
+    assert _state(bulk) == _state(steps)

@@ -348,8 +348,10 @@ class SimTier(KVTier):
         need = self.used_bytes + total - self.capacity_bytes
         n_low = n_normal = freed = 0
         if need > 0:
-            if total > self.capacity_bytes or (low and self.low_bytes < need):
+            if total > self.capacity_bytes:
                 return False
+            if low and self.low_bytes < need:
+                return self._put_low_overflow(keys, sizes, total)
             # Old entries cover ``need`` (the tier holds used_bytes >= need), so no new one is reached.
             lows, entries = self._low, self._entries
             while freed < need and lows:
@@ -368,6 +370,33 @@ class SimTier(KVTier):
         st.puts += len(keys)
         st.bytes_written += total
         st.low_puts += len(keys) if low else 0
+        return True
+
+    def _put_low_overflow(self, keys: Sequence[bytes], sizes: Sequence[int], total: int) -> bool:
+        """A low batch (none held) larger than the room the low entries have (``capacity`` less the
+        normal entries, which a low put never evicts), put at once as ``_put_one`` key by key
+        would: each key evicts the oldest low entries, every old one and then the batch's own
+        earliest, so the batch's longest suffix that fits is what stays. Returns False, changing
+        nothing, when a single key exceeds that room (key by key, it would be skipped)."""
+        room = self.capacity_bytes - (self.used_bytes - self.low_bytes)
+        if max(sizes) > room:
+            return False
+        kept, first = 0, len(keys)
+        while first and kept + sizes[first - 1] <= room:
+            first -= 1
+            kept += sizes[first]
+        lows = self._low
+        evicted = len(lows) + first
+        lows.clear()
+        lows.update(zip(keys[first:], sizes[first:]))
+        self.used_bytes += kept - self.low_bytes
+        self.low_bytes = kept
+        st = self.stats
+        st.evictions += evicted
+        st.low_evictions += evicted
+        st.puts += len(keys)
+        st.bytes_written += total
+        st.low_puts += len(keys)
         return True
 
     def delete(self, key: bytes) -> None:
