@@ -31,7 +31,7 @@ import enum
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,7 +46,6 @@ from hybridkv.connectors.frame import (
     decode_frame,
     encode_frame,
     namespace_id,
-    tier_key,
 )
 from hybridkv.connectors.loads import BackgroundLoads, DoneLoad, PendingLoad
 from hybridkv.connectors.lookup import by_position, positions, probe_hit
@@ -203,9 +202,14 @@ class KVConnector:
         """The tier key of one block of ``group`` (``frame.tier_key``, with the prefix built once)."""
         return self._prefix[group] + block_hash.hex().encode()
 
+    def keys_of(self, group: int, block_hashes: Iterable[bytes]) -> list[bytes]:
+        """The tier keys of blocks of ``group`` with these hashes (``key`` for many)."""
+        prefix = self._prefix[group]
+        return [prefix + h.hex().encode() for h in block_hashes]
+
     def keys(self, seq: Sequence, group: int) -> list[bytes]:
         """Tier keys of every full block of ``seq`` in ``group`` (an index into the layout's groups)."""
-        return [tier_key(self.namespace_id, group, h) for h in self.manager.block_hashes(seq, group)]
+        return self.keys_of(group, self.manager.block_hashes(seq, group))
 
     def _needed(self, group: int, start: int, end: int) -> range:
         """Table indices ``group`` must get from a tier to resume at ``end`` after a local hit of ``start``."""
@@ -513,8 +517,9 @@ class KVConnector:
         prompt = seq.num_prompt_tokens
         if not start < prompt <= end or not self._growing:
             return
-        keys = [self.key(g, h) for g in self._growing
-                for h in reversed(self.manager.block_hashes(seq, g)[: prompt // self._block_size[g]])]
+        keys: list[bytes] = []
+        for g in self._growing:
+            keys += self.keys_of(g, reversed(self.manager.block_hashes(seq, g)[: prompt // self._block_size[g]]))
         for tier in targets:
             for lo in range(0, len(keys), 4096):
                 self._safe(tier.touch_many, keys[lo : lo + 4096])

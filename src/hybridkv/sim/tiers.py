@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import argparse
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import filterfalse, repeat
@@ -531,9 +531,9 @@ class SimConnector(KVConnector):
         leaves the process, so the hex of ``frame.tier_key`` would only cost time)."""
         return self._prefix[group] + block_hash
 
-    def keys(self, seq: KVSequence, group: int) -> list[bytes]:
+    def keys_of(self, group: int, block_hashes: Iterable[bytes]) -> list[bytes]:
         prefix = self._prefix[group]
-        return [prefix + h for h in self.manager.block_hashes(seq, group)]
+        return [prefix + h for h in block_hashes]
 
     def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables,
               read_block: ReadBlock = _no_payload, start_token: int = 0) -> int:
