@@ -122,26 +122,39 @@ class StoreHitSpans(StoragePolicy):
 
     def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
                junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
-        out: dict[int, list[Offer]] = {}
+        return self._split(manager, seq, start, end, junctions, spill=False)[0]
+
+    def _split(self, manager: KVCacheManager, seq: Sequence, start: int, end: int, junctions: Iterable[int],
+               *, spill: bool) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
+        """``(spans, rest)``: per group the blocks hits need (every registered block of a growing or
+        recurrent group; the window or chunk before each checkpoint otherwise), and with ``spill``
+        the window groups' other registered blocks in ``(start, end]`` (one walk of a group's
+        blocks for both)."""
+        normal: dict[int, list[Offer]] = {}
+        low: dict[int, list[Offer]] = {}
         points: list[int] | None = None
         for g in manager.caching_groups:
             spec = manager.layout.groups[g].spec
-            if spec.grows_with_sequence:
-                out[g] = manager.registered_blocks(seq, g, start, end)
-                continue
-            if _recurrent(manager, g):
-                out[g] = manager.registered_blocks(seq, g, start, end)
+            if spec.grows_with_sequence or _recurrent(manager, g):
+                normal[g] = manager.registered_blocks(seq, g, start, end)
                 continue
             if points is None:
                 points = self.checkpoints(manager, seq, start, end, junctions)
             wanted = _spans(manager, g, points)
-            if not wanted:
-                out[g] = []
-                continue
             bs = manager.group_block_size(g)
-            lo, hi = min(wanted), max(wanted) + 1
-            out[g] = [o for o in manager.registered_blocks(seq, g, lo * bs, hi * bs) if o[0] in wanted]
-        return out
+            if not wanted:  # no checkpoint in range: nothing needed, the rest as it is
+                normal[g] = []
+                rest = manager.registered_blocks(seq, g, start, end) if spill else []
+            else:
+                # A checkpoint's span ends at or before ``end`` and may reach back before ``start``.
+                lo, hi = min(wanted) * bs, (max(wanted) + 1) * bs
+                regs = manager.registered_blocks(seq, g, *((min(lo, start), end) if spill else (lo, hi)))
+                normal[g] = [o for o in regs if o[0] in wanted]
+                first = start // bs
+                rest = [o for o in regs if o[0] >= first and o[0] not in wanted] if spill else []
+            if rest:
+                low[g] = rest
+        return normal, low
 
 
 @dataclass(frozen=True)
@@ -159,33 +172,8 @@ class StoreSpansSpill(StoreHitSpans):
     def prioritized(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
                     junctions: Iterable[int] = ()) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
         """``StoreHitSpans.offers`` at normal priority; the rest of each window group's registered
-        blocks in ``(start, end]`` at low priority (one walk of the group's blocks for both)."""
-        normal: dict[int, list[Offer]] = {}
-        low: dict[int, list[Offer]] = {}
-        points: list[int] | None = None
-        for g in manager.caching_groups:
-            spec = manager.layout.groups[g].spec
-            if spec.grows_with_sequence or _recurrent(manager, g):
-                normal[g] = manager.registered_blocks(seq, g, start, end)  # every block: normal priority
-                continue
-            if points is None:
-                points = self.checkpoints(manager, seq, start, end, junctions)
-            wanted = _spans(manager, g, points)
-            if not wanted:  # no checkpoint in range: every registered block at low priority
-                normal[g] = []
-                rest = manager.registered_blocks(seq, g, start, end)
-                if rest:
-                    low[g] = rest
-                continue
-            bs = manager.group_block_size(g)
-            # A checkpoint's span ends at or before ``end`` and may reach back before ``start``.
-            regs = manager.registered_blocks(seq, g, min(min(wanted) * bs, start), end)
-            first = start // bs
-            normal[g] = [o for o in regs if o[0] in wanted]
-            rest = [o for o in regs if o[0] >= first and o[0] not in wanted]
-            if rest:
-                low[g] = rest
-        return normal, low
+        blocks in ``(start, end]`` at low priority."""
+        return self._split(manager, seq, start, end, junctions, spill=True)
 
 
 def _spans(manager: KVCacheManager, group: int, points: Iterable[int]) -> set[int]:

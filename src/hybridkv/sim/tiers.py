@@ -342,8 +342,9 @@ class SimTier(KVTier):
         entries to evict (oldest low ones first, then, for a normal put, the oldest normal ones)
         all predate the batch. Key by key, each put evicts from the head until it fits, so the
         evicted entries are the shortest head whose bytes cover the batch's excess, which this
-        evicts before adding the batch at the tail. Returns False, changing nothing, otherwise:
-        a batch larger than the tier, or a low batch that would need more than the low entries."""
+        evicts before adding the batch at the tail. A low batch needing more than the low entries
+        hold goes to ``_put_low_overflow``. Returns False, changing nothing, for a batch larger than
+        the tier (or one ``_put_low_overflow`` refuses)."""
         total = sum(sizes)
         need = self.used_bytes + total - self.capacity_bytes
         n_low = n_normal = freed = 0
