@@ -368,20 +368,6 @@ class WindowRetainer(Retainer):
         align = self.alignment
         replay = group.hit_span((seq.num_prompt_tokens - 1) // align * align)
         # Consecutive blocks of one class are released in one call, in ``freed``'s order.
-        if not windows:  # no junction window: the LRU, or ``low`` outside the replay window when dropped
-            if not dropped:
-                self._release_run(("lru", NULL_BLOCK), [b for _, b in freed])
-                return
-            lo, hi = replay
-            runs: list[int] = []
-            inside = lo <= freed[0][0] < hi
-            for i, b in freed:
-                if (lo <= i < hi) is not inside:
-                    self._release_run(("lru" if inside else "low", NULL_BLOCK), runs)
-                    runs, inside = [], not inside
-                runs.append(b)
-            self._release_run(("lru" if inside else "low", NULL_BLOCK), runs)
-            return
         run: list[int] = []
         run_class: tuple[str, int] = ("", NULL_BLOCK)
         for i, b in freed:
