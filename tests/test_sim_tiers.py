@@ -12,12 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.cli import main
+from hybridkv.connectors import KVConnector
 from hybridkv.errors import InvalidInputError
 from hybridkv.sim import simulator
 from hybridkv.sim.cli import variants
 from hybridkv.sim.cost_model import CostModel, SeqWork
 from hybridkv.sim.simulator import SimConfig, build_manager, simulate
-from hybridkv.sim.tiers import SimTier, SimTiers, TierSpec, group_block_bytes, parse_tiers
+from hybridkv.sim.tiers import SimConnector, SimTier, SimTiers, TierSpec, group_block_bytes, parse_tiers
 from hybridkv.sim.workloads import ClosedLoop, Workload, shared_prefix
 
 # Gemma 3 1B (sliding window 512 + full attention) with a 30k-token pool; 10 prefixes of 4,000
@@ -148,6 +149,14 @@ def test_sim_connector_stores_exactly_as_the_framed_connector(workload: Workload
     assert framed == fast
 
 
+def test_sim_connector_reads_exactly_as_the_connector(workload: Workload, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two tiers: reads that fall through to the disk promote into the host tier.
+    lean = run(workload, "host:256MiB+disk:64GiB")
+    monkeypatch.setattr(SimConnector, "_get", KVConnector._get)
+    checked = run(workload, "host:256MiB+disk:64GiB")
+    assert checked == lean and lean["tier_stats"]["1:disk"]["loaded_blocks"] > 0
+
+
 def test_simulation_with_tiers_is_deterministic(workload: Workload, host: dict[str, Any]) -> None:
     assert run(workload, "host:4GiB") == host
 
@@ -248,7 +257,7 @@ def _state(tier: SimTier) -> tuple[object, ...]:
             st.low_evictions, st.low_skipped, st.low_puts, st.low_promotions, st.bytes_written)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=settings.default.max_examples * 3 // 2, deadline=None)  # 150; HYPOTHESIS_PROFILE=long: 1,500
 @given(capacity=st.integers(1, 40), batch=st.integers(1, 9),
        ops=st.lists(st.tuples(st.sampled_from(["offer", "offer", "get", "touch", "delete"]), st.booleans(),
                               st.lists(st.sampled_from(_KEYS), min_size=1, max_size=30, unique=True)),

@@ -92,6 +92,13 @@ class KVTier(ABC):
         without priorities ignores it."""
         return None
 
+    def takes_low_puts(self, min_bytes: int) -> bool:
+        """Whether a low-priority put of a value of at least ``min_bytes`` bytes could be stored now.
+        False only when every one would be skipped (a tier full of normal entries, none low to
+        evict), so the connector need not choose or build them; True when in doubt. Default:
+        ``priorities`` (a tier without priorities is offered no low puts)."""
+        return self.priorities
+
     def record_changes(self, on: bool = True) -> None:
         """Start (``on``) or stop logging which keys enter and leave the tier, for ``take_changes``. Off
         by default (nothing is kept); a tier without a ``medium`` cannot tell and ignores it."""

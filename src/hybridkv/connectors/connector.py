@@ -437,21 +437,22 @@ class KVConnector:
         normal, low = self.offered_by_priority(seq, num_tokens, start_token)
         return normal + low
 
-    def offered_by_priority(self, seq: Sequence, num_tokens: int, start_token: int = 0
+    def offered_by_priority(self, seq: Sequence, num_tokens: int, start_token: int = 0, *, with_low: bool = True
                             ) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int, bytes]]]:
         """``offered``, split into ``(normal, low)`` priority (``StoragePolicy.prioritized``)."""
-        normal, low = self.chosen_by_priority(seq, num_tokens, start_token)
+        normal, low = self.chosen_by_priority(seq, num_tokens, start_token, with_low=with_low)
+        return self._keyed(normal), self._keyed(low)
+
+    def _keyed(self, offers: dict[int, list[Offer]]) -> list[tuple[int, int, bytes]]:
+        """``(group, block id, tier key)`` of each offer."""
         key = self.key
+        return [(g, b, key(g, h)) for g, blocks in offers.items() for _, b, h in blocks]
 
-        def keyed(offers: dict[int, list[Offer]]) -> list[tuple[int, int, bytes]]:
-            return [(g, b, key(g, h)) for g, blocks in offers.items() for _, b, h in blocks]
-
-        return keyed(normal), keyed(low)
-
-    def chosen_by_priority(self, seq: Sequence, num_tokens: int, start_token: int = 0
+    def chosen_by_priority(self, seq: Sequence, num_tokens: int, start_token: int = 0, *, with_low: bool = True
                            ) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
         """The storage policy's choice for tokens ``(start_token, num_tokens]``, per group, before keying:
-        ``(normal, low)`` priority ``Offer`` lists (junctions the lookups found included)."""
+        ``(normal, low)`` priority ``Offer`` lists (junctions the lookups found included).
+        ``with_low=False``: no tier takes low puts now; the low lists may be left empty."""
         if (not isinstance(num_tokens, int) or not isinstance(start_token, int)
                 or not 0 <= start_token <= num_tokens <= seq.num_tokens):
             raise InvalidInputError(
@@ -464,7 +465,7 @@ class KVConnector:
             with self._lock:
                 junctions = self._junctions.positions(self.manager.block_hashes(seq, g), self._block_size[g],
                                                       start_token, num_tokens)
-        return self.storage.prioritized(self.manager, seq, start_token, num_tokens, junctions)
+        return self.storage.prioritized(self.manager, seq, start_token, num_tokens, junctions, with_low=with_low)
 
     def store(self, seq: Sequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock,
               start_token: int = 0) -> int:
@@ -473,18 +474,23 @@ class KVConnector:
         The caller vouches that the KV of the first ``num_tokens`` tokens is in the blocks (an
         engine calls this right after a forward pass, with the range that pass computed); a tier
         that already holds a block is skipped (one held at low priority that is now offered at normal
-        priority becomes normal). Low-priority offers go only to tiers with ``priorities``.
+        priority becomes normal). Low-priority offers go only to tiers with ``priorities``, and are
+        chosen only when one of them can take one after the normal puts (``takes_low_puts``).
         ``read_block(group, block_id)`` returns the payload. ``block_tables`` is accepted for
         compatibility; the blocks are the manager's own for the sequence (it must be running). The
         call that completes the prompt marks the prompt's chain recently used, head last, so a tier
         evicts a prompt's tail before the prefix it shares.
         """
-        normal, low = self.offered_by_priority(seq, num_tokens, start_token)
-        stored: set[bytes] = set()
         targets = self.tiers if self.write_through else self.tiers[:1]
-        if self.events is not None:
-            self.events.note(seq, [key for offers in (normal, low) for _, _, key in offers])
-        for offers, is_low in ((normal, False), (low, True)):
+        with_low = self.takes_low_puts(targets)
+        normal, low = self.offered_by_priority(seq, num_tokens, start_token, with_low=with_low)
+        stored: set[bytes] = set()
+        for is_low in (False, True):
+            if is_low and not with_low and self.takes_low_puts(targets):  # the normal puts made room
+                low = self._keyed(self.chosen_by_priority(seq, num_tokens, start_token)[1])
+            offers = low if is_low else normal
+            if self.events is not None:
+                self.events.note(seq, [key for _, _, key in offers])
             for lo in range(0, len(offers), self.batch_blocks):
                 batch = offers[lo : lo + self.batch_blocks]
                 frames: dict[bytes, bytes] = {}
@@ -511,6 +517,12 @@ class KVConnector:
             self.stats.stored_blocks += len(stored)
         self._touch_prompt(seq, start_token, num_tokens, targets)
         return len(stored)
+
+    def takes_low_puts(self, targets: Iterable[KVTier]) -> bool:
+        """Whether any of ``targets`` could store a low-priority block now (``KVTier.takes_low_puts``):
+        when none can, a store neither chooses nor offers them (each would be skipped)."""
+        smallest = min(self.payload_bytes.values())  # a frame is larger than its payload
+        return any(t.priorities and t.takes_low_puts(smallest) for t in targets)
 
     def _touch_prompt(self, seq: Sequence, start: int, end: int, targets: list[KVTier]) -> None:
         """When ``(start, end]`` completes the prompt: touch its growing chain in the tiers, tail first."""

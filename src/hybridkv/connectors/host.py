@@ -71,6 +71,10 @@ class HostTier(KVTier):
                 if not had and log is not None:
                     log.append((True, key))
 
+    def takes_low_puts(self, min_bytes: int) -> bool:
+        with self._lock:  # a low put evicts only low entries: with none, it needs free room
+            return bool(self._low) or self.used_bytes + min_bytes <= self.capacity_bytes
+
     def _make_room(self, size: int, low: bool) -> bool:
         """Evict low entries, then (for a normal put) normal ones, until ``size`` more bytes fit."""
         while self.used_bytes + size > self.capacity_bytes:

@@ -66,9 +66,11 @@ class StoragePolicy:
         raise NotImplementedError
 
     def prioritized(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
-                    junctions: Iterable[int] = ()) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
+                    junctions: Iterable[int] = (), *, with_low: bool = True
+                    ) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
         """``(normal, low)``: the blocks to store at normal and at low priority (evicted first). A policy
-        without priorities offers everything at normal priority."""
+        without priorities offers everything at normal priority. ``with_low=False``: the caller takes
+        no low-priority blocks now (every tier would skip them), so ``low`` may be left empty."""
         return self.offers(manager, seq, start, end, junctions), {}
 
 
@@ -170,10 +172,12 @@ class StoreSpansSpill(StoreHitSpans):
         return {g: normal[g] + low.get(g, []) for g in normal}
 
     def prioritized(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
-                    junctions: Iterable[int] = ()) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
+                    junctions: Iterable[int] = (), *, with_low: bool = True
+                    ) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
         """``StoreHitSpans.offers`` at normal priority; the rest of each window group's registered
-        blocks in ``(start, end]`` at low priority."""
-        return self._split(manager, seq, start, end, junctions, spill=True)
+        blocks in ``(start, end]`` at low priority (none with ``with_low=False``: then only the
+        spans are walked)."""
+        return self._split(manager, seq, start, end, junctions, spill=with_low)
 
 
 def _spans(manager: KVCacheManager, group: int, points: Iterable[int]) -> set[int]:

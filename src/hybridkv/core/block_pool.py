@@ -412,26 +412,28 @@ class BlockPool:
 
     def free_low(self, block_ids: Iterable[int]) -> None:
         """Like ``free``, but cached blocks reaching zero go to the ``low`` tier."""
+        hashes, tier, low, uncached = self.block_hash, self._tier, self._low, self._uncached
         for b in self._release(block_ids):
-            if self.block_hash[b] is None:
-                self._tier[b] = UNCACHED
-                self._uncached.append(b)
+            if hashes[b] is None:
+                tier[b] = UNCACHED
+                uncached.append(b)
             else:
-                self._tier[b] = LOW
-                self._low[b] = None
+                tier[b] = LOW
+                low[b] = None
 
     def free_kept(self, block_ids: Iterable[int], admit: Callable[[int], bool]) -> None:
         """Like ``free``, but cached blocks reaching zero go to the kept tier when ``admit(block)``
         (which enters them into the tier's own structures) says so, else to the ``lru`` tail."""
+        hashes, tier, lru, uncached = self.block_hash, self._tier, self._lru, self._uncached
         for b in self._release(block_ids):
-            if self.block_hash[b] is None:
-                self._tier[b] = UNCACHED
-                self._uncached.append(b)
+            if hashes[b] is None:
+                tier[b] = UNCACHED
+                uncached.append(b)
             elif admit(b):
-                self._tier[b] = KEPT
+                tier[b] = KEPT
             else:
-                self._tier[b] = LRU
-                self._lru[b] = None
+                tier[b] = LRU
+                lru[b] = None
 
     def _release(self, block_ids: Iterable[int]) -> list[int]:
         """Drop one reference on each non-null block; return those that reached zero (told to the

@@ -28,6 +28,7 @@ block is reachable through its anchor.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -360,17 +361,28 @@ class WindowRetainer(Retainer):
         return out
 
     def _classify(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]], dropped: bool) -> None:
+        """Release ``freed`` (``(index, block)``, last index first): a block inside the window of a
+        junction is kept under that junction's anchor, a dropped one outside the window a replay of
+        the prompt would read goes to ``low``, the rest to the LRU."""
         if not freed:
             return
-        idxs = [i for i, _ in freed]
-        junctions = self._junction_anchors(seq, group, min(idxs), max(idxs)) if self._junctions else []
+        junctions = self._junction_anchors(seq, group, freed[-1][0], freed[0][0]) if self._junctions else []
         windows = [(group.hit_span(boundary), a) for boundary, a in junctions]
         align = self.alignment
         replay = group.hit_span((seq.num_prompt_tokens - 1) // align * align)
-        # Consecutive blocks of one class are released in one call, in ``freed``'s order.
-        run: list[int] = []
+        # The class changes only at span edges: cut ``freed`` there and class each piece once.
+        edges = {e for span, _ in windows for e in span}
+        if dropped:
+            edges.update(replay)
+        negated = [-i for i, _ in freed]  # ascending, for bisect
+        cuts = [bisect_right(negated, -e) for e in sorted(edges, reverse=True)] + [len(freed)]
+        # Consecutive pieces of one class are released in one call, in ``freed``'s order.
         run_class: tuple[str, int] = ("", NULL_BLOCK)
-        for i, b in freed:
+        run_start = position = 0
+        for cut in cuts:
+            if cut <= position:
+                continue
+            i = freed[position][0]
             anchor = next((a for (first, end), a in windows if first <= i < end), None) if windows else None
             if anchor is not None:
                 cls = ("kept", anchor)
@@ -379,10 +391,10 @@ class WindowRetainer(Retainer):
             else:
                 cls = ("lru", NULL_BLOCK)
             if cls != run_class:
-                self._release_run(run_class, run)
-                run, run_class = [], cls
-            run.append(b)
-        self._release_run(run_class, run)
+                self._release_run(run_class, [b for _, b in freed[run_start:position]])
+                run_start, run_class = position, cls
+            position = cut
+        self._release_run(run_class, [b for _, b in freed[run_start:]])
 
     def _release_run(self, cls: tuple[str, int], blocks: list[int]) -> None:
         """Release ``blocks`` of one class: kept under anchor ``cls[1]``, to ``low``, or to the LRU."""

@@ -309,6 +309,11 @@ class SimTier(KVTier):
                         self.stats.low_promotions += 1
         return put
 
+    def takes_low_puts(self, min_bytes: int) -> bool:
+        """As ``KVTier.takes_low_puts``, by the keys' nominal block sizes (``min_bytes`` is ignored:
+        this tier sizes a key by its group, not by its value)."""
+        return bool(self._low) or self.used_bytes + self._sizes[0] <= self.capacity_bytes
+
     def _put_one(self, key: bytes, size: int, low: bool) -> None:
         """Put one absent key of a known size: evict (low entries first; a low put evicts no normal
         entry) until it fits, or count it skipped."""
@@ -381,7 +386,7 @@ class SimTier(KVTier):
         nothing, when a single key exceeds that room (key by key, it would be skipped)."""
         room = self.capacity_bytes - (self.used_bytes - self.low_bytes)
         if max(sizes) > room:
-            return False
+            return self._put_low_past_room(keys, sizes, room)
         kept, first = 0, len(keys)
         while first and kept + sizes[first - 1] <= room:
             first -= 1
@@ -398,6 +403,32 @@ class SimTier(KVTier):
         st.puts += len(keys)
         st.bytes_written += total
         st.low_puts += len(keys)
+        return True
+
+    def _put_low_past_room(self, keys: Sequence[bytes], sizes: Sequence[int], room: int) -> bool:
+        """A low batch (none held) with keys larger than ``room`` (the bytes the low entries can
+        have), put at once as ``_put_one`` key by key would: such a key evicts every low entry and is
+        skipped, so the last one leaves no low entry before it; the keys after it go in from
+        there. Returns False, changing nothing, when a key exceeds the whole tier."""
+        if max(sizes) > self.capacity_bytes:
+            return False  # such a key is passed over without a count: key by key
+        last = max(i for i, n in enumerate(sizes) if n > room)
+        put = [n for n in sizes[: last + 1] if n <= room]  # went in, and out again by ``last`` at the latest
+        evicted = len(self._low) + len(put)
+        self._low.clear()
+        self.used_bytes -= self.low_bytes
+        self.low_bytes = 0
+        st = self.stats
+        st.evictions += evicted
+        st.low_evictions += evicted
+        st.puts += len(put)
+        st.low_puts += len(put)
+        st.bytes_written += sum(put)
+        st.low_skipped += last + 1 - len(put)
+        rest, rest_sizes = keys[last + 1 :], sizes[last + 1 :]
+        if rest and not self._put_fresh(rest, rest_sizes, True):
+            for key, size in zip(rest, rest_sizes):
+                self._put_one(key, size, True)
         return True
 
     def delete(self, key: bytes) -> None:
@@ -508,6 +539,37 @@ class SimConnector(KVConnector):
         """A simulated tier holds no frames (and cannot corrupt one): the value is the serving tier's index."""
         return value
 
+    def _get(self, keys: list[bytes], seq: KVSequence | None = None) -> list[bytes | None]:
+        """``KVConnector._get`` for tiers that never fail and hold no frames: the same reads,
+        promotions and counts without a check per key (a simulated fetch reads millions of blocks)."""
+        out: list[bytes | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        loaded = promoted = 0
+        for depth, tier in enumerate(self.tiers):
+            if not pending:
+                break
+            values = tier.get_many(keys if not depth else [keys[j] for j in pending])
+            found = [(j, value) for j, value in zip(pending, values) if value is not None]
+            if not found:
+                continue
+            for j, value in found:
+                out[j] = value
+            loaded += len(found)  # a simulated value is 1 byte
+            pending = [j for j, value in zip(pending, values) if value is None]
+            if depth and self.promote:
+                promote = [(keys[j], value) for j, value in found]
+                if self.events is not None and seq is not None:
+                    self.events.note(seq, [k for k, _ in promote])
+                for upper in self.tiers[:depth]:
+                    upper.put_many(promote)
+                promoted += len(promote)
+        with self._lock:
+            self.stats.bytes_loaded += loaded
+            self.stats.promoted_blocks += promoted
+            if pending:
+                self.stats.faults["missing"] += len(pending)
+        return out
+
     def load_seconds(self, fetched: FetchedKV) -> float:
         """Simulated seconds to load ``fetched``: per serving tier, its bytes at its bandwidth plus its latency."""
         nbytes = [0] * len(self.sim_tiers)
@@ -538,12 +600,16 @@ class SimConnector(KVConnector):
 
     def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables,
               read_block: ReadBlock = _no_payload, start_token: int = 0) -> int:
-        normal, low = self.chosen_by_priority(seq, num_tokens, start_token)
         targets: list[SimTier] = self.sim_tiers if self.write_through else self.sim_tiers[:1]
+        with_low = self.takes_low_puts(targets)
+        normal, low = self.chosen_by_priority(seq, num_tokens, start_token, with_low=with_low)
         prefix, size = self._prefix, self.block_bytes
         stored = 0
         seen: set[bytes] = set()
-        for offers, is_low in ((normal, False), (low, True)):
+        for is_low in (False, True):
+            if is_low and not with_low and self.takes_low_puts(targets):  # the normal puts made room
+                low = self.chosen_by_priority(seq, num_tokens, start_token)[1]
+            offers = low if is_low else normal
             keys: list[bytes] = []
             sizes: list[int] = []
             for g, blocks in offers.items():

@@ -169,13 +169,9 @@ class KindManager:
         if end <= start:
             return []
         self.num_dropped[seq_id] = end
-        freed: list[tuple[int, int]] = []
-        for i in range(end - 1, start - 1, -1):
-            b = table[i]
-            if b != NULL_BLOCK:
-                freed.append((i, b))
-                table[i] = NULL_BLOCK
-        return freed
+        dropped = table[start:end]
+        table[start:end] = [NULL_BLOCK] * (end - start)
+        return [(i, b) for i, b in zip(range(end - 1, start - 1, -1), reversed(dropped)) if b != NULL_BLOCK]
 
     def idle_limit(self, seq_id: str) -> int:
         """Most slots (computed + new + lookahead tokens) a running sequence's step can reach, with at
