@@ -7,7 +7,8 @@ the replicas' own KV events (each step's ``take_events()`` as one numbered vLLM-
 delivered in process: no ZMQ), and each arriving request goes where ``routing.Policy`` ranks first:
 
 * ``hybrid_exact``: least ``(prompt - predicted hit) + prompt * (load_weight * queue + kv_weight * usage)``,
-  the hit predicted with the hybrid rules (full-attention chain, window blocks at the hit point);
+  the hit predicted with the hybrid rules (full-attention chain, window blocks at the hit point), or
+  where more, the prefix of the requests routed to a replica and not yet ended (``cluster.inflight``);
 * ``prefix``: the same cost with the full-attention chain alone (what deployed routers index);
 * ``least_loaded``: the cost without the hit term; ``round_robin``: in turn.
 
