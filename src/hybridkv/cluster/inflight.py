@@ -4,8 +4,8 @@ The index learns what a backend caches from its KV events, and those come once t
 computed the blocks. A request for a new document that arrives while the document's first request
 is still queued or in prefill on backend A is predicted no hit anywhere; sent elsewhere, it computes
 the document a second time, and the two copies each take pool space another prefix needed
-(``bench/cluster_serve.py``: four of the nine documents were placed twice that way, and the
-evictions the copies caused cost as many hits again).
+(``bench/cluster_serve.py``: four of the nine documents were placed twice or three times that
+way, missing 1,344 device-cached tokens, and the evictions the copies caused missed 912 more).
 
 So the router also remembers the full-attention chain of each request it has in flight at each
 backend, and for a new request predicts per backend the longest prefix of its chain one of them
