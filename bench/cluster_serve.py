@@ -52,8 +52,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def workload(prefixes: int, requests: int, seed: int = 5) -> list[str]:
-    """Prompts: a ~300-token document per prefix plus a question, the documents in a random order."""
+def workload(prefixes: int, requests: int, seed: int = 5) -> tuple[list[str], list[int]]:
+    """Prompts: a ~300-token document per prefix plus a question, the documents in a random order;
+    and each prompt's document."""
     rng = random.Random(seed)
     docs = []
     for i in range(prefixes):
@@ -73,7 +74,7 @@ def workload(prefixes: int, requests: int, seed: int = 5) -> list[str]:
         k = asked[doc]
         asked[doc] += 1
         prompts.append(f"{docs[doc]}\nQuestion {k}: {questions[k % len(questions)]}\nAnswer:")
-    return prompts
+    return prompts, order
 
 
 class Replica:
@@ -121,10 +122,13 @@ def wait_ready(url: str, proc: subprocess.Popen[Any], timeout: float = 300.0) ->
     raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
 
 
-def send_all(url: str, prompts: list[str], salt: str, kill: Any = None) -> dict[str, Any]:
-    """The workload through ``url``, 3 in flight; cached tokens from each answer's usage."""
+def send_all(url: str, prompts: list[str], salt: str, kill: Any = None,
+             docs: list[int] | None = None) -> dict[str, Any]:
+    """The workload through ``url``, 3 in flight; cached tokens from each answer's usage, in all and per
+    request (``requests``: document, answer id, prompt, cached and tier tokens, in sending order)."""
     cached = external = prompt_tokens = failed = 0
     done = 0
+    per_request: list[dict[str, Any]] = []
 
     def one(prompt: str) -> dict[str, Any] | None:
         body = {"model": "gemma-3-270m", "prompt": prompt, "max_tokens": 2, "temperature": 0, "cache_salt": salt}
@@ -137,22 +141,27 @@ def send_all(url: str, prompts: list[str], salt: str, kill: Any = None) -> dict[
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(one, p) for p in prompts]
-        for fut in futures:
+        for i, fut in enumerate(futures):
             answer = fut.result()
             done += 1
             if kill is not None and done == len(prompts) // 2:
                 kill()
+            doc = docs[i] if docs else None
             if answer is None:
                 failed += 1
+                per_request.append({"doc": doc, "failed": True})
                 continue
             usage = answer["usage"]
             prompt_tokens += usage["prompt_tokens"]
             details = usage.get("prompt_tokens_details") or {}
             cached += details.get("cached_tokens", 0)
             external += details.get("external_tokens", 0)
+            per_request.append({"doc": doc, "id": answer.get("id"), "prompt_tokens": usage["prompt_tokens"],
+                                "cached_tokens": details.get("cached_tokens", 0),
+                                "tier_tokens": details.get("external_tokens", 0)})
     return {"cached_tokens": cached, "device_cached_tokens": cached - external, "tier_tokens": external,
             "prompt_tokens": prompt_tokens, "failed": failed,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "requests": per_request}
 
 
 def router_counters(url: str) -> dict[str, float]:
@@ -185,7 +194,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     env = {**os.environ, "HYBRIDKV_TIER_KEY": os.environ.get("HYBRIDKV_TIER_KEY", "bench-cluster-tier-key-0123456789")}
-    prompts = workload(args.prefixes, args.requests)
+    prompts, docs = workload(args.prefixes, args.requests)
     tmp = Path(tempfile.mkdtemp(prefix="hkv-cluster-"))
     redis = None
     redis_url = None
@@ -217,14 +226,15 @@ def main() -> int:
                 cmd = [*HYBRIDKV, "route", "--port", str(rport), "--policy", policy, *args.router_args.split()]
                 for r in replicas:
                     cmd += ["--backend", r.backend()]
-                router = subprocess.Popen(cmd, stdout=open(tmp / f"router-{policy}.log", "w"),  # noqa: SIM115
+                log = tmp / f"router-{policy}{'-killed' if killing else ''}.log"
+                router = subprocess.Popen(cmd, stdout=open(log, "w"),  # noqa: SIM115
                                           stderr=subprocess.STDOUT, env=env, cwd=ROOT)
                 rurl = f"http://127.0.0.1:{rport}"
                 wait_ready(rurl, router, 60)
                 time.sleep(1.0)  # the router subscribes to every replica's events
                 victim = replicas[-1]
                 kill = (lambda v=victim: v.stop(kill=True)) if killing else None
-                row = send_all(rurl, prompts, salt=f"run-{name}", kill=kill)
+                row = send_all(rurl, prompts, salt=f"run-{name}", kill=kill, docs=docs)
                 row.update(router_counters(rurl))
                 rows[name] = row
             finally:
@@ -233,15 +243,15 @@ def main() -> int:
                     router.wait(30)
                 for r in replicas:
                     r.stop()
-            print(f"{name:>14}: {row}", flush=True)
+            print(f"{name:>14}: {_brief(row)}", flush=True)
         if not args.no_big:
             big = Replica("single-big", _times(args.pool, args.replicas), redis_url=None, env=env, log_dir=tmp)
             try:
                 wait_ready(big.url, big.proc)
-                rows["one replica, x pool"] = send_all(big.url, prompts, salt="run-big")
+                rows["one replica, x pool"] = send_all(big.url, prompts, salt="run-big", docs=docs)
             finally:
                 big.stop()
-            print(f"{'one replica':>14}: {rows['one replica, x pool']}", flush=True)
+            print(f"{'one replica':>14}: {_brief(rows['one replica, x pool'])}", flush=True)
     finally:
         if redis is not None:
             redis.terminate()
@@ -268,6 +278,11 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _brief(row: dict[str, Any]) -> dict[str, Any]:
+    """A row without its per-request list."""
+    return {k: v for k, v in row.items() if k != "requests"}
 
 
 def _times(size: str, k: int) -> str:

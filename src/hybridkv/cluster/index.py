@@ -221,6 +221,17 @@ class ClusterIndex:
         names = self.views if replicas is None else replicas
         return {name: self._view(name).predict(keys, self.shared) for name in names}
 
+    def chain_hashes(self, name: str, keys: RequestKeys) -> tuple[list[bytes], int] | None:
+        """The request's full-attention chain as replica ``name`` hashes it, and that group's block
+        size in tokens; None while its layout is unknown, it has no full-attention group or its
+        hashes do not match the scheme."""
+        view = self._view(name)
+        rules, chain = view.layout.rules, view.layout.chain_group
+        if rules is None or chain is None or view.hash_problem:
+            return None
+        size = view.layout.block_sizes[chain]
+        return keys.hashes(view.scheme, rules.hash_block_size, size, bool(view.short_hashes)), size
+
     def num_blocks(self) -> dict[str, int]:
         """Hashes indexed per replica (and per shared medium, as ``shared:MEDIUM``)."""
         out = {name: view.num_blocks() for name, view in self.views.items()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -30,11 +31,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridkv.cluster.hashes import scheme_named
 from hybridkv.cluster.index import ClusterIndex
+from hybridkv.cluster.inflight import InFlightPrefixes
 from hybridkv.cluster.replica import RequestKeys
 from hybridkv.cluster.routing import BackendState, Decision, Policy
 from hybridkv.cluster.scrape import parse_load
 from hybridkv.cluster.subscriber import KVEventSubscriber
 
+logger = logging.getLogger("hybridkv.route")
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -75,6 +78,8 @@ class ClusterRouter:
                              medium_weights=config.medium_weights)
         self.backends = {s.name: BackendState(s.name, s.url.rstrip("/")) for s in config.backends}
         self.index = ClusterIndex(shared_media=config.shared_media)
+        self.inflight = InFlightPrefixes()
+        """The chains of the requests in flight at each backend (``inflight``)."""
         self.lock = threading.Lock()
         self.subscriber = KVEventSubscriber(self.index, lock=self.lock)
         for spec in config.backends:
@@ -168,22 +173,38 @@ class ClusterRouter:
 
     async def decide(self, kind: str, body: dict[str, Any]) -> tuple[Decision, int]:
         """The backends to try for ``body``, and its prompt length in tokens (0 when unknown)."""
+        decision, prompt_tokens, _ = await self._decide(kind, body)
+        return decision, prompt_tokens
+
+    async def _decide(self, kind: str, body: dict[str, Any]
+                      ) -> tuple[Decision, int, dict[str, tuple[list[bytes], int]]]:
+        """``decide``, and each backend's full-attention chain of the prompt with its block size."""
         tokens = await self._token_ids(kind, body) if self.policy.uses_hits else None
         predicted: dict[str, int] = {}
         credited: dict[str, float] = {}
+        chains: dict[str, tuple[list[bytes], int]] = {}
         if tokens:
             salt = body.get("cache_salt")
             keys = RequestKeys(tokens, salt if isinstance(salt, str) else None)
             with self.lock:
                 found = self.index.lookup_keys(keys, chain_only=self.policy.name == "prefix")
+                for name in self.backends:
+                    found_chain = self.index.chain_hashes(name, keys)
+                    if found_chain is not None:
+                        chains[name] = found_chain
             predicted = {name: p.tokens for name, p in found.items()}
             credited = {name: self.policy.credit(p) for name, p in found.items()}
+            for name, (hashes, size) in chains.items():  # what requests in flight there will leave
+                coming = self.inflight.predict(name, hashes, size, len(tokens))
+                if coming > predicted.get(name, 0):
+                    predicted[name] = coming
+                    credited[name] = max(credited.get(name, 0.0), float(coming))
         decision = self.policy.rank(list(self.backends.values()), predicted, len(tokens or ()), credited=credited)
-        return decision, len(tokens or ())
+        return decision, len(tokens or ()), chains
 
     async def forward(self, kind: str, body: dict[str, Any]) -> Response:
         """Route one request and relay the chosen backend's answer."""
-        decision, prompt_tokens = await self.decide(kind, body)
+        decision, prompt_tokens, chains = await self._decide(kind, body)
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
         stream = bool(body.get("stream"))
         last_error: Response | None = None
@@ -192,6 +213,8 @@ class ClusterRouter:
             if attempt:
                 self.retries += 1
             b.inflight += 1
+            chain = chains.get(name)
+            ticket = self.inflight.add(name, chain[0]) if chain is not None else None
             handed_over = False
             try:
                 if stream:
@@ -204,8 +227,9 @@ class ClusterRouter:
                         b.mark_failed()
                         continue
                     self._count(name, decision, prompt_tokens, attempt)
+                    self._log_decision(name, decision, prompt_tokens, attempt, None)
                     handed_over = True
-                    return StreamingResponse(self._relay(b, resp), status_code=resp.status_code,
+                    return StreamingResponse(self._relay(b, resp, ticket), status_code=resp.status_code,
                                              media_type=resp.headers.get("content-type", "text/event-stream"))
                 resp = await self.client.post(b.url + path, json=body)
                 if resp.status_code >= 500:
@@ -214,7 +238,8 @@ class ClusterRouter:
                     b.mark_failed()
                     continue
                 self._count(name, decision, prompt_tokens, attempt)
-                self._note_usage(name, resp.content)
+                cached = self._note_usage(name, resp.content)
+                self._log_decision(name, decision, prompt_tokens, attempt, cached, resp.content)
                 return Response(resp.content, status_code=resp.status_code,
                                 media_type=resp.headers.get("content-type", "application/json"))
             except httpx.TransportError:
@@ -223,6 +248,8 @@ class ClusterRouter:
             finally:
                 if not handed_over:
                     b.inflight -= 1
+                    if ticket is not None:
+                        self.inflight.remove(ticket)
         self.failed += 1
         if last_error is not None:
             return last_error  # every backend answered with a server error: pass the last one on
@@ -235,18 +262,40 @@ class ClusterRouter:
         self.prompt_tokens[name] += prompt_tokens
         self.predicted_tokens[name] += decision.predicted.get(name, 0)
 
-    def _note_usage(self, name: str, content: bytes) -> None:
-        """Add the cached tokens a backend reported in a response's ``usage``."""
+    def _note_usage(self, name: str, content: bytes) -> int | None:
+        """Add the cached tokens a backend reported in a response's ``usage``; returns them (None when
+        the answer reports none)."""
         try:
             usage = json.loads(content).get("usage") or {}
         except (ValueError, AttributeError):
-            return
+            return None
         details = usage.get("prompt_tokens_details") or {} if isinstance(usage, dict) else {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if type(cached) is int:
-            self.reported_tokens[name] += cached
+        if type(cached) is not int:
+            return None
+        self.reported_tokens[name] += cached
+        return cached
 
-    async def _relay(self, b: BackendState, resp: httpx.Response) -> AsyncIterator[bytes]:
+    def _log_decision(self, name: str, decision: Decision, prompt_tokens: int, attempt: int,
+                      cached: int | None, content: bytes = b"") -> None:
+        """One debug line per routed request: where it went, why, what each backend looked like, and the
+        answer's id and cached tokens (a stream's are not known yet)."""
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        try:
+            answer_id = json.loads(content).get("id") if content else None
+        except (ValueError, AttributeError):
+            answer_id = None
+        with self.lock:
+            blocks = self.index.num_blocks()
+        seen = {n: {"predicted": decision.predicted.get(n, 0), "cost": round(decision.costs.get(n, 0.0), 1),
+                    "blocks": blocks.get(n, 0)} for n in self.backends}
+        logger.debug("routed %s", json.dumps({"id": answer_id, "backend": name,
+                                              "reason": "retry" if attempt else decision.reason,
+                                              "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+                                              "backends": seen}))
+
+    async def _relay(self, b: BackendState, resp: httpx.Response, ticket: int | None) -> AsyncIterator[bytes]:
         tail = b""
         try:
             async for chunk in resp.aiter_raw():
@@ -259,6 +308,8 @@ class ClusterRouter:
             yield f"data: {json.dumps(error)}\n\n".encode()
         finally:
             b.inflight -= 1
+            if ticket is not None:
+                self.inflight.remove(ticket)
             await resp.aclose()
         for line in reversed(tail.split(b"\n")):
             if line.startswith(b"data: {") and b'"usage"' in line:
@@ -288,7 +339,8 @@ class ClusterRouter:
         family("failed_total", "counter", "Requests no backend could answer.", [("", self.failed)])
         family("prompt_tokens_total", "counter", "Prompt tokens forwarded.", per_backend(self.prompt_tokens))
         family("predicted_cached_tokens_total", "counter", "Prompt tokens the index predicted the chosen "
-               "backend would serve from its caches.", per_backend(self.predicted_tokens))
+               "backend would serve from its caches (or from the prompts in flight there, once computed).",
+               per_backend(self.predicted_tokens))
         family("reported_cached_tokens_total", "counter", "Cached prompt tokens the backends reported in usage.",
                per_backend(self.reported_tokens))
         family("backend_healthy", "gauge", "1 while the backend answers.",

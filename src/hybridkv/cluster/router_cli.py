@@ -12,6 +12,7 @@ subcommand of ``hybridkv``.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any
 
@@ -92,6 +93,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--medium-weight", action="append", default=[], metavar="MEDIUM=FRACTION",
                         help="what a predicted hit token on MEDIUM is worth against one on the device, 0..1 "
                              "(its load costs time; defaults: CPU=0.8, STORAGE=0.5, any other 0.5; repeatable)")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
+                        help="how much the router logs; debug: one line per routed request (the backend chosen, "
+                             "why, each backend's predicted hit, cost and queue) (default: %(default)s)")
     parser.add_argument("--shared-medium", action="append", default=[], metavar="MEDIUM",
                         help="a medium every backend reads (a shared tier such as Redis); its events, from any "
                              "backend, extend every backend's predicted hit")
@@ -135,6 +139,9 @@ def route_main(args: argparse.Namespace) -> int:
     except InvalidInputError as exc:
         print(f"hybridkv route: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hybridkv").setLevel(args.log_level.upper())  # not the HTTP clients' debug chatter
     print(f"hybridkv route: {len(backends)} backends, policy {args.policy}, listening on "
           f"http://{args.host}:{args.port}/v1", flush=True)
     try:

@@ -9,7 +9,9 @@ in that order, the next one only when a backend dies before answering:
 
   where the hit comes from the index (``hybrid_exact``: the hybrid rule; ``prefix``: the
   full-attention chain alone, what deployed prefix-aware routers use), each medium's tokens credited
-  at its ``medium_weights`` (below), ``load`` is
+  at its ``medium_weights`` (below), or, where more, the prefix the requests the router has in
+  flight at ``b`` will leave there (``inflight``: a document's second request follows its first
+  before any KV event names it, instead of placing a second copy), ``load`` is
   the larger of the requests this router has in flight there and the running + waiting requests
   the backend last reported, ``kv_usage`` its KV-cache usage (0..1). The weights are fractions of
   the request's own prompt, so the balance does not depend on prompt lengths: with the default

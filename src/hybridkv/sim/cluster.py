@@ -7,7 +7,8 @@ the replicas' own KV events (each step's ``take_events()`` as one numbered vLLM-
 delivered in process: no ZMQ), and each arriving request goes where ``routing.Policy`` ranks first:
 
 * ``hybrid_exact``: least ``(prompt - predicted hit) + prompt * (load_weight * queue + kv_weight * usage)``,
-  the hit predicted with the hybrid rules (full-attention chain, window blocks at the hit point);
+  the hit predicted with the hybrid rules (full-attention chain, window blocks at the hit point), or
+  where more, the prefix of the requests routed to a replica and not yet ended (``cluster.inflight``);
 * ``prefix``: the same cost with the full-attention chain alone (what deployed routers index);
 * ``least_loaded``: the cost without the hit term; ``round_robin``: in turn.
 
@@ -42,6 +43,7 @@ from typing import Any
 from hybridkv.cluster.events import from_core_events, group_metadata, make_batch
 from hybridkv.cluster.hashes import HashScheme, HybridkvHashes
 from hybridkv.cluster.index import ClusterIndex
+from hybridkv.cluster.inflight import InFlightPrefixes
 from hybridkv.cluster.replica import RequestKeys
 from hybridkv.cluster.routing import POLICIES, BackendState, Policy
 from hybridkv.cluster.scrape import BackendLoad
@@ -271,6 +273,14 @@ class Router:
         self.policy = Policy(cluster.router, load_weight=cluster.load_weight, kv_weight=cluster.kv_weight)
         self.replicas = {r.name: r for r in replicas}
         self.hasher = mgr.hasher
+        self.inflight = InFlightPrefixes()
+        self._tickets: dict[str, int] = {}
+
+    def ended(self, seq_id: str) -> None:
+        """``seq_id`` finished or was rejected: its prompt no longer counts as coming to its replica."""
+        ticket = self._tickets.pop(seq_id, None)
+        if ticket is not None:
+            self.inflight.remove(ticket)
 
     def route(self, seq: Sequence, run: ClusterRun) -> ReplicaSim:
         """The replica ``seq`` goes to; records the prediction for it."""
@@ -282,8 +292,15 @@ class Router:
         keys = SequenceKeys(seq, self.hasher)
         exact = {n: p.tokens for n, p in self.index.lookup_keys(keys).items()}
         chain = {n: p.tokens for n, p in self.index.lookup_keys(keys, chain_only=True).items()}
-        predicted = exact if self.policy.name == "hybrid_exact" else chain
+        predicted = dict(exact if self.policy.name == "hybrid_exact" else chain)
+        chains = {n: self.index.chain_hashes(n, keys) for n in self.replicas}
+        for n, found in chains.items():  # what the requests routed there and not yet ended will leave
+            if found is not None:
+                predicted[n] = max(predicted[n], self.inflight.predict(n, found[0], found[1], seq.num_tokens))
         chosen = self.replicas[self.policy.rank(backends, predicted, seq.num_tokens).order[0]]
+        found = chains[chosen.name]
+        if found is not None:
+            self._tickets[seq.seq_id] = self.inflight.add(chosen.name, found[0])
         run.replica[seq.seq_id] = chosen.name
         run.predicted[seq.seq_id] = predicted[chosen.name]
         over = chain[chosen.name] - exact[chosen.name]
@@ -334,6 +351,7 @@ def simulate_cluster(workload: Workload, cfg: SimConfig, cluster: ClusterConfig,
 
     def ended(rid: str, now: float) -> None:
         nonlocal done
+        router.ended(rid)
         run.finish[rid] = now
         done += 1
         nxt = blocked_by.get(rid)

@@ -1,0 +1,73 @@
+"""Prompts on their way into a backend: the prefix it will hold before its events say so.
+
+The index learns what a backend caches from its KV events, and those come once the backend has
+computed the blocks. A request for a new document that arrives while the document's first request
+is still queued or in prefill on backend A is predicted no hit anywhere; sent elsewhere, it computes
+the document a second time, and the two copies each take pool space another prefix needed
+(``bench/cluster_serve.py``: four of the nine documents were placed twice or three times that
+way, missing 1,344 device-cached tokens, and the evictions the copies caused missed 912 more).
+
+So the router also remembers the full-attention chain of each request it has in flight at each
+backend, and for a new request predicts per backend the longest prefix of its chain one of them
+shares (never its last token, which is always computed): what that backend will have cached once
+the earlier request's prefill is done. The index's own prediction takes over when the request ends
+(its blocks are in the backend's events by then). For a model with sliding-window or recurrent
+layers this is an upper estimate: the hit rule may need window blocks or a checkpoint the earlier
+request does not leave at that point; the events then say what it left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class InFlightPrefixes:
+    """Per backend, the chain hashes of the requests the router has in flight there (counted: two
+    requests may share blocks)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, dict[bytes, int]] = {}
+        self._tickets: dict[int, tuple[str, Sequence[bytes]]] = {}
+        self._next = 0
+
+    def add(self, backend: str, chain: Sequence[bytes]) -> int:
+        """A request with full-attention chain ``chain`` went to ``backend``; returns its ticket."""
+        held = self._held.setdefault(backend, {})
+        for h in chain:
+            held[h] = held.get(h, 0) + 1
+        ticket = self._next
+        self._next += 1
+        self._tickets[ticket] = (backend, chain)
+        return ticket
+
+    def remove(self, ticket: int) -> None:
+        """The request of ``ticket`` ended (answered or failed); unknown tickets are ignored."""
+        entry = self._tickets.pop(ticket, None)
+        if entry is None:
+            return
+        backend, chain = entry
+        held = self._held[backend]
+        for h in chain:
+            n = held[h]
+            if n > 1:
+                held[h] = n - 1
+            else:
+                del held[h]
+
+    def predict(self, backend: str, chain: Sequence[bytes], block_size: int, prompt_tokens: int) -> int:
+        """Prompt tokens ``backend`` will hold for a request with ``chain`` (blocks of ``block_size``
+        tokens) once its requests in flight are computed: whole blocks, below the last prompt token.
+        A chain hash names its whole prefix, so the walk stops at the first block none of them has."""
+        held = self._held.get(backend)
+        if not held or prompt_tokens <= 1:
+            return 0
+        n = 0
+        for h in chain:
+            if h not in held:
+                break
+            n += 1
+        return min(n * block_size, (prompt_tokens - 1) // block_size * block_size)
+
+    def __len__(self) -> int:
+        """Requests in flight."""
+        return len(self._tickets)
