@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import replace
 from functools import partial
@@ -155,6 +156,25 @@ def test_sim_connector_reads_exactly_as_the_connector(workload: Workload, monkey
     monkeypatch.setattr(SimConnector, "_get", KVConnector._get)
     checked = run(workload, "host:256MiB+disk:64GiB")
     assert checked == lean and lean["tier_stats"]["1:disk"]["loaded_blocks"] > 0
+
+
+def test_a_run_leaves_no_reference_cycles_behind_and_restores_the_collector() -> None:
+    # ``simulate`` pauses the cyclic collector; that is safe only if a step leaves no cycle behind:
+    # the garbage a full collection finds after a run (the manager) must not grow with the requests.
+    def cycles_after(requests: int) -> int:
+        w = shared_prefix(requests, 4, 4000, 100, max_new_tokens=8, arrivals=ClosedLoop(4), seed=7)
+        gc.collect()
+        gc.disable()  # no collection between the run and the count
+        try:
+            simulate(w, replace(CFG, tiers=parse_tiers("host:256MiB+disk:64GiB")))
+            assert not gc.isenabled()  # left as the caller had it
+            return gc.collect()
+        finally:
+            gc.enable()
+
+    assert cycles_after(60) == cycles_after(20) < 200
+    simulate(shared_prefix(4, 2, 500, 50, max_new_tokens=2, arrivals=ClosedLoop(2), seed=1), CFG)
+    assert gc.isenabled()
 
 
 def test_simulation_with_tiers_is_deterministic(workload: Workload, host: dict[str, Any]) -> None:

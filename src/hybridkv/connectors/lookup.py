@@ -176,6 +176,8 @@ def probe_hit(rules: HitRules, seq: Sequence, start: int, cap: int, probe: Probe
             cached[g] = _OnDemand(g, start // bs, bound // bs, probe, runs.setdefault(bs, _Runs()))
     sizes = {g: cap // layout.groups[g].spec.block_size for g in rules.caching_groups}
     hit = rules.longest_hit(seq, by_position(cached), limit=bound, hashes=positions(sizes))
+    for group_runs in runs.values():
+        group_runs.members.clear()  # members and runs refer to each other: freed now, not by the collector
     return max(hit, start), chain
 
 

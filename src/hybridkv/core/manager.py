@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 
-from hybridkv.core._util import gcd_all, lcm_all
+from hybridkv.core._util import gather, gcd_all, lcm_all
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
 from hybridkv.core.hashing import BlockHasher, HashAlgorithm
 from hybridkv.core.hits import CacheHit, HitRules, agreed_hit, verify_group_hit
@@ -238,8 +238,10 @@ class KVCacheManager:
         first, last = start_token // g.block_size, min(end_token // g.block_size, len(hashes), len(table))
         if first >= last:
             return []
-        return [(i, b, h) for i, b, h in zip(range(first, last), table[first:last], hashes[first:last])
-                if b != NULL_BLOCK and block_hash[b] == h]
+        blocks, own = table[first:last], hashes[first:last]
+        if NULL_BLOCK not in blocks and gather(block_hash, blocks) == tuple(own):  # the common case, checked in C
+            return list(zip(range(first, last), blocks, own))
+        return [(i, b, h) for i, b, h in zip(range(first, last), blocks, own) if b != NULL_BLOCK and block_hash[b] == h]
 
     @property
     def hits_possible(self) -> bool:

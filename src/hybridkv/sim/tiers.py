@@ -441,11 +441,12 @@ class SimTier(KVTier):
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         entries, lows = self._entries, self._low
+        touch, touch_low = entries.move_to_end, lows.move_to_end
         for k in keys:
             if k in entries:
-                entries.move_to_end(k)
+                touch(k)
             elif k in lows:
-                lows.move_to_end(k)
+                touch_low(k)
 
     def prioritize_many(self, keys: Sequence[bytes]) -> None:
         lows = self._low

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from itertools import takewhile
 
-from hybridkv.core._util import cdiv
+from hybridkv.core._util import cdiv, gather
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.sequence import Sequence
 from hybridkv.core.specs import KVCacheSpec
@@ -200,15 +200,19 @@ class KindManager:
         pool = self.pool
         assert pool is not None
         block_hash = pool.block_hash
-        indices = [i for i in range(start, end) if table[i] != NULL_BLOCK and block_hash[table[i]] is None]
-        if indices and indices[-1] - indices[0] + 1 == len(indices):
-            self._cache_run(pool, table, hashes, indices, token_ids)
+        blocks = table[start:end]
+        runs: list[Seq[int]]
+        if NULL_BLOCK not in blocks and gather(block_hash, blocks).count(None) == len(blocks):
+            runs = [range(start, end)]  # the common case: all fresh, checked in C
         else:  # null entries and blocks cached already (adopted hits) stay as they are
-            for i in indices:
-                self._cache_run(pool, table, hashes, [i], token_ids)
+            indices = [i for i in range(start, end) if table[i] != NULL_BLOCK and block_hash[table[i]] is None]
+            contiguous = indices and indices[-1] - indices[0] + 1 == len(indices)
+            runs = [indices] if contiguous else [[i] for i in indices]
+        for run in runs:
+            self._cache_run(pool, table, hashes, run, token_ids)
         self.num_cached[seq_id] = end
 
-    def _cache_run(self, pool: BlockPool, table: list[int], hashes: list[bytes], indices: list[int],
+    def _cache_run(self, pool: BlockPool, table: list[int], hashes: list[bytes], indices: Seq[int],
                    token_ids: Seq[int] | None) -> None:
         """Cache the blocks at consecutive table ``indices``."""
         first, end = indices[0], indices[-1] + 1
