@@ -277,6 +277,15 @@ class SimTier(KVTier):
         instead of a loop per key, the same end state."""
         entries, lows = self._entries, self._low
         smallest, largest = self._sizes
+        if entries.keys().isdisjoint(keys) and lows.keys().isdisjoint(keys):
+            # None held (the common case): the batches' puts are those of the keys one by one, in
+            # order, however they are batched, so the whole list goes at once.
+            if low and not lows and self.used_bytes + smallest > self.capacity_bytes and largest <= self.capacity_bytes:
+                self.stats.low_skipped += len(keys)  # a full tier without low entries: every low put is skipped
+            elif not self._put_fresh(keys, sizes, low):
+                for key, size in zip(keys, sizes):
+                    self._put_one(key, size, low)
+            return list(keys)
         put: list[bytes] = []
         for lo in range(0, len(keys), batch):
             block = keys[lo : lo + batch]
@@ -693,7 +702,7 @@ class SimTiers:
         """Write-through of the full blocks a step computed, tokens ``[start, start + num_tokens)``."""
         bs = self.hash_block_size
         if (start + num_tokens) // bs > start // bs:  # a block was completed
-            self.connector.store(seq, start + num_tokens, self.manager.block_table(seq.seq_id), _no_payload, start)
+            self.connector.store(seq, start + num_tokens, (), _no_payload, start)  # the tables: the manager's own
 
     def summary(self) -> dict[str, Any]:
         """Per tier figures, keyed ``"<index>:<kind>"`` (see ``simulator`` for the keys)."""
