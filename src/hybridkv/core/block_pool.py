@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
 
+from hybridkv.core._util import gather
 from hybridkv.errors import InvalidInputError
 
 NULL_BLOCK = 0
@@ -330,10 +331,13 @@ class BlockPool:
         if depended_on and any(map(depended_on.__contains__, victims)):
             return False
         hashes, groups, index, dups = self.block_hash, self.block_group, self.index, self._dups
-        if any(dups) and any(hashes[b] in dups[groups[b]] for b in victims):
-            return False
+        if any(dups):  # conservative, in C: a victim's hash among any group's duplicates refuses the run
+            victim_hashes = gather(hashes, victims)
+            if any(not d.keys().isdisjoint(victim_hashes) for d in dups if d):
+                return False
+        pop = tier.popitem
         for b in victims:
-            del tier[b]
+            pop(False)  # the victims are the tier's first n
             del index[groups[b]][hashes[b]]  # type: ignore[arg-type]
             hashes[b] = None
         self.evictions += n
