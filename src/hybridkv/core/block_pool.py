@@ -390,26 +390,22 @@ class BlockPool:
 
         Blocks reaching zero go to ``uncached`` without a hash, to the ``lru`` tail with one.
         """
-        ref = self.ref_cnt
+        ref, tier, hashes, lru, uncached = self.ref_cnt, self._tier, self.block_hash, self._lru, self._uncached
         released: list[int] = []
         for b in block_ids:
             r = ref[b] - 1
             ref[b] = r
             if not r:  # a block listed twice reaches zero once
                 released.append(b)
+                if hashes[b] is None:
+                    tier[b] = UNCACHED
+                    uncached.append(b)
+                else:
+                    tier[b] = LRU
+                    lru[b] = None
         # Null entries counted the null block down (never to zero: it starts at 0); reset it. A
         # block freed more often than referenced goes negative: check_invariants() reports it.
         ref[NULL_BLOCK] = 0
-        tier = self._tier
-        hashes = self.block_hash
-        lru = self._lru
-        for b in released:
-            if hashes[b] is None:
-                tier[b] = UNCACHED
-                self._uncached.append(b)
-            else:
-                tier[b] = LRU
-                lru[b] = None
         if self.kept is not None:
             self.kept.on_freed(released)
         return released
