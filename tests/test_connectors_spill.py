@@ -172,3 +172,36 @@ def test_a_low_entry_a_later_store_offers_at_normal_priority_becomes_normal() ->
     # A prompt ending at 192 keeps the window there (blocks 8..11) at normal priority: held low, now normal.
     produce(conn, tokens(0, 192) + [5], seq_id="b")
     assert host.low_priority_entries() == 10 and host.stats.low_promotions == 4
+
+
+@pytest.mark.parametrize("make", TIERS)
+def test_a_tier_says_whether_a_low_put_could_land(make: Make, tmp_path: Path) -> None:
+    tier = make(tmp_path)  # room for 3 entries
+    assert tier.takes_low_puts(ENTRY)
+    for name in "ab":
+        put(tier, name)
+    assert tier.takes_low_puts(ENTRY)  # one entry's room left
+    put(tier, "c")
+    # Full of normal entries: a low put would be skipped. A disk tier answers "maybe" (the default).
+    assert tier.takes_low_puts(ENTRY) == isinstance(tier, DiskTier)
+    tier.delete(key("c"))
+    put(tier, "x", low=True)
+    put(tier, "y", low=True)  # evicts x: a full tier holding a low entry still takes low puts
+    assert tier.takes_low_puts(ENTRY) and held(tier, "x", "y") == ["y"]
+
+
+def test_a_store_chooses_no_low_blocks_no_tier_can_take_and_ends_as_if_it_had_offered_them() -> None:
+    def run(offer_anyway: bool) -> HostTier:
+        host = HostTier(4_000)  # ~30 entries: full of normal entries after two prompts
+        if offer_anyway:
+            host.takes_low_puts = lambda min_bytes: True  # type: ignore[method-assign]
+        conn = connector(fresh(), host)
+        for i in range(4):
+            produce(conn, tokens(1000 * i, 300), seq_id=f"s{i}")
+        return host
+
+    chosen, offered = run(False), run(True)
+    assert list(chosen._entries) == list(offered._entries) and list(chosen._low) == list(offered._low)
+    assert chosen.stats.puts == offered.stats.puts and chosen.stats.evictions == offered.stats.evictions
+    # The low blocks a full tier would skip were not even chosen.
+    assert chosen.stats.low_skipped < offered.stats.low_skipped
