@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+from dataclasses import replace
+
 import pytest
 
 from hybridkv.cli import main
 from hybridkv.errors import InvalidInputError
 from hybridkv.sim.cluster import ClusterConfig, cluster_variants, simulate_cluster
 from hybridkv.sim.simulator import SimConfig
-from hybridkv.sim.workloads import SimRequest, Workload
+from hybridkv.sim.tiers import parse_tiers
+from hybridkv.sim.workloads import ClosedLoop, SimRequest, Workload, shared_prefix
 
 # Gemma 3 27B (full attention + 1,024-token sliding windows) with room for 100,000 tokens per replica.
 CFG = SimConfig(model="gemma-3-27b", kv_cache_tokens=100_000)
@@ -107,3 +111,23 @@ def test_cli_compares_routers_on_a_cluster(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     assert "router=round_robin" in out and "router=hybrid_exact" in out
     assert "2 / hybrid_exact" in out
+
+
+def test_a_cluster_run_leaves_no_reference_cycles_behind_and_restores_the_collector() -> None:
+    # ``simulate_cluster`` pauses the cyclic collector, as ``simulate`` does: safe only while a step
+    # leaves no cycle behind, so what a full collection finds after a run must not grow with it.
+    def cycles_after(requests: int) -> int:
+        w = shared_prefix(requests, 4, 3000, 100, max_new_tokens=4, arrivals=ClosedLoop(4), seed=3)
+        gc.collect()
+        gc.disable()
+        try:
+            simulate_cluster(w, replace(CFG, tiers=parse_tiers("host:1GiB")),
+                             ClusterConfig(instances=3, router="hybrid_exact"))
+            assert not gc.isenabled()  # left as the caller had it
+            return gc.collect()
+        finally:
+            gc.enable()
+
+    assert cycles_after(36) == cycles_after(12)
+    simulate_cluster(_spaced((("doc", 600),)), CFG, ClusterConfig(instances=2))
+    assert gc.isenabled()

@@ -51,7 +51,16 @@ from hybridkv.core import BlockHasher, KVCacheManager, Sequence, capacity_report
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
 from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig
 from hybridkv.sim.cost_model import CostModel, calibrate
-from hybridkv.sim.simulator import SimConfig, SimResult, _percentile, build_manager, cost_model, step_work, tier_storage
+from hybridkv.sim.simulator import (
+    SimConfig,
+    SimResult,
+    _percentile,
+    build_manager,
+    collector_paused,
+    cost_model,
+    step_work,
+    tier_storage,
+)
 from hybridkv.sim.synthetic import TierKeyedSequence
 from hybridkv.sim.tiers import SimConnector, SimTier, SimTiers
 from hybridkv.sim.workloads import SimRequest, Workload, release_time
@@ -324,6 +333,12 @@ def _sequence(req: SimRequest) -> Sequence:
 def simulate_cluster(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, *,
                      progress: Callable[[int, int], None] | None = None) -> SimResult:
     """Run ``workload`` on ``cluster.instances`` replicas of the system ``cfg`` behind ``cluster.router``."""
+    with collector_paused():
+        return _simulate_cluster(workload, cfg, cluster, progress)
+
+
+def _simulate_cluster(workload: Workload, cfg: SimConfig, cluster: ClusterConfig,
+                      progress: Callable[[int, int], None] | None) -> SimResult:
     cost = cost_model(cfg)
     if cfg.calibration is not None:
         cost = calibrate(cost, cfg.calibration)
