@@ -150,10 +150,12 @@ def test_sim_connector_stores_exactly_as_the_framed_connector(workload: Workload
     assert framed == fast
 
 
-def test_sim_connector_reads_exactly_as_the_connector(workload: Workload, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sim_connector_reads_and_writes_exactly_as_the_connector(workload: Workload,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # Two tiers: reads that fall through to the disk promote into the host tier.
     lean = run(workload, "host:256MiB+disk:64GiB")
     monkeypatch.setattr(SimConnector, "_get", KVConnector._get)
+    monkeypatch.setattr(SimConnector, "write", KVConnector.write)
     checked = run(workload, "host:256MiB+disk:64GiB")
     assert checked == lean and lean["tier_stats"]["1:disk"]["loaded_blocks"] > 0
 

@@ -412,6 +412,11 @@ class KVConnector:
                     f"with num_external_tokens={fetched.num_tokens} before writing"
                 )
             write_block(group, block, payload)
+        self._count_written(fetched)
+        return fetched.num_tokens
+
+    def _count_written(self, fetched: FetchedKV) -> None:
+        """Count a written load in ``stats``."""
         per_group = fetched.blocks_per_group
         with self._lock:
             st = self.stats
@@ -421,7 +426,6 @@ class KVConnector:
                 st.loaded_blocks_per_group[g] = st.loaded_blocks_per_group.get(g, 0) + n
             if fetched.num_tokens:
                 st.recent_loads.append(LoadRecord(fetched.seq_id, fetched.start_token, fetched.num_tokens, per_group))
-        return fetched.num_tokens
 
     def load(self, seq: Sequence, start_token: int, num_tokens: int, block_tables: BlockTables,
              write_block: WriteBlock) -> int:

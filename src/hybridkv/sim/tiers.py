@@ -50,18 +50,19 @@ PCIe 4 NVMe drive's sequential read), 100 us; net 3 GB/s (a 25 GbE link), 1 ms. 
 from __future__ import annotations
 
 import argparse
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import filterfalse, repeat
+from operator import itemgetter
 from typing import Any
 
 from hybridkv.connectors.base import KVTier
-from hybridkv.connectors.connector import BlockTables, FetchedKV, KVConnector, ReadBlock
+from hybridkv.connectors.connector import BlockTables, FetchedKV, KVConnector, ReadBlock, WriteBlock
 from hybridkv.connectors.loads import PendingLoad
 from hybridkv.connectors.storage import StoragePolicy
-from hybridkv.core import KVCacheManager
+from hybridkv.core import NULL_BLOCK, KVCacheManager
 from hybridkv.core import Sequence as KVSequence
 from hybridkv.errors import InvalidInputError
 from hybridkv.sizes import parse_bytes, split_number
@@ -549,6 +550,16 @@ class SimConnector(KVConnector):
         """A simulated tier holds no frames (and cannot corrupt one): the value is the serving tier's index."""
         return value
 
+    def write(self, fetched: FetchedKV, block_tables: BlockTables, write_block: WriteBlock) -> int:
+        """``KVConnector.write`` for simulated payloads, which hold no KV: the same check that
+        ``allocate`` gave every fetched block one (in one pass; a missing one is reported as
+        ``KVConnector.write`` reports it) and the same counts; ``write_block`` is not called."""
+        blocks = [block_tables[g][i] if i < len(block_tables[g]) else NULL_BLOCK for g, i in fetched.payloads]
+        if NULL_BLOCK in blocks:
+            return super().write(fetched, block_tables, write_block)
+        self._count_written(fetched)
+        return fetched.num_tokens
+
     def _get(self, keys: list[bytes], seq: KVSequence | None = None) -> list[bytes | None]:
         """``KVConnector._get`` for tiers that never fail and hold no frames: the same reads,
         promotions and counts without a check per key (a simulated fetch reads millions of blocks)."""
@@ -683,10 +694,10 @@ class SimTiers:
             assert isinstance(fetched, FetchedKV)
             blocks = [0] * n
             nbytes = [0] * n
-            for (group, _index), payload in fetched.payloads.items():
-                t = payload[0]
-                blocks[t] += 1
-                nbytes[t] += self.block_bytes[group]
+            payloads = fetched.payloads  # (group, index) -> the serving tier's one-byte tag
+            for (group, tag), count in Counter(zip(map(itemgetter(0), payloads), payloads.values())).items():
+                blocks[tag[0]] += count
+                nbytes[tag[0]] += count * self.block_bytes[group]
             for t, tier in enumerate(self.tiers):
                 if blocks[t]:
                     s = nbytes[t] / tier.spec.bandwidth + tier.spec.latency_s
