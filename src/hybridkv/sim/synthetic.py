@@ -158,8 +158,10 @@ class TierKeyedSequence(SyntheticSequence):
         self._bytes_bs = 0
 
     def block_hashes(self, hasher: BlockHasher, block_size: int) -> list[bytes]:
-        ints: list[int] = super().block_hashes(hasher, block_size)  # type: ignore[assignment]
         out = self._bytes_hashes
+        if self._bytes_bs == block_size == self._hash_bs and len(out) == self.num_tokens // block_size:
+            return out  # nothing new since the last call (most calls)
+        ints: list[int] = super().block_hashes(hasher, block_size)  # type: ignore[assignment]
         if self._bytes_bs != block_size:
             self._bytes_bs = block_size
             out.clear()
