@@ -37,7 +37,9 @@ that supports priorities (``KVTier.priorities``: host, disk, simulated) evicts l
 other, least recently used first, and never evicts a normal entry to make room for a low one; a low
 entry that serves a hit (a read) becomes normal. So while a tier has room it keeps everything (the
 first reuse of a junction finds its window there), and under pressure it degrades to the hit spans.
-A tier without priorities (Redis evicts by its own policy) gets the hit spans only.
+A tier without priorities (Redis evicts by its own policy) gets the hit spans only. A connector
+chooses the low-priority blocks only while some tier could take one (``KVTier.takes_low_puts``: a
+tier full of normal entries would skip them all), so a full tier costs no walk of the windows.
 """
 
 from __future__ import annotations
