@@ -51,6 +51,7 @@ from hybridkv.core import BlockHasher, KVCacheManager, Sequence, capacity_report
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
 from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig
 from hybridkv.sim.cost_model import CostModel, calibrate
+from hybridkv.sim.sim_tier import SimTier
 from hybridkv.sim.simulator import (
     SimConfig,
     SimResult,
@@ -62,7 +63,7 @@ from hybridkv.sim.simulator import (
     tier_storage,
 )
 from hybridkv.sim.synthetic import TierKeyedSequence
-from hybridkv.sim.tiers import SimConnector, SimTier, SimTiers
+from hybridkv.sim.tiers import SimConnector, SimTiers
 from hybridkv.sim.workloads import SimRequest, Workload, release_time
 
 ROUTERS = POLICIES
