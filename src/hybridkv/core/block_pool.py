@@ -412,28 +412,27 @@ class BlockPool:
 
     def free_low(self, block_ids: Iterable[int]) -> None:
         """Like ``free``, but cached blocks reaching zero go to the ``low`` tier."""
-        hashes, tier, low, uncached = self.block_hash, self._tier, self._low, self._uncached
-        for b in self._release(block_ids):
-            if hashes[b] is None:
-                tier[b] = UNCACHED
-                uncached.append(b)
-            else:
-                tier[b] = LOW
-                low[b] = None
+        self._place_released(self._release(block_ids), LOW, self._low)
 
     def free_kept(self, block_ids: Iterable[int], admit: Callable[[int], bool]) -> None:
         """Like ``free``, but cached blocks reaching zero go to the kept tier when ``admit(block)``
         (which enters them into the tier's own structures) says so, else to the ``lru`` tail."""
-        hashes, tier, lru, uncached = self.block_hash, self._tier, self._lru, self._uncached
-        for b in self._release(block_ids):
+        self._place_released(self._release(block_ids), LRU, self._lru, admit)
+
+    def _place_released(self, released: list[int], state: int, order: OrderedDict[int, None],
+                        admit: Callable[[int], bool] | None = None) -> None:
+        """Put blocks that reached zero in their tier: ``uncached`` without a hash, else the kept tier
+        where ``admit(block)`` says so, else the tail of ``order`` (the tier ``state`` names)."""
+        hashes, tier, uncached = self.block_hash, self._tier, self._uncached
+        for b in released:
             if hashes[b] is None:
                 tier[b] = UNCACHED
                 uncached.append(b)
-            elif admit(b):
+            elif admit is not None and admit(b):
                 tier[b] = KEPT
             else:
-                tier[b] = LRU
-                lru[b] = None
+                tier[b] = state
+                order[b] = None
 
     def _release(self, block_ids: Iterable[int]) -> list[int]:
         """Drop one reference on each non-null block; return those that reached zero (told to the
