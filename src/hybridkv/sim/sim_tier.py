@@ -98,16 +98,14 @@ class SimTier(KVTier):
         promoted (``prioritize_many``). The same steps in the same order, so the same end state.
         Returns the keys put (offered while absent, whether or not they fitted).
 
-        A batch's absent keys go in at once (``_put_fresh``) when their evictions reach only entries
-        older than the batch (the steady state of a full tier): dict operations on the whole batch
-        instead of a loop per key, the same end state."""
+        When the tier holds none of ``keys`` (the common case) the batching changes nothing, and
+        the whole list goes in at once; a batch's absent keys go in at once (``_put_fresh``) when
+        their evictions reach only entries older than the batch (the steady state of a full tier):
+        dict operations on the whole batch instead of a loop per key, the same end state."""
         entries, lows = self._entries, self._low
-        smallest, largest = self._sizes
         if entries.keys().isdisjoint(keys) and lows.keys().isdisjoint(keys):
-            # None held (the common case): the batches' puts are those of the keys one by one, in
-            # order, however they are batched, so the whole list goes at once.
-            if low and not lows and self.used_bytes + smallest > self.capacity_bytes and largest <= self.capacity_bytes:
-                self.stats.low_skipped += len(keys)  # a full tier without low entries: every low put is skipped
+            if low and self._skips_low():
+                self.stats.low_skipped += len(keys)
             elif not self._put_fresh(keys, sizes, low):
                 for key, size in zip(keys, sizes):
                     self._put_one(key, size, low)
@@ -116,10 +114,9 @@ class SimTier(KVTier):
         for lo in range(0, len(keys), batch):
             block = keys[lo : lo + batch]
             block_sizes = sizes[lo : lo + batch]
-            if (low and not lows and self.used_bytes + smallest > self.capacity_bytes
-                    and largest <= self.capacity_bytes):
+            if low and self._skips_low():
                 skipped = list(filterfalse(entries.__contains__, block))
-                put += skipped  # a full tier without low entries: every low put is skipped
+                put += skipped
                 self.stats.low_skipped += len(skipped)
                 continue
             absent: Sequence[bytes]
@@ -148,6 +145,11 @@ class SimTier(KVTier):
         """As ``KVTier.takes_low_puts``, by the keys' nominal block sizes (``min_bytes`` is ignored:
         this tier sizes a key by its group, not by its value)."""
         return bool(self._low) or self.used_bytes + self._sizes[0] <= self.capacity_bytes
+
+    def _skips_low(self) -> bool:
+        """Every low put is skipped and counted: a full tier without low entries (a key larger than
+        the whole tier would not be counted, so then the puts go key by key)."""
+        return self._sizes[1] <= self.capacity_bytes and not self.takes_low_puts(0)
 
     def _put_one(self, key: bytes, size: int, low: bool) -> None:
         """Put one absent key of a known size: evict (low entries first; a low put evicts no normal
