@@ -31,7 +31,7 @@ import enum
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from functools import partial
@@ -177,6 +177,7 @@ class KVConnector:
         self.write_through = write_through
         self.auth_key = resolve_auth_key(auth_key, self.tiers, allow_unauthenticated=allow_unauthenticated)
         self.payload_bytes = _payload_sizes(manager.layout, payload_bytes)
+        self._smallest_payload = min(self.payload_bytes.values())  # a frame is larger than its payload
         self.batch_blocks = batch_blocks
         self.storage = storage if storage is not None else StoreSpansSpill()
         self.loads = loads
@@ -486,13 +487,9 @@ class KVConnector:
         evicts a prompt's tail before the prefix it shares.
         """
         targets = self.tiers if self.write_through else self.tiers[:1]
-        with_low = self.takes_low_puts(targets)
-        normal, low = self.offered_by_priority(seq, num_tokens, start_token, with_low=with_low)
         stored: set[bytes] = set()
-        for is_low in (False, True):
-            if is_low and not with_low and self.takes_low_puts(targets):  # the normal puts made room
-                low = self._keyed(self.chosen_by_priority(seq, num_tokens, start_token)[1])
-            offers = low if is_low else normal
+        for is_low, chosen in self.chosen_in_order(seq, num_tokens, start_token, targets):
+            offers = self._keyed(chosen)
             if self.events is not None:
                 self.events.note(seq, [key for _, _, key in offers])
             for lo in range(0, len(offers), self.batch_blocks):
@@ -522,11 +519,23 @@ class KVConnector:
         self._touch_prompt(seq, start_token, num_tokens, targets)
         return len(stored)
 
+    def chosen_in_order(self, seq: Sequence, num_tokens: int, start_token: int, targets: SequenceABC[KVTier]
+                        ) -> Iterator[tuple[bool, dict[int, list[Offer]]]]:
+        """``(is_low, offers)``: the storage policy's normal-priority choice, then its low-priority
+        one, chosen only if one of ``targets`` can take a low put (``takes_low_puts``): asked first
+        and, when no tier could, again once the caller has stored the normal offers (their
+        evictions may have made room). Consume in order, storing as you go."""
+        with_low = self.takes_low_puts(targets)
+        normal, low = self.chosen_by_priority(seq, num_tokens, start_token, with_low=with_low)
+        yield False, normal
+        if not with_low and self.takes_low_puts(targets):
+            low = self.chosen_by_priority(seq, num_tokens, start_token)[1]
+        yield True, low
+
     def takes_low_puts(self, targets: Iterable[KVTier]) -> bool:
         """Whether any of ``targets`` could store a low-priority block now (``KVTier.takes_low_puts``):
         when none can, a store neither chooses nor offers them (each would be skipped)."""
-        smallest = min(self.payload_bytes.values())  # a frame is larger than its payload
-        return any(t.priorities and t.takes_low_puts(smallest) for t in targets)
+        return any(t.priorities and t.takes_low_puts(self._smallest_payload) for t in targets)
 
     def _touch_prompt(self, seq: Sequence, start: int, end: int, targets: list[KVTier]) -> None:
         """When ``(start, end]`` completes the prompt: touch its growing chain in the tiers, tail first."""

@@ -335,15 +335,10 @@ class SimConnector(KVConnector):
     def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables,
               read_block: ReadBlock = _no_payload, start_token: int = 0) -> int:
         targets: list[SimTier] = self.sim_tiers if self.write_through else self.sim_tiers[:1]
-        with_low = self.takes_low_puts(targets)
-        normal, low = self.chosen_by_priority(seq, num_tokens, start_token, with_low=with_low)
         prefix, size = self._prefix, self.block_bytes
         stored = 0
         seen: set[bytes] = set()
-        for is_low in (False, True):
-            if is_low and not with_low and self.takes_low_puts(targets):  # the normal puts made room
-                low = self.chosen_by_priority(seq, num_tokens, start_token)[1]
-            offers = low if is_low else normal
+        for is_low, offers in self.chosen_in_order(seq, num_tokens, start_token, targets):
             keys: list[bytes] = []
             sizes: list[int] = []
             for g, blocks in offers.items():
