@@ -516,21 +516,42 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             assert ref_before[b] == 0, f"block {b} was held (ref {ref_before[b]}) when allocated"
             assert self.pool.ref_cnt[b] == 1
         assert mgr.num_free_blocks == free_before - len(new_blocks) - len(free_hits), "free-block accounting"
-        self._record_contents(seq, tables, result, n_hit + ext + new, computed if ext else 0,
-                              self._chosen(plan, computed, n_hit + ext + new))
-        self.plans[sid] = [(p, r) for p, r in plan if p > n_hit + ext + new]
         if (self.cfg.retention == "window" and self.anchor is not None
                 and 0 < hit.full_hit_tokens < hit.max_hit_tokens):
             a = self.groups[self.anchor]
             self.junctions.add(hashes[self.anchor][hit.full_hit_tokens // a.block_size - 1])
+        if data.draw(st.integers(0, 7), label="abort before the step runs") == 0:
+            # A client gone, a preemption: freed between allocation and compute. The caller either
+            # never advanced the count (0) or advanced it over the loaded external tokens.
+            loaded = data.draw(st.booleans(), label="external tokens loaded") and ext > 0
+            if loaded:
+                self._record_contents(seq, tables, result, computed, computed, [])
+            else:
+                for b in new_blocks:
+                    self.contents.pop(b, None)
+            seq.num_computed_tokens = computed if loaded else 0
+            self._count_admission(seq, n_hit, ext)
+            self.running[sid] = seq
+            self._release(sid, by_id=False)
+            seq.num_computed_tokens = 0
+            self.waiting[sid] = seq
+            assert mgr.lookup(seq).num_tokens >= n_hit, "an aborted admission took its hit out of the cache"
+            return
+        self._record_contents(seq, tables, result, n_hit + ext + new, computed if ext else 0,
+                              self._chosen(plan, computed, n_hit + ext + new))
+        self.plans[sid] = [(p, r) for p, r in plan if p > n_hit + ext + new]
         seq.num_computed_tokens = total
+        self._count_admission(seq, n_hit, ext)
+
+    def _count_admission(self, seq: Sequence, n_hit: int, ext: int) -> None:
         for key, value in (("admissions", 1), ("queried_tokens", seq.num_tokens), ("hit_tokens", n_hit),
                            ("external_tokens", ext)):
             self.expected_stats[key] += value
         self._check_stats()
 
-    def _step(self, seq: Sequence, n: int, lookahead: int) -> None:
-        """allocate(seq, n) for a running sequence and check it against the model."""
+    def _step(self, seq: Sequence, n: int, lookahead: int, abort: bool = False) -> None:
+        """allocate(seq, n) for a running sequence and check it against the model; with ``abort``,
+        free it before the step runs (its computed count not advanced) and send it to waiting."""
         mgr = self.mgr
         assert mgr is not None
         sid = seq.seq_id
@@ -585,6 +606,13 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         for b in new_blocks:
             assert ref_before[b] == 0 or (b in dropped and ref_before[b] == 1), f"block {b} was held when allocated"
         assert mgr.num_free_blocks == free_before + freed - len(new_blocks), "free-block accounting"
+        if abort:
+            for b in new_blocks:
+                self.contents.pop(b, None)
+            self._release(sid, by_id=True)
+            seq.num_computed_tokens = 0
+            self.waiting[sid] = seq
+            return
         self._record_contents(seq, tables, result, known, 0, self._chosen(plan, computed, known))
         self.plans[sid] = [(p, r) for p, r in plan if p > known]
         seq.num_computed_tokens = known
@@ -613,7 +641,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         seq = self.running[data.draw(st.sampled_from(self._prefilling()), label="sequence")]
         remaining = seq.num_tokens - seq.num_computed_tokens
         n = self._chunk(data, remaining)
-        self._step(seq, n, self._lookahead(data, seq, n))
+        abort = data.draw(st.integers(0, 7), label="abort before the step runs") == 0
+        self._step(seq, n, self._lookahead(data, seq, n), abort)
 
     def decode(self, data: st.DataObject) -> None:
         """Append one token, then allocate(seq, 1)."""

@@ -136,6 +136,11 @@ class KVCacheManager:
         # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
         # return at once.
         self._idle_until: dict[Sequence, int] = {}
+        # Per running sequence: (floor, ceiling) of the computed-token counts its caller may report:
+        # what was computed when its last allocation was planned, and the most tokens that
+        # allocation (or the idle steps after it) gave slots to. A count outside it is a rewind or
+        # a claim for tokens that have no slots: ``allocate`` refuses it, ``free`` uses the floor.
+        self._progress: dict[str, tuple[int, int]] = {}
         self._no_new_blocks = _empty_lists(len(self.groups))
         self._stats = KVCacheStats()
         self._token = object()  # the identity hits found here carry
@@ -230,7 +235,7 @@ class KVCacheManager:
         (what an external tier may store: superseded or never-computed blocks are excluded).
         Recurrent checkpoints whose tokens the sequence reports computed are registered first."""
         if self._deferred and self._seqs.get(seq.seq_id) is seq:
-            self._register_computed(seq)
+            self._register_computed(seq, self._computed_tokens(seq))
         g = self.groups[group]
         table = g.tables.get(seq.seq_id, [])
         hashes = self.block_hashes(seq, g)
@@ -313,7 +318,7 @@ class KVCacheManager:
             computed = seq.num_computed_tokens
             if (type(num_new_tokens) is int and type(num_lookahead_tokens) is int and type(computed) is int
                     and 0 < num_new_tokens <= self.max_num_batched_tokens - num_lookahead_tokens
-                    and num_lookahead_tokens >= 0 <= computed
+                    and num_lookahead_tokens >= 0 and computed >= self._progress[seq.seq_id][0]
                     and computed + num_new_tokens + num_lookahead_tokens <= idle
                     and computed + num_new_tokens <= seq.num_tokens <= self.max_model_len):
                 return self._no_new_blocks()  # the step has nothing to allocate, register or drop
@@ -327,6 +332,13 @@ class KVCacheManager:
         if sid in self._seqs:
             self._check_running(seq, hit, num_external_tokens)
             computed = seq.num_computed_tokens
+            floor, ceiling = self._progress[sid]
+            if not floor <= computed <= ceiling:
+                raise InvalidInputError(
+                    f"sequence {sid!r}: num_computed_tokens={computed} but {floor}..{ceiling} are possible "
+                    f"(the tokens computed before its last allocation, the slots it holds); a rewind "
+                    f"needs free() and a new admission"
+                )
             hit_blocks: list[list[int]] | tuple[()] = ()
         else:
             adopted = self._verified_hit(seq, hit)
@@ -343,7 +355,7 @@ class KVCacheManager:
         # 2. Plan: make room (what the windows no longer need), then count per group and check.
         if adopted is None:
             if self._deferred:
-                self._register_computed(seq)
+                self._register_computed(seq, computed)
             for g in self._droppers:
                 freed = g.remove_skipped(sid, computed)
                 if freed:
@@ -391,6 +403,7 @@ class KVCacheManager:
             if group_limit < limit:
                 limit = group_limit
         self._idle_until[seq] = limit
+        self._progress[sid] = (computed, known if known > limit else limit)
         if adopted is not None:
             st = self._stats
             st.admissions += 1
@@ -451,10 +464,18 @@ class KVCacheManager:
                 g.register(sid, self.block_hashes(seq, g), computed, known,
                            self._event_tokens(seq) if self.pool.enable_events else None)
 
-    def _register_computed(self, seq: Sequence) -> None:
-        """Enter the recurrent checkpoints whose tokens the caller reports computed."""
+    def _register_computed(self, seq: Sequence, computed: int) -> None:
+        """Enter the recurrent checkpoints of the first ``computed`` tokens (those the caller reports computed)."""
         for g in self._deferred:
-            g.register(seq.seq_id, self.block_hashes(seq, g), seq.num_computed_tokens, 0, self._event_tokens(seq))
+            g.register(seq.seq_id, self.block_hashes(seq, g), computed, 0, self._event_tokens(seq))
+
+    def _computed_tokens(self, seq: Sequence) -> int:
+        """The running sequence's computed-token count as its caller reports it, if that is possible
+        (see ``_progress``); else the floor: what was computed before its last allocation (a caller
+        that never advanced the count, or set it wrongly, loses only what is not certain)."""
+        floor, ceiling = self._progress[seq.seq_id]
+        computed = seq.num_computed_tokens
+        return computed if type(computed) is int and floor <= computed <= ceiling else floor
 
     def _event_tokens(self, seq: Sequence) -> list[int] | None:
         """The sequence's token ids when the pool records events (None otherwise, or without ids)."""
@@ -479,17 +500,19 @@ class KVCacheManager:
             sid = seq
         else:
             raise InvalidInputError(f"free takes a hybridkv.Sequence or a sequence id, got {type(seq).__name__}")
-        stored = self._seqs.pop(sid, None)
+        stored = self._seqs.get(sid)
         if stored is None:
             return
+        computed = self._computed_tokens(stored)
+        if self._deferred:
+            self._register_computed(stored, computed)
+        for g in self._caching:
+            stale = g.uncomputed_blocks(sid, computed)
+            if stale:  # a sequence admitted in the same step on these blocks keeps them, uncached
+                self.pool.uncache(stale)
+        del self._seqs[sid]
         self._idle_until.pop(stored, None)
-        computed = stored.num_computed_tokens
-        if type(computed) is int and computed >= 0:
-            self._register_computed(stored)
-            for g in self._caching:
-                stale = g.uncomputed_blocks(sid, computed)
-                if stale:  # a sequence admitted in the same step on these blocks keeps them, uncached
-                    self.pool.uncache(stale)
+        self._progress.pop(sid, None)
         tables = [g.pop_table(sid) for g in self.groups]
         self.retainer.release_sequence(stored, tables)
 
@@ -637,6 +660,9 @@ class KVCacheManager:
         for sid, seq in self._seqs.items():
             assert any(sid in g.tables for g in self.groups) or not self.groups, f"{sid!r} has no tables"
             assert self._idle_until.get(seq, NEVER) <= self._idle_limit(sid), f"{sid!r}: idle limit too high"
+        assert self._progress.keys() == self._seqs.keys(), "progress of sequences that hold no blocks"
+        for sid, (floor, ceiling) in self._progress.items():
+            assert 0 <= floor <= ceiling, f"{sid!r}: progress {floor}..{ceiling}"
         assert len(self._idle_until) <= len(self._seqs) and all(
             self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
         ), "idle limits of sequences that hold no blocks"
