@@ -17,7 +17,7 @@ import pytest
 
 from hybridkv import CacheHit, InvalidInputError, KVCacheManager, Sequence
 
-from helpers import chunked, full, manager, run_prefill, swa, tokens
+from helpers import chunked, full, mamba, manager, run_prefill, swa, tokens
 
 
 def _cached_prefix(mgr: KVCacheManager, toks: list[int]) -> int:
@@ -27,7 +27,7 @@ def _cached_prefix(mgr: KVCacheManager, toks: list[int]) -> int:
 
 def _computed_and_freed(mgr: KVCacheManager, sid: str, toks: list[int]) -> None:
     seq = Sequence(sid, toks)
-    run_prefill(mgr, seq, 1024)
+    run_prefill(mgr, seq, mgr.max_num_batched_tokens)
     mgr.free(seq)
 
 
@@ -162,3 +162,116 @@ def test_a_hit_is_checked_group_by_group_with_blocks_of_its_own_group() -> None:
     assert _state(mgr) == before
     assert mgr.allocate(b, 16, hit=hit) is not None
     mgr.check_invariants()
+
+
+def _junction_setup(num_blocks: int, ballast: int) -> tuple[KVCacheManager, Sequence]:
+    """Two prompts sharing a 64-token prefix, computed and freed with window retention (the second
+    teaches the junction at 64, so its window blocks there are kept); a running sequence of
+    ``ballast`` unrelated tokens holds part of the pool; ``c`` shares the prefix."""
+    mgr = manager(num_blocks, full(), swa(32), max_model_len=512, batch=64, retention="window")
+    prefix = tokens(0, 64)
+    for i in range(2):
+        _computed_and_freed(mgr, f"w{i}", prefix + tokens(1000 * (i + 1), 32))
+    if ballast:
+        run_prefill(mgr, Sequence("ballast", tokens(50_000, ballast)), 64)
+    return mgr, Sequence("c", prefix + tokens(3000, 40))
+
+
+def test_a_hit_ending_on_a_junction_pays_for_the_kept_windows_it_adopts() -> None:
+    """The hit at the junction adopts 4 free full-attention blocks and the 2 kept window blocks
+    tied to them: 6 admissible blocks, on top of the blocks the step allocates. Admission must
+    refuse exactly when those do not fit, never run the pool dry mid-allocation."""
+    mgr, c = _junction_setup(40, 0)
+    hit = mgr.lookup(c)
+    assert hit.num_tokens == 64
+    assert sorted(mgr.pool.tier_of(b) for ids in hit.block_ids for b in ids if b) == ["kept"] * 2 + ["lru"] * 4
+    assert mgr.allocate(c, 40, hit=hit) is not None
+    step_blocks = mgr.num_held_blocks("c") - 6
+    outcomes = {}
+    for ballast in range(16, 400, 16):
+        mgr, c = _junction_setup(40, ballast)
+        hit = mgr.lookup(c)
+        if hit.num_tokens != 64:
+            continue  # the ballast evicted the prefix
+        admissible = mgr.num_admissible_blocks
+        result = mgr.allocate(c, 40, hit=hit)
+        mgr.check_invariants()
+        assert (result is not None) == (admissible >= step_blocks + 6), (
+            f"{admissible} admissible blocks, {step_blocks} for the step + 6 for the hit: allocate gave {result}"
+        )
+        outcomes[result is not None] = ballast
+    assert set(outcomes) == {True, False}, f"the sweep never crossed the boundary: {outcomes}"
+
+
+def test_a_chunked_local_hit_bounded_at_a_chunk_boundary_holds_no_block_of_that_group() -> None:
+    """Chunks of 32 tokens: a hit ending at 64 starts a new chunk, so the chunked group reads
+    nothing of the prefix (all null); a hit ending at 48 reads its chunk's block 2 (tokens 32..48)."""
+    mgr = manager(64, full(), chunked(32), max_model_len=512, batch=256)
+    _computed_and_freed(mgr, "a", tokens(0, 100))
+    at_64 = mgr.lookup(Sequence("b", tokens(0, 64) + tokens(900, 20)))
+    assert at_64.num_tokens == 64 and at_64.full_hit_tokens == 64
+    assert at_64.block_ids[1] == (0, 0, 0, 0)
+    at_48 = mgr.lookup(Sequence("c", tokens(0, 48) + tokens(900, 20)))
+    assert at_48.num_tokens == 48
+    assert at_48.block_ids[1][:2] == (0, 0) and at_48.block_ids[1][2] == mgr.pool.get_cached_block(
+        1, mgr.block_hashes(Sequence("c", tokens(0, 48) + tokens(900, 20)), 1)[2])
+    b = Sequence("b", tokens(0, 64) + tokens(900, 20))
+    assert mgr.allocate(b, 20, hit=at_64) is not None
+    assert mgr.block_table("b")[1][:4] == (0, 0, 0, 0)
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("length", [64, 80, 128])
+def test_a_resent_prompt_whose_length_is_a_multiple_of_the_alignment_hits_its_recurrent_state(length: int) -> None:
+    """The last token is never a hit, so a re-sent prompt of 64 tokens can hit at most 48: the
+    state checkpointed at the prompt's end must be the one at 48, not at 64."""
+    mgr = manager(64, full(), mamba(), max_model_len=512, batch=256)
+    _computed_and_freed(mgr, "a", tokens(0, length))
+    hit = mgr.lookup(Sequence("again", tokens(0, length)))
+    assert hit.max_hit_tokens == length - 16
+    assert hit.num_tokens == length - 16
+
+
+def test_different_salt_and_adapter_pairs_never_hash_alike() -> None:
+    pairs: list[tuple[object, object]] = [
+        (None, None), ("a", None), (None, "a"), ("ab", None), ("a", "b"), ("b", "a"), (None, "ab"),
+        ("xa", None), ("x", ""), ("", "x"), ("", None), (None, ""), (b"\x00", None), ("s", 1), (None, 1),
+        (None, 12), ("1", 2), ("12", None), ("a" * 300, None), ("a" * 299, "a"),
+    ]
+    seen: dict[bytes, tuple[object, object]] = {}
+    for salt, adapter in pairs:
+        seq = Sequence("s", tokens(0, 40), cache_salt=salt, adapter_id=adapter)  # type: ignore[arg-type]
+        first = manager(8, full()).block_hashes(seq, 0)[0]
+        assert first not in seen, f"salt/adapter {(salt, adapter)} hashes like {seen[first]}"
+        seen[first] = (salt, adapter)
+    salted = manager(64, full())
+    _computed_and_freed(salted, "t1", tokens(0, 64))
+    for salt, adapter in pairs[1:]:
+        probe = Sequence("p", tokens(0, 64), cache_salt=salt, adapter_id=adapter)  # type: ignore[arg-type]
+        assert salted.lookup(probe).num_tokens == 0, f"{(salt, adapter)} hit an unsalted prefix"
+
+
+def test_freeing_a_sequence_before_its_step_breaks_the_same_step_hits_on_what_it_was_to_compute() -> None:
+    """a registers blocks for tokens its step will compute; b and c, admitted in the same step,
+    adopt them as hits. If a is freed before the step runs, that KV is never written: the blocks
+    leave the cache, and b and c cannot go on (their next allocate says so) until freed."""
+    mgr = manager(64, full(), max_model_len=512, batch=256)
+    a = Sequence("a", tokens(0, 64))
+    assert mgr.allocate(a, 64) is not None
+    b, c = Sequence("b", tokens(0, 48) + [1, 2]), Sequence("c", tokens(0, 48) + [3])
+    for s in (b, c):
+        hit = mgr.lookup(s)
+        assert hit.num_tokens == 48  # a's blocks, in flight
+        assert mgr.allocate(s, s.num_tokens - 48, hit=hit) is not None
+        s.num_computed_tokens = s.num_tokens
+    mgr.free(a)
+    mgr.check_invariants()
+    assert _cached_prefix(mgr, tokens(0, 64)) == 0
+    for s in (b, c):
+        s.append_token_ids([5])
+        with pytest.raises(InvalidInputError, match="freed before that step ran"):
+            mgr.allocate(s, 1)
+    mgr.free(b)
+    mgr.free(c)
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == 63

@@ -402,8 +402,10 @@ def test_local_hits_at_the_eviction_head_plus_external_tokens() -> None:
     assert mgr.allocate(seq, seq.num_tokens - 96, hit=hit, num_external_tokens=got.num_tokens) is not None
     mgr.check_invariants()
     conn.write(got, mgr.block_table("consumer"), lambda g, b, d: device.__setitem__((g, b), d))
-    seq.num_computed_tokens = 96
     assert_loaded_exact(mgr, seq, device, 96)
-    assert mgr.allocate(seq, 4) is not None
+    compute(mgr, seq, device, 96, 100)
+    seq.num_computed_tokens = 100
+    seq.append_token_ids([7])
+    assert mgr.allocate(seq, 1) is not None  # decoding on from the loaded prefix
     mgr.check_invariants()
     assert mgr.stats.external_tokens == 64 and mgr.stats.hit_tokens == 32

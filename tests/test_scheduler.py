@@ -45,6 +45,7 @@ def test_fcfs_batches_prefill_chunks_and_decodes() -> None:
     second = sched.schedule()
     assert second.num_scheduled_tokens["s0"] == 44  # the rest of s0, then s1 begins
     assert second.num_scheduled_tokens["s1"] == 212
+    sched.update(second, {"s0": [7]})  # s0's prompt is done: its first token
     drive_rest = drive(sched)
     assert drive_rest > 0
     assert all(r.status is Status.FINISHED and r.finish_reason == "length" for r in sched.requests.values())
@@ -74,6 +75,7 @@ def test_request_that_never_fits_is_rejected_with_a_reason_not_queued() -> None:
     out = sched.schedule()
     assert out.rejected == [("big", req.finish_reason)]
     assert list(out.num_scheduled_tokens) == ["small"]
+    sched.update(out, {"small": [7]})
     drive(sched)
     assert small.status is Status.FINISHED
 

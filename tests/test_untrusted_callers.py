@@ -24,7 +24,7 @@ from hybridkv import (
     Sequence,
 )
 
-from helpers import full, mamba, manager, swa, tokens
+from helpers import chunked, full, mamba, manager, swa, tokens
 
 # ---------------------------------------------------------------------- the scheduler, atomically
 
@@ -186,7 +186,9 @@ class UntrustedCallerMachine(RuleBasedStateMachine):
                        priority=data.draw(st.one_of(st.integers(0, 2), JUNK), label="priority"),
                        stop_token_ids=data.draw(st.one_of(st.just(()), st.none(), JUNK), label="stops"))
         elif action == "schedule":
-            self.outs.append(sched.schedule())
+            out = self._call(sched.schedule)
+            if out is not None:
+                self.outs.append(out)
         elif action == "update" and self.outs:
             out = data.draw(st.sampled_from(self.outs), label="output")
             sampled = {sid: data.draw(st.one_of(st.just([1]), st.lists(st.integers(-1, 3), max_size=2), JUNK),
@@ -216,3 +218,105 @@ def test_the_manager_rejects_junk_arguments_with_its_own_errors() -> None:
             mgr.lookup(bad)  # type: ignore[arg-type]
         with pytest.raises(InvalidInputError):
             mgr.allocate(bad, 1)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- counts a caller gets wrong
+LAYOUTS = {
+    "window first": (swa(20, 8), full(8)),
+    "chunked first": (chunked(16, 8), full(8)),
+    "mamba first": (mamba(8), full(8), swa(12, 8)),
+    "all": (swa(12, 8), chunked(16, 8), full(8), mamba(8)),
+}
+
+
+class CountMisuseMachine(RuleBasedStateMachine):
+    """Plausible caller mistakes on hybrid layouts: computed counts rewound, advanced past the slots
+    or never advanced; hits of another manager, of another sequence, stale ones; steps larger than
+    the batch. Each call works or raises a ``HybridKVError``; ``check_invariants()`` after each."""
+
+    @initialize(name=st.sampled_from(sorted(LAYOUTS)), retention=st.sampled_from(["none", "window"]))
+    def build(self, name: str, retention: str) -> None:
+        specs = LAYOUTS[name]
+        self.mgr = manager(48, *specs, max_model_len=96, batch=24, retention=retention)
+        self.other = manager(48, *specs, max_model_len=96, batch=24, retention=retention)
+        self.seqs: list[Sequence] = []
+        self.hits: list[CacheHit] = []
+        self.next = 0
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except HybridKVError:
+            return None
+
+    @rule(data=st.data(), prefix=st.sampled_from([0, 1]), extra=st.integers(1, 40), twin=st.booleans())
+    def admit(self, data: st.DataObject, prefix: int, extra: int, twin: bool) -> None:
+        self.next += 1
+        seq = Sequence(f"s{self.next}", (tokens(100 * prefix, 40) + tokens(1000 + self.next, extra))[:96])
+        source = data.draw(st.sampled_from(["mine", "other", "stale", "none"]), label="hit from")
+        if source == "stale" and self.hits:
+            hit = data.draw(st.sampled_from(self.hits), label="stale")
+            hit = CacheHit(seq.seq_id, hit.num_tokens, hit.block_ids, hit.full_hit_tokens, hit.max_hit_tokens,
+                           hit.epoch, hit.owner, hit.content)
+        elif source in ("mine", "other"):
+            hit = (self.mgr if source == "mine" else self.other).lookup(seq)
+            self.hits.append(hit)
+        else:
+            hit = None
+        n = data.draw(st.integers(0, 30), label="new tokens")
+        ext = data.draw(st.sampled_from([0, 0, 8]), label="external")
+        if self._call(self.mgr.allocate, seq, n, hit=hit, num_external_tokens=ext) is not None:
+            self.seqs.append(seq)
+            # the scheduler's convention (count the hit at once) or the caller's (after the step)
+            if data.draw(st.booleans(), label="count the hit now"):
+                seq.num_computed_tokens = (hit.num_tokens if hit else 0) + ext
+        if twin:  # the same prompt in the other manager, so its hits are for cached content there
+            twin_seq = Sequence(seq.seq_id, seq.token_ids)
+            h = self.other.lookup(twin_seq)
+            if self.other.allocate(twin_seq, twin_seq.num_tokens - h.num_tokens if
+                                   twin_seq.num_tokens - h.num_tokens <= 24 else 24, hit=h) is not None:
+                twin_seq.num_computed_tokens = min(twin_seq.num_tokens, h.num_tokens + 24)
+                self.other.free(twin_seq)
+
+    @rule(data=st.data())
+    def set_count(self, data: st.DataObject) -> None:
+        if self.seqs:
+            seq = data.draw(st.sampled_from(self.seqs), label="sequence")
+            how = data.draw(st.sampled_from(["advance", "rewind", "past", "zero"]), label="how")
+            c = seq.num_computed_tokens
+            seq.num_computed_tokens = {"advance": min(seq.num_tokens, c + data.draw(st.integers(0, 24))),
+                                       "rewind": max(0, c - data.draw(st.integers(1, 40))),
+                                       "past": min(seq.num_tokens, c + data.draw(st.integers(1, 80))),
+                                       "zero": 0}[how]
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        if self.seqs:
+            seq = data.draw(st.sampled_from(self.seqs), label="sequence")
+            if seq.num_computed_tokens == seq.num_tokens < 96 and data.draw(st.booleans(), label="decode"):
+                seq.append_token_ids([7])
+            n = data.draw(st.integers(0, 30), label="tokens")
+            look = data.draw(st.sampled_from([0, 0, 2]), label="lookahead")
+            whole = data.draw(st.booleans(), label="whole")
+            self._call(self.mgr.allocate, seq, n, num_lookahead_tokens=look, whole_sequence_must_fit=whole)
+
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        if self.seqs:
+            seq = data.draw(st.sampled_from(self.seqs), label="sequence")
+            self.mgr.free(seq)
+            self.seqs.remove(seq)
+            seq.num_computed_tokens = 0
+
+    @rule()
+    def reset(self) -> None:
+        self.mgr.reset_prefix_cache()
+
+    @invariant()
+    def consistent(self) -> None:
+        if hasattr(self, "mgr"):
+            self.mgr.check_invariants()
+            self.other.check_invariants()
+
+
+TestCountMisuse = CountMisuseMachine.TestCase

@@ -144,6 +144,7 @@ class BlockPool:
         "_events",
         "evictions",
         "_dups",
+        "_remembered",
     )
 
     def __init__(
@@ -184,6 +185,8 @@ class BlockPool:
         self.kept = kept_tier(self.ref_cnt) if kept_tier is not None else None
         self._events: list[KVCacheEvent] = []
         self.evictions = 0  # hashes dropped so far: a hit looked up at the same count is still valid
+        self._remembered: dict[int, OrderedDict[bytes, None]] = {}
+        """Per group that asked (``remember_evictions``): the hashes it lost to eviction, newest last."""
 
     # ------------------------------------------------------------------ counts
     @property
@@ -314,7 +317,7 @@ class BlockPool:
                 out.append(got)
                 continue
             group, h = groups[b], hashes[b]
-            if slow or h in dups[group] or (depended_on and b in depended_on):
+            if slow or h in dups[group] or (depended_on and b in depended_on) or group in self._remembered:
                 self._evict(b)
             else:  # inline ``_evict`` for the common block: the only one holding h, none depending on it
                 del index[group][h]  # type: ignore[arg-type]
@@ -331,6 +334,8 @@ class BlockPool:
         if depended_on and any(map(depended_on.__contains__, victims)):
             return False
         hashes, groups, index, dups = self.block_hash, self.block_group, self.index, self._dups
+        if self._remembered and not self._remembered.keys().isdisjoint(gather(groups, victims)):
+            return False  # a group whose evictions are remembered: the per-block path records them
         if any(dups):  # conservative, in C: a victim's hash among any group's duplicates refuses the run
             victim_hashes = gather(hashes, victims)
             if any(not d.keys().isdisjoint(victim_hashes) for d in dups if d):
@@ -376,6 +381,12 @@ class BlockPool:
                 del dups[h]
         self.block_hash[b] = None
         self.evictions += 1
+        remembered = self._remembered.get(group)
+        if remembered is not None:
+            remembered[h] = None
+            remembered.move_to_end(h)
+            if len(remembered) > self.num_blocks:
+                remembered.popitem(last=False)
         if self.enable_events:
             self._events.append(BlockRemoved(group, (h,)))
         if self.kept is not None:
@@ -475,6 +486,17 @@ class BlockPool:
         for b in block_ids:
             if b != NULL_BLOCK and self.block_hash[b] is not None:
                 self._evict(b)
+
+    def remember_evictions(self, groups: Iterable[int]) -> None:
+        """Record, for these groups, the hashes eviction takes from the cache (the latest
+        ``num_blocks`` per group), so ``was_evicted`` can tell a lost entry from one never cached."""
+        self._remembered = {g: OrderedDict() for g in groups}
+
+    def was_evicted(self, group: int, block_hash: bytes) -> bool:
+        """Whether eviction took ``block_hash`` from ``group`` (a group given to ``remember_evictions``)
+        and it has not been cached again since."""
+        remembered = self._remembered.get(group)
+        return remembered is not None and block_hash in remembered and block_hash not in self.index[group]
 
     # ------------------------------------------------------------------ cache
     def cache_blocks(self, group: int, block_ids: list[int], block_hashes: list[bytes], *,

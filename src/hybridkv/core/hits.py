@@ -56,6 +56,40 @@ class CacheHit:
         return sum(1 for ids in self.block_ids for b in ids if b != NULL_BLOCK)
 
 
+LOSS_CAUSES = ("window_evicted", "state_evicted", "state_not_checkpointed")
+"""Why a hybrid hit stops short of its full-attention prefix: a sliding-window or chunked-local
+group lacks blocks the hit reads (dropped, then evicted); a recurrent group lacks the state there,
+because eviction took it, or because no step ever checkpointed it there."""
+
+
+def hit_losses(groups: Sequence[KindManager], hashes: Callable[[KindManager], list[bytes]],
+               cached: Callable[[KindManager], Mapping[bytes, int]], full_hit: int, hit: int, alignment: int,
+               evicted: Callable[[KindManager, list[bytes]], bool]) -> dict[str, int]:
+    """Replay ``agreed_hit``'s fixed point from ``full_hit`` down to the agreed ``hit`` and attribute
+    each cut to its cause: ``{cause: tokens}``, at most ``full_hit - hit`` in all (less only if
+    blocks were cached since the hit was found). ``evicted(g, hashes)`` says whether eviction took
+    any of a recurrent group's states at those block hashes."""
+    losses: dict[str, int] = {}
+    bound = full_hit
+    rest = [g for g in groups if g.constrains_hits and not g.downward_closed]
+    changed = True
+    while changed and bound > hit:
+        changed = False
+        for g in rest:
+            tokens, _ = g.find_longest_cache_hit(hashes(g), cached(g), bound)
+            if tokens < bound:
+                cut = max(hit, tokens // alignment * alignment)
+                if not g.registers_when_computed:
+                    cause = "window_evicted"
+                else:
+                    states = hashes(g)[cut // g.block_size:bound // g.block_size]
+                    cause = "state_evicted" if evicted(g, states) else "state_not_checkpointed"
+                losses[cause] = losses.get(cause, 0) + bound - cut
+                bound = cut
+                changed = True
+    return losses
+
+
 def agreed_hit(groups: Sequence[KindManager], hashes: Callable[[KindManager], list[bytes]],
                cached: Callable[[KindManager], Mapping[bytes, int]], max_hit: int, alignment: int
                ) -> tuple[int, int, list[list[int]]]:
@@ -104,7 +138,7 @@ def verify_group_hit(g: KindManager, pool: BlockPool, hashes: list[bytes], ids: 
     if not isinstance(ids, tuple) or any(type(b) is not int for b in ids):
         raise InvalidInputError(f"{where}: block ids must be a tuple of integers")
     if not num_tokens or not g.constrains_hits:
-        if any(ids):
+        if ids:
             raise InvalidInputError(f"{where}: the group adopts no blocks, got {ids}")
         return
     first, end = g.hit_span(num_tokens)

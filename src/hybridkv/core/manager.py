@@ -25,8 +25,8 @@ from itertools import chain
 from hybridkv.core._util import gather, gcd_all, lcm_all
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
 from hybridkv.core.hashing import BlockHasher, HashAlgorithm
-from hybridkv.core.hits import CacheHit, HitRules, agreed_hit, verify_group_hit
-from hybridkv.core.kinds import NEVER, KindManager, MambaManager, kind_manager_for
+from hybridkv.core.hits import LOSS_CAUSES, CacheHit, HitRules, agreed_hit, hit_losses, verify_group_hit
+from hybridkv.core.kinds import KindManager, MambaManager, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
 from hybridkv.core.retention import Retainer, RetentionPolicy, make_policy
 from hybridkv.core.sequence import Sequence
@@ -46,6 +46,10 @@ class KVCacheStats:
     external_tokens: int = 0
     """Tokens an external tier supplied at admission."""
     allocation_failures: int = 0
+    lost_hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOSS_CAUSES, 0))
+    """Prompt tokens of admitted sequences the full-attention groups held but the hit could not
+    serve, by cause (``hybridkv.core.hits.LOSS_CAUSES``): what a hybrid layout lost against a
+    cache of full attention only."""
     retention: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -136,14 +140,23 @@ class KVCacheManager:
         # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
         # return at once.
         self._idle_until: dict[Sequence, int] = {}
-        # Per running sequence: (floor, ceiling) of the computed-token counts its caller may report:
-        # what was computed when its last allocation was planned, and the most tokens that
-        # allocation (or the idle steps after it) gave slots to. A count outside it is a rewind or
-        # a claim for tokens that have no slots: ``allocate`` refuses it, ``free`` uses the floor.
-        self._progress: dict[str, tuple[int, int]] = {}
+        # Per running sequence, from its last allocation: (base, known, ceiling): the tokens computed
+        # before it, the tokens it gave slots to (the step's end), and the most slots the idle steps
+        # after it may reach. The next allocation must report at least ``base`` computed tokens
+        # (less is a rewind) and at most ``ceiling`` (more were never given slots); with a recurrent
+        # group, at least ``known``: a state exists only once its whole step ran, so a step cannot
+        # be re-planned or run in part. ``free`` trusts a count between ``base`` and ``ceiling`` and
+        # otherwise takes ``base`` (the step never ran).
+        self._progress: dict[str, tuple[int, int, int]] = {}
+        self._whole_steps = bool(self._deferred)
+        # Running sequences whose hit took blocks another sequence was to compute in the same step,
+        # freed before it ran: that KV will never be written, so they cannot go on (free them).
+        self._orphaned: dict[str, str] = {}
+        self._losses: dict[str, dict[str, int]] = {}  # per running sequence admitted on a shortened hit
         self._no_new_blocks = _empty_lists(len(self.groups))
         self._stats = KVCacheStats()
         self._token = object()  # the identity hits found here carry
+        self.pool.remember_evictions(g.group for g in self._deferred)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -204,6 +217,13 @@ class KVCacheManager:
         if not isinstance(seq_id, str) or seq_id not in self._seqs:
             raise UnknownSequenceError(f"sequence {seq_id!r} holds no blocks")
         return tuple(tuple(g.tables.get(seq_id, ())) for g in self.groups)
+
+    def lost_hit_tokens(self, seq_id: str) -> dict[str, int]:
+        """Why the running sequence's hit at admission stopped short of the prefix its full-attention
+        groups held: tokens per cause (``hybridkv.core.hits.LOSS_CAUSES``); empty if it lost none."""
+        if not isinstance(seq_id, str) or seq_id not in self._seqs:
+            raise UnknownSequenceError(f"sequence {seq_id!r} holds no blocks")
+        return dict(self._losses.get(seq_id, {}))
 
     def num_held_blocks(self, seq_id: str) -> int:
         """Non-null blocks the sequence holds, over all groups (0 for one that holds none)."""
@@ -286,6 +306,15 @@ class KVCacheManager:
         return CacheHit(seq.seq_id, tokens, tuple(map(tuple, blocks)), full_hit, max_hit, self.pool.evictions,
                         self._token, self._content(seq, tokens))
 
+    def _hit_losses(self, seq: Sequence, hit: CacheHit) -> dict[str, int]:
+        """Why ``hit`` (found here, being adopted) stops short of its full-attention prefix: tokens
+        per cause (``hybridkv.core.hits.LOSS_CAUSES``)."""
+        index = self.pool.index
+        was_evicted = self.pool.was_evicted
+        return hit_losses(self.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group],
+                          hit.full_hit_tokens, hit.num_tokens, self.hit_alignment,
+                          lambda g, hashes: any(was_evicted(g.group, h) for h in hashes))
+
     def _content(self, seq: Sequence, num_tokens: int) -> bytes | None:
         """The hash fingerprinting the sequence's first ``num_tokens`` tokens (and its salt)."""
         if not num_tokens or not self._caching:
@@ -318,7 +347,7 @@ class KVCacheManager:
             computed = seq.num_computed_tokens
             if (type(num_new_tokens) is int and type(num_lookahead_tokens) is int and type(computed) is int
                     and 0 < num_new_tokens <= self.max_num_batched_tokens - num_lookahead_tokens
-                    and num_lookahead_tokens >= 0 and computed >= self._progress[seq.seq_id][0]
+                    and num_lookahead_tokens >= 0 and computed >= self._progress[seq.seq_id][self._whole_steps]
                     and computed + num_new_tokens + num_lookahead_tokens <= idle
                     and computed + num_new_tokens <= seq.num_tokens <= self.max_model_len):
                 return self._no_new_blocks()  # the step has nothing to allocate, register or drop
@@ -329,15 +358,25 @@ class KVCacheManager:
         groups = self.groups
         pool = self.pool
         adopted: CacheHit | None = None
+        losses: dict[str, int] | None = None
         if sid in self._seqs:
             self._check_running(seq, hit, num_external_tokens)
-            computed = seq.num_computed_tokens
-            floor, ceiling = self._progress[sid]
-            if not floor <= computed <= ceiling:
+            if sid in self._orphaned:
                 raise InvalidInputError(
-                    f"sequence {sid!r}: num_computed_tokens={computed} but {floor}..{ceiling} are possible "
-                    f"(the tokens computed before its last allocation, the slots it holds); a rewind "
-                    f"needs free() and a new admission"
+                    f"sequence {sid!r} adopted blocks sequence {self._orphaned[sid]!r} was to compute in the same "
+                    f"step, and {self._orphaned[sid]!r} was freed before that step ran: free {sid!r} and admit "
+                    f"it again"
+                )
+            computed = seq.num_computed_tokens
+            progress = self._progress[sid]
+            lowest, ceiling = progress[self._whole_steps], progress[2]
+            if not lowest <= computed <= ceiling:
+                since = "that step's end" if self._whole_steps else "what was computed before it"
+                what = "a rewind, or a step re-planned or run in part," if self._whole_steps else "a rewind"
+                raise InvalidInputError(
+                    f"sequence {sid!r}: num_computed_tokens={computed}, but after its last allocation it can "
+                    f"only be {lowest}..{ceiling} ({since} .. the slots it holds): {what} needs free() and a "
+                    f"new admission"
                 )
             hit_blocks: list[list[int]] | tuple[()] = ()
         else:
@@ -390,6 +429,9 @@ class KVCacheManager:
                     g.pop_table(sid)  # forget what ``prepare`` noted
                 return None
 
+            # Why the hit is shorter than the full-attention prefix, on the pool as the lookup saw it.
+            if adopted.full_hit_tokens > computed:
+                losses = self._hit_losses(seq, adopted)
             # 3. Apply: adopt the hit in every group before any group allocates (two-phase adoption).
             pool.touch(live, free)
             for g, blocks in zip(groups, hit_blocks):
@@ -403,13 +445,17 @@ class KVCacheManager:
             if group_limit < limit:
                 limit = group_limit
         self._idle_until[seq] = limit
-        self._progress[sid] = (computed, known if known > limit else limit)
+        self._progress[sid] = (computed, known, known if known > limit else limit)
         if adopted is not None:
             st = self._stats
             st.admissions += 1
             st.queried_tokens += seq.num_tokens
             st.hit_tokens += computed
             st.external_tokens += num_external_tokens
+            if losses:
+                self._losses[sid] = losses
+                for cause, n in losses.items():
+                    st.lost_hit_tokens[cause] += n
             if self._tracks_admissions:
                 self.retainer.on_admit(seq, adopted)
         return new_blocks
@@ -471,11 +517,11 @@ class KVCacheManager:
 
     def _computed_tokens(self, seq: Sequence) -> int:
         """The running sequence's computed-token count as its caller reports it, if that is possible
-        (see ``_progress``); else the floor: what was computed before its last allocation (a caller
-        that never advanced the count, or set it wrongly, loses only what is not certain)."""
-        floor, ceiling = self._progress[seq.seq_id]
+        (see ``_progress``); else what was computed before its last allocation (a caller that never
+        advanced the count, or set it wrongly, loses only what is not certain)."""
+        base, _, ceiling = self._progress[seq.seq_id]
         computed = seq.num_computed_tokens
-        return computed if type(computed) is int and floor <= computed <= ceiling else floor
+        return computed if type(computed) is int and base <= computed <= ceiling else base
 
     def _event_tokens(self, seq: Sequence) -> list[int] | None:
         """The sequence's token ids when the pool records events (None otherwise, or without ids)."""
@@ -508,13 +554,28 @@ class KVCacheManager:
             self._register_computed(stored, computed)
         for g in self._caching:
             stale = g.uncomputed_blocks(sid, computed)
-            if stale:  # a sequence admitted in the same step on these blocks keeps them, uncached
+            if stale:
                 self.pool.uncache(stale)
+                self._orphan_adopters(g, sid, stale)
         del self._seqs[sid]
+        self._orphaned.pop(sid, None)
+        self._losses.pop(sid, None)
         self._idle_until.pop(stored, None)
         self._progress.pop(sid, None)
         tables = [g.pop_table(sid) for g in self.groups]
         self.retainer.release_sequence(stored, tables)
+
+    def _orphan_adopters(self, group: KindManager, sid: str, stale: list[int]) -> None:
+        """Mark the sequences that adopted any of ``stale`` (blocks ``sid`` registered and never
+        computed) as hit in the same step: they hold KV nobody will write."""
+        ref = self.pool.ref_cnt
+        shared = {b for b in stale if ref[b] > 1}
+        if not shared:
+            return
+        for other, table in group.tables.items():
+            if other != sid and not shared.isdisjoint(table):
+                self._orphaned.setdefault(other, sid)
+                self._idle_until.pop(self._seqs[other], None)  # its next allocate takes the checked path
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (and nothing changes) while any sequence holds blocks."""
@@ -629,12 +690,15 @@ class KVCacheManager:
         self.retainer.check_invariants()
         pool = self.pool
         refs: Counter[int] = Counter()
+        orphans: Counter[int] = Counter()  # per block, tables of orphaned sequences listing it
         for g in self.groups:
             assert set(g.tables) <= set(self._seqs), f"group {g.group} has tables of unknown sequences"
             for sid, table in g.tables.items():
                 live = [b for b in table if b != NULL_BLOCK]
                 assert len(live) == len(set(live)), f"sequence {sid!r} has a block twice in group {g.group}"
                 refs.update(live)
+                if sid in self._orphaned:
+                    orphans.update(live)
                 seq = self._seqs[sid]
                 g.check_table(sid, seq.num_computed_tokens)
                 for b in live:
@@ -654,15 +718,17 @@ class KVCacheManager:
         for b in range(1, pool.num_blocks):
             r = pool.ref_cnt[b]
             assert r == refs.get(b, 0), f"block {b}: ref_cnt {r} but {refs.get(b, 0)} table references"
-            assert r <= 1 or pool.block_hash[b] is not None, (
+            assert r - orphans.get(b, 0) <= 1 or pool.block_hash[b] is not None, (
                 f"block {b} is in {r} tables without being cached (only hits may share blocks)"
             )
         for sid, seq in self._seqs.items():
             assert any(sid in g.tables for g in self.groups) or not self.groups, f"{sid!r} has no tables"
-            assert self._idle_until.get(seq, NEVER) <= self._idle_limit(sid), f"{sid!r}: idle limit too high"
+            assert self._idle_until.get(seq, 0) <= self._idle_limit(sid), f"{sid!r}: idle limit too high"
         assert self._progress.keys() == self._seqs.keys(), "progress of sequences that hold no blocks"
-        for sid, (floor, ceiling) in self._progress.items():
-            assert 0 <= floor <= ceiling, f"{sid!r}: progress {floor}..{ceiling}"
+        assert self._orphaned.keys() <= self._seqs.keys(), "orphaned sequences that hold no blocks"
+        assert self._losses.keys() <= self._seqs.keys(), "hit losses of sequences that hold no blocks"
+        for sid, (base, known, ceiling) in self._progress.items():
+            assert 0 <= base <= known <= ceiling, f"{sid!r}: progress {base}, {known}, {ceiling}"
         assert len(self._idle_until) <= len(self._seqs) and all(
             self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
         ), "idle limits of sequences that hold no blocks"

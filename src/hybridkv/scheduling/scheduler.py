@@ -105,6 +105,8 @@ class Request:
     num_self_preemptions: int = 0
     finish_reason: str | None = None
     num_hit_tokens: int = 0
+    lost_hit_tokens: dict[str, int] = field(default_factory=dict)
+    """Prompt tokens the full-attention groups held but the hit did not serve, by cause (first admission)."""
     """Prefix-hit tokens at the latest admission."""
     num_external_tokens: int = 0
     """Tokens an external KV tier supplied at the latest admission (after the local hit)."""
@@ -224,7 +226,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        """Pick the sequences and token counts of the next step."""
+        """Pick the sequences and token counts of the next step (a previous one that scheduled tokens
+        is applied first: its sequences' allocations stand until their step is reported)."""
+        if self._unapplied is not None and self._unapplied.num_scheduled_tokens:
+            raise InvalidInputError(
+                "the previous schedule() has not been applied: update() it first (with no sampled tokens, "
+                "after aborting its requests, if its step failed)"
+            )
         cfg = self.config
         out = SchedulerOutput(rejected=self._pending_rejections)
         self._pending_rejections = []
@@ -293,6 +301,8 @@ class Scheduler:
             seq.num_computed_tokens = hit.num_tokens + external
             req.status = Status.RUNNING
             req.num_hit_tokens = hit.num_tokens
+            if hit.full_hit_tokens > hit.num_tokens:
+                req.lost_hit_tokens = mgr.lost_hit_tokens(seq.seq_id)
             req.num_external_tokens = external
             req.load = None
             if external:

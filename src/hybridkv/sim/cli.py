@@ -40,6 +40,7 @@ from hybridkv.cli_args import (
     positive_int_arg,
     write_output,
 )
+from hybridkv.core.hits import LOSS_CAUSES
 from hybridkv.errors import InvalidInputError
 from hybridkv.sim.cluster import CLUSTER_OPTIONS, ROUTERS, ClusterConfig, cluster_variants, simulate_cluster
 from hybridkv.sim.simulator import SimConfig, SimResult, simulate
@@ -63,6 +64,8 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("simulated time", lambda s: f"{s['duration_s']:.1f} s"),
     ("throughput", lambda s: f"{s['throughput_tokens_per_s']:,.0f} tok/s, {s['throughput_requests_per_s']:.2f} req/s"),
     ("prefix-hit rate (tokens)", lambda s: f"{s['prefix_hit_rate']:.1%}"),
+    ("hit tokens lost: window / state evicted / not checkpointed",
+     lambda s: " / ".join(f"{s['lost_hit_tokens'][c]:,}" for c in LOSS_CAUSES)),
     ("TTFT p50 / p90 / p99", lambda s: f"{s['ttft_p50_s']:.3f} / {s['ttft_p90_s']:.3f} / {s['ttft_p99_s']:.3f} s"),
     ("ITL p50 / p90 / p99", lambda s: f"{s['itl_p50_s'] * 1e3:.1f} / {s['itl_p90_s'] * 1e3:.1f} / "
                                       f"{s['itl_p99_s'] * 1e3:.1f} ms"),

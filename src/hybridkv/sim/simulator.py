@@ -123,8 +123,8 @@ class SimResult:
     """(time s, KV usage, cumulative prefix-hit rate)."""
     ttfts: list[float] = field(default_factory=list)
     requests: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per request id: ``hit_tokens`` and ``tier_tokens`` (at its first admission), ``ttft_s``, ``latency_s``,
-    ``finish_s``."""
+    """Per request id: ``hit_tokens``, ``tier_tokens`` and ``lost_hit_tokens`` (tokens its full-attention
+    prefix held that the hit did not serve; at its first admission), ``ttft_s``, ``latency_s``, ``finish_s``."""
 
 
 def _percentile(sorted_values: list[float] | array[float], q: float) -> float:
@@ -233,11 +233,14 @@ def _make_sequence(req: SimRequest, tiered: bool = False) -> Sequence:
 
 
 def step_work(sched: Scheduler, out: SchedulerOutput, hits: dict[str, int], tier_tokens: dict[str, int],
-              tiers: SimTiers | None) -> tuple[list[SeqWork], float]:
-    """Record the hit and tier tokens of ``out``'s admissions and start their tier loads; the step's
-    work per sequence and the seconds its blocking loads take."""
+              tiers: SimTiers | None, lost: dict[str, int] | None = None) -> tuple[list[SeqWork], float]:
+    """Record the hit, tier (and, into ``lost``, lost-hit) tokens of ``out``'s admissions and start
+    their tier loads; the step's work per sequence and the seconds its blocking loads take."""
     for sid in out.admitted:
-        hits.setdefault(sid, sched.requests[sid].num_hit_tokens)
+        req = sched.requests[sid]
+        hits.setdefault(sid, req.num_hit_tokens)
+        if lost is not None and req.lost_hit_tokens:
+            lost.setdefault(sid, sum(req.lost_hit_tokens.values()))
     load_s = 0.0
     if tiers is not None:
         for sid in out.admitted:
@@ -319,6 +322,7 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
     arrival: dict[str, float] = {}
     hits: dict[str, int] = {}
     tier_tokens: dict[str, int] = {}
+    lost: dict[str, int] = {}  # per request: hit tokens lost against its full-attention prefix
     finish: dict[str, float] = {}
     first_token: dict[str, float] = {}
     last_token: dict[str, float] = {}
@@ -358,7 +362,7 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
         if tiers is not None:
             tiers.clock.now = now
         out = sched.schedule()
-        work, load_s = step_work(sched, out, hits, tier_tokens, tiers)
+        work, load_s = step_work(sched, out, hits, tier_tokens, tiers, lost)
         if not work and not load_s and not out.rejected:  # every waiting request waits for its tier load
             now = _next_event(sched, ready, now, concurrency is None or in_flight < concurrency)
             continue
@@ -416,6 +420,7 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
         rid = r.request_id
         if rid in arrival:
             per_request[rid] = {"hit_tokens": hits.get(rid, 0), "tier_tokens": tier_tokens.get(rid, 0),
+                                "lost_hit_tokens": lost.get(rid, 0),
                                 "arrival_s": arrival[rid],
                                 "ttft_s": first_token[rid] - arrival[rid] if rid in first_token else math.nan,
                                 "latency_s": finish[rid] - arrival[rid], "finish_s": finish[rid]}
@@ -439,6 +444,7 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
         "prefix_hit_rate": st.hit_rate,
         "hit_tokens": st.hit_tokens,
         "queried_tokens": st.queried_tokens,
+        "lost_hit_tokens": dict(st.lost_hit_tokens),
         "ttft_p50_s": _percentile(ttfts, 0.5),
         "ttft_p90_s": _percentile(ttfts, 0.9),
         "ttft_p99_s": _percentile(ttfts, 0.99),
