@@ -1,6 +1,7 @@
 """Suite-wide settings: hypothesis profiles, the tier key of shared tiers, the redis-server binary.
 
-Pick a hypothesis profile with ``HYPOTHESIS_PROFILE`` (``default`` when unset)::
+Pick a hypothesis profile with ``HYPOTHESIS_PROFILE`` (``default`` when unset: derandomized, so
+a run tests the same examples every time; ``long`` draws new ones)::
 
     HYPOTHESIS_PROFILE=long .venv/bin/pytest tests/test_state_machine.py
 
@@ -23,11 +24,13 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile(
+settings.register_profile(  # the same examples every run: what it catches, it catches every time
     "default",
     max_examples=100,
     stateful_step_count=100,
     deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(
