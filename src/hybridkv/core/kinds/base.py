@@ -57,8 +57,7 @@ class KindManager:
     """Do lookahead (speculative) tokens get slots in this group? Recurrent state does not: the
     state is written at the step's end, and draft tokens that are rejected would corrupt it."""
 
-    __slots__ = ("spec", "group", "pool", "block_size", "bound", "caching", "tables", "num_cached", "num_dropped",
-                 "num_adopted")
+    __slots__ = ("spec", "group", "pool", "block_size", "bound", "caching", "tables", "num_cached", "num_dropped")
 
     def __init__(self, spec: KVCacheSpec, group: int, pool: BlockPool | None, *, bound: int,
                  enable_caching: bool) -> None:
@@ -74,9 +73,6 @@ class KindManager:
         """Per sequence, the leading table entries whose registration is settled."""
         self.num_dropped: dict[str, int] = {}
         """Per sequence, the leading table entries already dropped (all null)."""
-        self.num_adopted: dict[str, int] = {}
-        """Per sequence admitted on a hit, the leading table entries it adopted: content another
-        sequence computed (or is computing), which this one never uncaches."""
 
     # ------------------------------------------------------------------ hit rules
     def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
@@ -139,8 +135,6 @@ class KindManager:
         self.tables[seq_id] = blocks
         self.num_cached[seq_id] = len(blocks)
         self.num_dropped[seq_id] = _leading_nulls(blocks)
-        if blocks:
-            self.num_adopted[seq_id] = len(blocks)
 
     def grow(self, seq_id: str, indices: Indices, *, allow_reserved: bool) -> list[int]:
         """Give ``indices`` (from ``plan_indices``) fresh blocks, null entries in the gaps; return them."""
@@ -232,10 +226,10 @@ class KindManager:
 
     def uncomputed_blocks(self, seq_id: str, num_computed: int) -> list[int]:
         """Blocks this sequence registered whose tokens it has not computed (their step never ran):
-        to uncache at free. Adopted hit blocks are never among them: their content is another
-        sequence's, computed whatever becomes of this one."""
+        to uncache at free. ``num_computed`` is at least the hit the sequence adopted, so adopted
+        blocks (another sequence's content) are never among them."""
         end = self.num_cached.get(seq_id, 0)
-        first = max(num_computed // self.block_size, self.num_adopted.get(seq_id, 0))
+        first = num_computed // self.block_size
         if end <= first or self.registers_when_computed:
             return []
         return [b for b in self.tables[seq_id][first:end] if b != NULL_BLOCK]
@@ -244,7 +238,6 @@ class KindManager:
         """Forget the sequence; return ``(offset, entries)``: its table from the first entry not
         yet dropped (everything before ``offset`` is null). The caller frees the blocks."""
         self.num_cached.pop(seq_id, None)
-        self.num_adopted.pop(seq_id, None)
         offset = self.num_dropped.pop(seq_id, 0)
         table = self.tables.pop(seq_id, [])
         return offset, table[offset:] if offset else table
