@@ -16,7 +16,10 @@ Two policies (configuration objects; each manager builds its own ``Retainer`` fr
   *anchor* -- stays cached; window blocks dropped mid-sequence that end at no junction and at no
   replay boundary can serve no hit and are evicted before every other cached block. Junctions
   are remembered (by the anchor's hash), so a prefix recomputed after eviction keeps its window
-  too, and a recurrent group checkpoints its state there inside the prefill.
+  too, and a recurrent group checkpoints its state there inside the prefill. A released
+  sequence's computed *end* (rounded down to the hit alignment) is kept the same way: the next
+  turn of a conversation (previous prompt + answer + a new message) and a preempted sequence's
+  re-admission resume exactly there.
 
 Window retention never stalls admission. Kept blocks form the pool's last free tier
 (``KeptBlocks``). A kept block whose anchor is free sits behind that anchor in the eviction order
@@ -190,12 +193,16 @@ class WindowRetention(RetentionPolicy):
     ``max_junctions``: junctions remembered (least recently seen forgotten first).
     ``retain_at_lookup``: when an admission finds a junction whose window is already free, take
     it out of the eviction order at once.
+    ``keep_ends``: treat a released sequence's computed end (rounded down to the hit alignment) as
+    a junction, and while it runs keep the blocks its window drops that a hit at its current end
+    still needs (at most what one hit span holds, per window group: one recurrent state).
     """
 
     name: ClassVar[str] = "window"
     kept_tier: ClassVar[type[KeptBlocks] | None] = KeptBlocks
     max_junctions: int = 1 << 16
     retain_at_lookup: bool = True
+    keep_ends: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_junctions, int) or self.max_junctions <= 0:
@@ -267,10 +274,23 @@ class Retainer:
         """The policy's own invariants (AssertionError naming the broken one)."""
 
 
+class RunningEnd:
+    """Blocks a running sequence dropped that a hit at its current ``end`` needs, kept under
+    ``anchor`` (the anchor block at ``end``): ``(group, index, block, hash)``."""
+
+    __slots__ = ("end", "anchor", "blocks")
+
+    def __init__(self, end: int, anchor: int) -> None:
+        self.end = end
+        self.anchor = anchor
+        self.blocks: list[tuple[KindManager, int, int, bytes | None]] = []
+
+
 class WindowRetainer(Retainer):
     """The runtime of ``WindowRetention`` for one manager."""
 
-    __slots__ = ("policy", "kept", "hashes", "alignment", "anchor", "window_groups", "_junctions", "_counters")
+    __slots__ = ("policy", "kept", "hashes", "alignment", "anchor", "window_groups", "_junctions", "_ends",
+                 "_counters")
 
     def __init__(self, policy: WindowRetention, pool: BlockPool, kept: KeptBlocks, groups: list[KindManager],
                  hashes: HashesOf, alignment: int) -> None:
@@ -285,7 +305,10 @@ class WindowRetainer(Retainer):
         )
         self.window_groups = [g for g in groups if g.caching and not g.downward_closed]
         self._junctions: OrderedDict[bytes, None] = OrderedDict()  # anchor hash at the junction
-        self._counters = {"junctions_found": 0, "retained": 0, "released_low": 0, "retained_late": 0}
+        self._ends: dict[str, RunningEnd] = {}
+        """Per running sequence, the dropped blocks kept for a hit at its current end."""
+        self._counters = {"junctions_found": 0, "retained": 0, "released_low": 0, "retained_late": 0,
+                          "end_retained": 0}
 
     # ------------------------------------------------------------------ junctions
     def on_admit(self, seq: Sequence, hit: CacheHit) -> None:
@@ -360,13 +383,17 @@ class WindowRetainer(Retainer):
                     out.append((boundary, b))
         return out
 
-    def _classify(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]], dropped: bool) -> None:
+    def _classify(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]], dropped: bool,
+                  end: tuple[int, int] | None = None) -> None:
         """Release ``freed`` (``(index, block)``, last index first): a block inside the window of a
-        junction is kept under that junction's anchor, a dropped one outside the window a replay of
-        the prompt would read goes to ``low``, the rest to the LRU."""
+        junction (or of ``end``: ``(boundary, anchor block)``) is kept under that junction's anchor,
+        a dropped one outside the window a replay of the prompt would read goes to ``low``, the rest
+        to the LRU."""
         if not freed:
             return
         junctions = self._junction_anchors(seq, group, freed[-1][0], freed[0][0]) if self._junctions else []
+        if end is not None:
+            junctions.append(end)
         windows = [(group.hit_span(boundary), a) for boundary, a in junctions]
         align = self.alignment
         replay = group.hit_span((seq.num_prompt_tokens - 1) // align * align)
@@ -418,12 +445,17 @@ class WindowRetainer(Retainer):
         if self.anchor is None or not group.caching:
             super().release_dropped(group, seq, freed)
             return
+        if self.policy.keep_ends:
+            freed = self._keep_for_end(group, seq, freed)
         self._classify(group, seq, freed, dropped=True)
 
     def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]]) -> None:
         if self.anchor is None:
             super().release_sequence(seq, tables)
             return
+        end: tuple[int, int] | None = None
+        if self.policy.keep_ends:
+            end = self._final_end(seq, tables[self.anchor.group])
         # Windows first, while their anchors are still held (the reservation count moves with
         # them); anchors after.
         groups = self.groups
@@ -434,13 +466,97 @@ class WindowRetainer(Retainer):
             if g.caching and not g.downward_closed:
                 freed = [(offset + i, entries[i]) for i in range(len(entries) - 1, -1, -1) if entries[i]]
                 # The sequence's own anchor table is gone already: blocks are looked up by hash.
-                self._classify(g, seq, freed, dropped=False)
+                self._classify(g, seq, freed, dropped=False, end=end)
             else:
                 entries.reverse()
                 self.pool.free(entries)
 
+    # ------------------------------------------------------------------ the sequence's end
+    def _end_anchor(self, seq: Sequence, end: int, table: list[int]) -> int | None:
+        """The cached anchor block at token ``end`` (> 0): ``table``'s entry if it holds the
+        sequence's own hash, else the block the prefix cache serves that hash from."""
+        anchor = self.anchor
+        assert anchor is not None
+        i = end // anchor.block_size - 1
+        hashes = self.hashes(seq, anchor)
+        if i >= len(hashes):
+            return None
+        b = table[i] if i < len(table) else NULL_BLOCK
+        if b != NULL_BLOCK and self.pool.block_hash[b] == hashes[i]:
+            return b
+        return self.pool.get_cached_block(anchor.group, hashes[i])
+
+    def _keep_for_end(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Keep the dropped blocks of ``freed`` that a hit at the sequence's current end needs (a
+        recurrent state dropped during decode, the first window block), under the anchor there;
+        blocks kept for an earlier end are let go. Returns the blocks left to classify."""
+        anchor = self.anchor
+        assert anchor is not None
+        end = seq.num_computed_tokens // self.alignment * self.alignment
+        sid = seq.seq_id
+        running = self._ends.get(sid)
+        if running is not None and running.end != end:
+            del self._ends[sid]
+            self._let_go(seq, running)
+            running = None
+        first, stop = group.hit_span(end)
+        if end <= 0 or not freed or freed[0][0] < first or freed[-1][0] >= stop:
+            return freed  # nothing dropped inside the end's span (the common case)
+        anchor_block = self._end_anchor(seq, end, anchor.tables.get(sid, []))
+        if anchor_block is None:
+            return freed
+        # A block inside a junction's window stays with that junction (``_classify``).
+        junctions = self._junction_anchors(seq, group, freed[-1][0], freed[0][0]) if self._junctions else []
+        spans = [group.hit_span(boundary) for boundary, _ in junctions]
+        keep = [(i, b) for i, b in freed if first <= i < stop and not any(lo <= i < hi for lo, hi in spans)]
+        if not keep:
+            return freed
+        self.pool.free_kept([b for _, b in keep], self._admit_under(anchor_block))
+        kept = self.kept.kept
+        entered = [(group, i, b) for i, b in keep if kept.get(b) == anchor_block]
+        if entered:
+            if running is None:
+                running = self._ends[sid] = RunningEnd(end, anchor_block)
+            running.blocks += [(g, i, b, self.pool.block_hash[b]) for g, i, b in entered]
+            self._counters["end_retained"] += len(entered)
+        taken = {b for _, b in keep}
+        return [(i, b) for i, b in freed if b not in taken]
+
+    def _let_go(self, seq: Sequence, running: RunningEnd) -> None:
+        """Release the blocks kept for an end the sequence has moved past, as dropped blocks (those
+        another sequence adopted or pressure evicted since are no longer the sequence's)."""
+        pool, kept = self.pool, self.kept.kept
+        for g, i, b, h in running.blocks:
+            if kept.get(b) == running.anchor and pool.block_hash[b] == h:
+                pool.touch([b])
+                self._classify(g, seq, [(i, b)], dropped=True)
+
+    def _final_end(self, seq: Sequence, anchor_table: tuple[int, list[int]]) -> tuple[int, int] | None:
+        """``(end, anchor block)`` of a released sequence: its computed tokens rounded down to the
+        hit alignment, with the window blocks it dropped earlier that a hit there needs taken out
+        of the eviction order; None when nothing is cached there."""
+        sid = seq.seq_id
+        end = seq.num_computed_tokens // self.alignment * self.alignment
+        running = self._ends.pop(sid, None)
+        offset, entries = anchor_table
+        anchor_block = self._end_anchor(seq, end, [NULL_BLOCK] * offset + entries) if end > 0 else None
+        if running is not None and (running.end, running.anchor) != (end, anchor_block):
+            self._let_go(seq, running)
+        if anchor_block is None:
+            return None
+        admit = self._admit_under(anchor_block)
+        pool = self.pool
+        for g in self.window_groups:
+            first, stop = g.hit_span(end)
+            hashes = self.hashes(seq, g)
+            index = pool.index[g.group]
+            ids = [index.get(hashes[i]) for i in range(first, min(stop, len(hashes)))]
+            self._counters["end_retained"] += pool.keep_free([b for b in ids if b], admit)
+        return end, anchor_block
+
     def reset(self) -> None:
         self._junctions.clear()
+        self._ends.clear()
 
     def stats(self) -> dict[str, int]:
         return {**self._counters, "junctions_known": len(self._junctions)}
