@@ -26,6 +26,11 @@ window before some hit point.
     whole prompt, also one alignment before it (a re-sent prompt resumes there, since a hit never
     covers the last token). A trace that knows its requests' content only in blocks of ``B`` tokens
     (Mooncake: 512) sets ``end_align=B``: its requests can share only whole blocks;
+  - every aligned boundary of the answer (past the prompt), when ``answer_ends`` is set (the
+    default): a finished sequence's end (prompt plus answer, rounded down to the hit alignment) is
+    where the next turn of a conversation resumes, and a store call cannot tell which boundary will
+    be the last. Consecutive spans overlap, so this costs about one block per window group per
+    ``align`` tokens of answer (what a recurrent group stores anyway: a state per boundary);
   - every ``interval`` tokens, when set (more hit points, more bytes).
 
 Overlapping spans share their blocks (one entry per block and group). ``StoreAll`` keeps every
@@ -90,13 +95,16 @@ class StoreAll(StoragePolicy):
 @dataclass(frozen=True)
 class StoreHitSpans(StoragePolicy):
     """Growing groups every block, recurrent groups their registered states, every other group the
-    span a hit needs at each checkpoint (junctions, the prompt's end, every ``interval`` tokens)."""
+    span a hit needs at each checkpoint (junctions, the prompt's end, the answer's boundaries, every
+    ``interval`` tokens)."""
 
     interval: int = 0
     """Also a checkpoint every this many tokens (rounded up to the hit alignment); 0: none."""
     end_align: int = 0
     """The prompt-end checkpoint is the prompt's length rounded down to a multiple of this (and of the
     hit alignment); 0: the hit alignment."""
+    answer_ends: bool = True
+    """Also a checkpoint at every hit-aligned boundary past the prompt (the answer's possible ends)."""
 
     name = "hit-spans"
 
@@ -105,6 +113,8 @@ class StoreHitSpans(StoragePolicy):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidInputError(f"StoreHitSpans.{field} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.answer_ends, bool):
+            raise InvalidInputError(f"StoreHitSpans.answer_ends must be a bool, got {self.answer_ends!r}")
 
     def checkpoints(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
                     junctions: Iterable[int] = ()) -> list[int]:
@@ -118,6 +128,8 @@ class StoreHitSpans(StoragePolicy):
         for p in (last, prompt - align if last == prompt else 0):
             if start < p <= end and p > 0:
                 points.add(p // align * align)
+        if self.answer_ends and end > prompt:
+            points.update(range((max(start, prompt) // align + 1) * align, end + 1, align))
         if self.interval:
             step = -(-self.interval // align) * align
             points.update(range((start // step + 1) * step, end + 1, step))
