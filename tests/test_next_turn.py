@@ -77,23 +77,29 @@ def test_without_the_end_checkpoint_pressure_takes_the_end_while_its_chain_is_ca
     assert any(hit < 400 for hit, chain in trajectory if chain == 400), trajectory
 
 
-def test_a_running_sequence_keeps_at_most_its_current_ends_state_while_it_decodes() -> None:
+def test_a_decoding_sequence_leaves_only_its_current_ends_state_out_of_low() -> None:
     mgr = manager(400, full(), mamba(), max_model_len=4096, batch=4096, retention="window")
     seq = Sequence("s", tokens(0, 300))
     run_prefill(mgr, seq, 4096)
-    kept = mgr.pool.kept
-    assert kept is not None
+    pool = mgr.pool
+    states = []
     for k in range(100):
         seq.append_token_ids([ANSWER + k])
         assert mgr.allocate(seq, 1) is not None
         seq.num_computed_tokens += 1
-        # The state at the current end (once dropped) is kept, reserved: its anchor is held.
-        assert len(kept) <= 1 and kept.num_reserved == len(kept)
+        free_states = [b for b in range(1, pool.num_blocks) if pool.block_group[b] == 1 and pool.block_hash[b]
+                       and not pool.ref_cnt[b]]
+        in_lru = [b for b in free_states if pool.tier_of(b) == "lru"]
+        # The state at the current end (dropped once the sequence moved past it) waits in the LRU;
+        # the earlier decode states went to ``low``; the state at the prompt's end (288) to the LRU.
+        assert len(in_lru) <= 2 and pool.num_kept_blocks == 0
+        states.append(len(free_states))
         mgr.check_invariants()
-    assert len(kept) == 1  # 400 computed: the state at 384 was dropped, kept for an end at 384
+    assert states[-1] == 7  # 288 (the prompt's end), then 304 .. 384 dropped during decode
+    assert len(in_lru) == 2  # 288 and 384 (400 computed: the end is 400, 384 is let go at the next step)
     mgr.free(seq)
-    assert kept.num_reserved == 0
     assert mgr.lookup(next_turn(seq)).num_tokens == 400  # the running state at 400, registered at free
+    assert pool.num_kept_blocks == 1  # it is kept under the anchor at 400
 
 
 def test_a_preempted_sequence_is_readmitted_from_its_computed_end() -> None:

@@ -194,8 +194,9 @@ class WindowRetention(RetentionPolicy):
     ``retain_at_lookup``: when an admission finds a junction whose window is already free, take
     it out of the eviction order at once.
     ``keep_ends``: treat a released sequence's computed end (rounded down to the hit alignment) as
-    a junction, and while it runs keep the blocks its window drops that a hit at its current end
-    still needs (at most what one hit span holds, per window group: one recurrent state).
+    a junction. While it runs, the blocks its window drops that a hit at its current end still
+    needs (at most one per window group: a recurrent state, a window's first block) go to the LRU
+    tail instead of ``low``, and to ``low`` once the end moves past them.
     """
 
     name: ClassVar[str] = "window"
@@ -275,14 +276,13 @@ class Retainer:
 
 
 class RunningEnd:
-    """Blocks a running sequence dropped that a hit at its current ``end`` needs, kept under
-    ``anchor`` (the anchor block at ``end``): ``(group, index, block, hash)``."""
+    """Blocks a running sequence dropped (to the LRU tail) that a hit at its current ``end`` needs:
+    ``(group, table index, block, hash)``."""
 
-    __slots__ = ("end", "anchor", "blocks")
+    __slots__ = ("end", "blocks")
 
-    def __init__(self, end: int, anchor: int) -> None:
+    def __init__(self, end: int) -> None:
         self.end = end
-        self.anchor = anchor
         self.blocks: list[tuple[KindManager, int, int, bytes | None]] = []
 
 
@@ -487,11 +487,10 @@ class WindowRetainer(Retainer):
         return self.pool.get_cached_block(anchor.group, hashes[i])
 
     def _keep_for_end(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Keep the dropped blocks of ``freed`` that a hit at the sequence's current end needs (a
-        recurrent state dropped during decode, the first window block), under the anchor there;
-        blocks kept for an earlier end are let go. Returns the blocks left to classify."""
-        anchor = self.anchor
-        assert anchor is not None
+        """Release to the LRU tail the dropped blocks of ``freed`` that a hit at the sequence's current
+        end needs (a recurrent state dropped during decode, the first block of a window), remembering
+        them: kept at the sequence's release if its end is still there, sent to ``low`` once the end
+        moves on. Returns the blocks left to classify."""
         end = seq.num_computed_tokens // self.alignment * self.alignment
         sid = seq.seq_id
         running = self._ends.get(sid)
@@ -502,46 +501,40 @@ class WindowRetainer(Retainer):
         first, stop = group.hit_span(end)
         if end <= 0 or not freed or freed[0][0] < first or freed[-1][0] >= stop:
             return freed  # nothing dropped inside the end's span (the common case)
-        anchor_block = self._end_anchor(seq, end, anchor.tables.get(sid, []))
-        if anchor_block is None:
-            return freed
         # A block inside a junction's window stays with that junction (``_classify``).
         junctions = self._junction_anchors(seq, group, freed[-1][0], freed[0][0]) if self._junctions else []
         spans = [group.hit_span(boundary) for boundary, _ in junctions]
         keep = [(i, b) for i, b in freed if first <= i < stop and not any(lo <= i < hi for lo, hi in spans)]
         if not keep:
             return freed
-        self.pool.free_kept([b for _, b in keep], self._admit_under(anchor_block))
-        kept = self.kept.kept
-        entered = [(group, i, b) for i, b in keep if kept.get(b) == anchor_block]
-        if entered:
-            if running is None:
-                running = self._ends[sid] = RunningEnd(end, anchor_block)
-            running.blocks += [(g, i, b, self.pool.block_hash[b]) for g, i, b in entered]
-            self._counters["end_retained"] += len(entered)
+        released = set(self.pool.free([b for _, b in keep]))
+        block_hash = self.pool.block_hash
+        if running is None:
+            running = self._ends[sid] = RunningEnd(end)
+        running.blocks += [(group, i, b, block_hash[b]) for i, b in keep if b in released and block_hash[b] is not None]
         taken = {b for _, b in keep}
         return [(i, b) for i, b in freed if b not in taken]
 
     def _let_go(self, seq: Sequence, running: RunningEnd) -> None:
-        """Release the blocks kept for an end the sequence has moved past, as dropped blocks (those
-        another sequence adopted or pressure evicted since are no longer the sequence's)."""
-        pool, kept = self.pool, self.kept.kept
+        """Send the blocks remembered for an end the sequence has moved past where dropped blocks go
+        (those another sequence adopted or pressure evicted since are no longer the sequence's)."""
+        pool = self.pool
         for g, i, b, h in running.blocks:
-            if kept.get(b) == running.anchor and pool.block_hash[b] == h:
+            if pool.block_hash[b] == h and pool.tier_of(b) == "lru":
                 pool.touch([b])
                 self._classify(g, seq, [(i, b)], dropped=True)
 
     def _final_end(self, seq: Sequence, anchor_table: tuple[int, list[int]]) -> tuple[int, int] | None:
         """``(end, anchor block)`` of a released sequence: its computed tokens rounded down to the
-        hit alignment, with the window blocks it dropped earlier that a hit there needs taken out
-        of the eviction order; None when nothing is cached there."""
+        hit alignment, with the blocks it dropped earlier that a hit there needs taken out of the
+        eviction order; None when nothing is cached there."""
         sid = seq.seq_id
         end = seq.num_computed_tokens // self.alignment * self.alignment
         running = self._ends.pop(sid, None)
+        if running is not None and running.end != end:
+            self._let_go(seq, running)
         offset, entries = anchor_table
         anchor_block = self._end_anchor(seq, end, [NULL_BLOCK] * offset + entries) if end > 0 else None
-        if running is not None and (running.end, running.anchor) != (end, anchor_block):
-            self._let_go(seq, running)
         if anchor_block is None:
             return None
         admit = self._admit_under(anchor_block)
