@@ -26,7 +26,8 @@ blocks (a window checkpoint costs its blocks in every non-growing group), for th
 device's blocks plus the tier's, in bytes. ``growing`` resumes anywhere (windows free: an upper bound),
 ``prompt-end`` only at prompt ends and junctions, ``turn-end`` also at each request's computed end (the
 reference). Prints per variant the device / tier / total hit rate and its ratio to the ``turn-end``
-ceiling, TTFT and the simulation's wall time.
+ceiling, the share of later turns whose hit reached the previous turn's end ("at end"), TTFT and the
+simulation's wall time.
 
 The tier "before" variant swaps the simulator's storage-policy factory (``simulator.tier_storage``) for one
 that returns ``StoreHitSpans(answer_ends=False)``: ``SimConfig`` has no field for it.
@@ -79,12 +80,28 @@ def run_variant(args: argparse.Namespace, w: Workload, variant: str) -> dict[str
     finally:
         simulator.tier_storage = factory  # type: ignore[assignment]
     s = res.summary
-    return {"variant": variant, "device": s["prefix_hit_rate"], "tier": s["tier_hit_rate"],
-            "total": s["total_hit_rate"], "ttft_mean_s": s["ttft_mean_s"], "ttft_p90_s": s["ttft_p90_s"],
+    return {"variant": variant, "at_end": resumed_at_end(w, res.requests, args.alignment),
+            "device": s["prefix_hit_rate"], "tier": s["tier_hit_rate"], "total": s["total_hit_rate"], "ttft_mean_s": s["ttft_mean_s"], "ttft_p90_s": s["ttft_p90_s"],
             "preemptions": s["preemptions"], "finished": s["finished"], "stored_bytes": s["tier_stored_bytes"],
-            "retention": s.get("retention"), "kept": res.summary.get("num_blocks"),
+            "retention": s.get("retention"),
             "wall_s": time.perf_counter() - t0,
             "order": sorted(res.requests, key=lambda rid: res.requests[rid]["arrival_s"])}
+
+
+def resumed_at_end(w: Workload, per_request: dict[str, dict[str, float]], align: int) -> float:
+    """Fraction of the turns after the first whose hit (device and tier) reached the previous turn's computed
+    end (its prompt and answer less the last sampled token, rounded down to ``align``)."""
+    turns = {(r.conversation_id, r.turn): r for r in w.requests}
+    later = at_end = 0
+    for r in w.requests:
+        prev = turns.get((r.conversation_id, r.turn - 1)) if r.turn else None
+        if prev is None or r.request_id not in per_request:
+            continue
+        later += 1
+        got = per_request[r.request_id]
+        end = (prev.prompt_len + prev.max_new_tokens - 1) // align * align
+        at_end += got["hit_tokens"] + got["tier_tokens"] >= end
+    return at_end / later if later else 0.0
 
 
 def ceilings(args: argparse.Namespace, w: Workload, order: list[str]) -> dict[str, dict[str, float]]:
@@ -121,14 +138,14 @@ def ceilings(args: argparse.Namespace, w: Workload, order: list[str]) -> dict[st
     return out
 
 
-HEADER = (f"{'variant':<14} {'device':>7} {'tier':>7} {'total':>7} {'/ceiling':>8} {'TTFT mean':>10} {'p90':>8} "
-          f"{'preempt':>7} {'wall':>7}")
+HEADER = (f"{'variant':<14} {'device':>7} {'tier':>7} {'total':>7} {'/ceiling':>8} {'at end':>7} {'TTFT mean':>10} "
+          f"{'p90':>8} {'preempt':>7} {'wall':>7}")
 
 
 def fmt(r: dict[str, Any], ceiling: float) -> str:
     return (f"{r['variant']:<14} {r['device']:>7.1%} {r['tier']:>7.1%} {r['total']:>7.1%} "
-            f"{r['total'] / ceiling if ceiling else 0:>8.1%} {r['ttft_mean_s']:>9.3f}s {r['ttft_p90_s']:>7.3f}s "
-            f"{r['preemptions']:>7} {r['wall_s']:>6.1f}s")
+            f"{r['total'] / ceiling if ceiling else 0:>8.1%} {r['at_end']:>7.1%} {r['ttft_mean_s']:>9.3f}s "
+            f"{r['ttft_p90_s']:>7.3f}s {r['preemptions']:>7} {r['wall_s']:>6.1f}s")
 
 
 def run_workload(args: argparse.Namespace, w: Workload, variants: list[str]) -> dict[str, Any]:
@@ -168,6 +185,7 @@ def main() -> None:
     ap.add_argument("--token-trace", default=None, help="also run the workload as a token-level trace written here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    args.alignment = build_manager(base_config(args))[0].hit_alignment
     variants = [v.strip() for v in args.variants.split(",")]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
