@@ -119,6 +119,19 @@ class StoreHitSpans(StoragePolicy):
     def checkpoints(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
                     junctions: Iterable[int] = ()) -> list[int]:
         """Checkpoint positions in ``(start, end]`` (ascending, multiples of the hit alignment, > 0)."""
+        return sorted({*self._points(manager, seq, start, end, junctions), *self._answer_points(manager, seq, start,
+                                                                                                  end)})
+
+    def _answer_points(self, manager: KVCacheManager, seq: Sequence, start: int, end: int) -> range:
+        """The answer's boundaries in ``(start, end]`` (none without ``answer_ends``)."""
+        align, prompt = manager.hit_alignment, seq.num_prompt_tokens
+        if not self.answer_ends or end <= prompt:
+            return range(0)
+        return range((max(start, prompt) // align + 1) * align, end + 1, align)
+
+    def _points(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+                junctions: Iterable[int] = ()) -> set[int]:
+        """The checkpoints in ``(start, end]`` but the answer's boundaries."""
         align = manager.hit_alignment
         points = {p for p in junctions if start < p <= end and p % align == 0}
         points.update(manager.retainer.junctions(seq, start, end))
@@ -128,13 +141,11 @@ class StoreHitSpans(StoragePolicy):
         for p in (last, prompt - align if last == prompt else 0):
             if start < p <= end and p > 0:
                 points.add(p // align * align)
-        if self.answer_ends and end > prompt:
-            points.update(range((max(start, prompt) // align + 1) * align, end + 1, align))
         if self.interval:
             step = -(-self.interval // align) * align
             points.update(range((start // step + 1) * step, end + 1, step))
         points.discard(0)
-        return sorted(points)
+        return points
 
     def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
                junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
@@ -148,15 +159,22 @@ class StoreHitSpans(StoragePolicy):
         blocks for both)."""
         normal: dict[int, list[Offer]] = {}
         low: dict[int, list[Offer]] = {}
-        points: list[int] | None = None
+        points: set[int] | None = None
+        answer = self._answer_points(manager, seq, start, end)
+        # An answer boundary's span less what the previous one (offered by the call that computed it)
+        # held: one block per boundary in a window group, not the whole window again.
+        previous = start // manager.hit_alignment * manager.hit_alignment
+        offered = previous if answer and previous >= self._answer_points(manager, seq, 0, end).start else 0
         for g in manager.caching_groups:
             spec = manager.layout.groups[g].spec
             if spec.grows_with_sequence or _recurrent(manager, g):
                 normal[g] = manager.registered_blocks(seq, g, start, end)
                 continue
             if points is None:
-                points = self.checkpoints(manager, seq, start, end, junctions)
+                points = self._points(manager, seq, start, end, junctions)
             wanted = _spans(manager, g, points)
+            if answer:
+                wanted |= _spans(manager, g, answer) - (_spans(manager, g, [offered]) if offered else set())
             bs = manager.group_block_size(g)
             if not wanted:  # no checkpoint in range: nothing needed, the rest as it is
                 normal[g] = []

@@ -501,28 +501,30 @@ class WindowRetainer(Retainer):
         first, stop = group.hit_span(end)
         if end <= 0 or not freed or freed[0][0] < first or freed[-1][0] >= stop:
             return freed  # nothing dropped inside the end's span (the common case)
-        # A block inside a junction's window stays with that junction (``_classify``).
-        junctions = self._junction_anchors(seq, group, freed[-1][0], freed[0][0]) if self._junctions else []
-        spans = [group.hit_span(boundary) for boundary, _ in junctions]
-        keep = [(i, b) for i, b in freed if first <= i < stop and not any(lo <= i < hi for lo, hi in spans)]
-        if not keep:
-            return freed
+        # ``freed`` is last index first: the end's span is one slice of it.
+        lo = next(k for k, (i, _) in enumerate(freed) if i < stop)
+        hi = next((k for k, (i, _) in enumerate(freed) if i < first), len(freed))
+        keep = freed[lo:hi]
         released = set(self.pool.free([b for _, b in keep]))
         block_hash = self.pool.block_hash
         if running is None:
             running = self._ends[sid] = RunningEnd(end)
         running.blocks += [(group, i, b, block_hash[b]) for i, b in keep if b in released and block_hash[b] is not None]
-        taken = {b for _, b in keep}
-        return [(i, b) for i, b in freed if b not in taken]
+        return freed[:lo] + freed[hi:]
 
     def _let_go(self, seq: Sequence, running: RunningEnd) -> None:
         """Send the blocks remembered for an end the sequence has moved past where dropped blocks go
-        (those another sequence adopted or pressure evicted since are no longer the sequence's)."""
+        (``_classify``; those another sequence adopted or pressure evicted since are no longer the
+        sequence's)."""
         pool = self.pool
+        by_group: dict[KindManager, list[tuple[int, int]]] = {}
         for g, i, b, h in running.blocks:
             if pool.block_hash[b] == h and pool.tier_of(b) == "lru":
-                pool.touch([b])
-                self._classify(g, seq, [(i, b)], dropped=True)
+                by_group.setdefault(g, []).append((i, b))
+        for g, blocks in by_group.items():
+            blocks.sort(reverse=True)
+            pool.touch([b for _, b in blocks])
+            self._classify(g, seq, blocks, dropped=True)
 
     def _final_end(self, seq: Sequence, anchor_table: tuple[int, list[int]]) -> tuple[int, int] | None:
         """``(end, anchor block)`` of a released sequence: its computed tokens rounded down to the

@@ -197,13 +197,14 @@ def turn_ceiling(requests: Sequence[SimRequest], capacity: float, *, model: str,
             return [(("w", g, keys[i]), size) for g, i, size in span(m * bs)]  # noqa: B023
 
         cap = (length - 1) // bs
-        resume = held = 0
-        for m, key in enumerate(keys[:cap], 1):
+        held = 0
+        for key in keys[:cap]:
             if key not in (seen if model == "infinite" else lru):
                 break
-            held = m
-            if anywhere or all(e in lru for e, _ in entries(m)):
-                resume = m
+            held += 1
+        resume = held  # the longest held run, back to where the other groups' blocks are held too
+        while resume and not anywhere and not all(e in lru for e, _ in entries(resume)):
+            resume -= 1
         hit_total += resume * bs
         computed = (length + req.max_new_tokens - 1) // bs
         if model == "infinite":
