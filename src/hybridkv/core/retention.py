@@ -498,19 +498,33 @@ class WindowRetainer(Retainer):
             del self._ends[sid]
             self._let_go(seq, running)
             running = None
+        if end <= 0 or not freed or (seq.num_computed_tokens + 1) % self.alignment == 0:
+            return freed  # no end yet, or the step being allocated moves it (a window's usual drop point)
         first, stop = group.hit_span(end)
-        if end <= 0 or not freed or freed[0][0] < first or freed[-1][0] >= stop:
+        if freed[0][0] < first or freed[-1][0] >= stop:
             return freed  # nothing dropped inside the end's span (the common case)
-        # ``freed`` is last index first: the end's span is one slice of it.
+        # ``freed`` is last index first: the end's span is one slice of it; a block inside a
+        # junction's window stays with that junction (``_classify``).
         lo = next(k for k, (i, _) in enumerate(freed) if i < stop)
         hi = next((k for k, (i, _) in enumerate(freed) if i < first), len(freed))
-        keep = freed[lo:hi]
+        windows = self._windows(seq, group, first, stop)
+        keep = [(i, b) for i, b in freed[lo:hi] if not any(w0 <= i < w1 for (w0, w1), _ in windows)]
+        if not keep:
+            return freed
         released = set(self.pool.free([b for _, b in keep]))
         block_hash = self.pool.block_hash
         if running is None:
             running = self._ends[sid] = RunningEnd(end)
         running.blocks += [(group, i, b, block_hash[b]) for i, b in keep if b in released and block_hash[b] is not None]
-        return freed[:lo] + freed[hi:]
+        taken = {b for _, b in keep}
+        return [(i, b) for i, b in freed if b not in taken]
+
+    def _windows(self, seq: Sequence, group: KindManager, first: int, stop: int) -> list[tuple[tuple[int, int], int]]:
+        """``(span, anchor block)`` of the remembered junctions whose window in ``group`` meets
+        blocks ``first .. stop - 1``."""
+        if not self._junctions or stop <= first:
+            return []
+        return [(group.hit_span(boundary), a) for boundary, a in self._junction_anchors(seq, group, first, stop - 1)]
 
     def _let_go(self, seq: Sequence, running: RunningEnd) -> None:
         """Send the blocks remembered for an end the sequence has moved past where dropped blocks go
@@ -545,7 +559,14 @@ class WindowRetainer(Retainer):
             first, stop = g.hit_span(end)
             hashes = self.hashes(seq, g)
             index = pool.index[g.group]
-            ids = [index.get(hashes[i]) for i in range(first, min(stop, len(hashes)))]
+            stop = min(stop, len(hashes))
+            # Free blocks of the end's window (dropped earlier) are kept under the anchor there; one
+            # inside a junction's window under that junction's anchor (it outlives the end's).
+            ids = [index.get(hashes[i]) for i in range(first, stop)]
+            windows = self._windows(seq, g, first, stop)
+            for (w0, w1), a in windows:
+                junction = ids[max(0, w0 - first) : max(0, w1 - first)]
+                self._counters["end_retained"] += pool.keep_free([b for b in junction if b], self._admit_under(a))
             self._counters["end_retained"] += pool.keep_free([b for b in ids if b], admit)
         return end, anchor_block
 
