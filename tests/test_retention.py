@@ -29,6 +29,19 @@ def test_window_retention_recovers_hybrid_hits_under_pressure() -> None:
     assert kept.calls["junctions_found"] > 0 and kept.calls["retained"] > 0
 
 
+def test_keeping_sequence_ends_costs_shared_prefix_hits_nothing() -> None:
+    # Gemma 3 27B under pressure: 120 requests on 4 prefixes of 2,048 tokens. A sequence's end (its
+    # decode drops reach into the junction's window) must never take the junction's window blocks.
+    from hybridkv.sim.simulator import SimConfig, simulate
+    from hybridkv.sim.workloads import ClosedLoop, shared_prefix
+
+    w = shared_prefix(120, num_prefixes=4, prefix_len=2048, suffix_len=256, max_new_tokens=64, arrivals=ClosedLoop(16))
+    rates = [simulate(w, SimConfig(kv_cache_tokens=60000, max_model_len=8192,
+                                   retention=WindowRetention(keep_ends=keep))).summary["prefix_hit_rate"]
+             for keep in (False, True)]
+    assert rates[1] >= rates[0] > 0.8
+
+
 def test_window_retention_does_not_lose_to_lru_when_everything_fits() -> None:
     roomy = replace(SMALL, num_blocks=20000)
     prompts = build_workload(roomy)
