@@ -194,9 +194,9 @@ class WindowRetention(RetentionPolicy):
     ``retain_at_lookup``: when an admission finds a junction whose window is already free, take
     it out of the eviction order at once.
     ``keep_ends``: treat a released sequence's computed end (rounded down to the hit alignment) as
-    a junction. While it runs, the blocks its window drops that a hit at its current end still
-    needs (at most one per window group: a recurrent state, a window's first block) go to the LRU
-    tail instead of ``low``, and to ``low`` once the end moves past them.
+    a junction. While it runs, the blocks it drops that a hit at its current end still needs (the
+    state a recurrent group wrote at the last block boundary it crossed: one per group) go to the
+    LRU tail instead of ``low``, and to ``low`` once the end moves past them.
     """
 
     name: ClassVar[str] = "window"
@@ -306,7 +306,7 @@ class WindowRetainer(Retainer):
         self.window_groups = [g for g in groups if g.caching and not g.downward_closed]
         self._junctions: OrderedDict[bytes, None] = OrderedDict()  # anchor hash at the junction
         self._ends: dict[str, RunningEnd] = {}
-        """Per running sequence, the dropped blocks kept for a hit at its current end."""
+        """Per running sequence, the blocks it dropped (to the LRU tail) that a hit at its current end needs."""
         self._counters = {"junctions_found": 0, "retained": 0, "released_low": 0, "retained_late": 0,
                           "end_retained": 0}
 
