@@ -29,6 +29,19 @@ def test_window_retention_recovers_hybrid_hits_under_pressure() -> None:
     assert kept.calls["junctions_found"] > 0 and kept.calls["retained"] > 0
 
 
+def test_keeping_sequence_ends_costs_shared_prefix_hits_nothing() -> None:
+    # Gemma 3 27B under pressure: 120 requests on 4 prefixes of 2,048 tokens. A sequence's end (its
+    # decode drops reach into the junction's window) must never take the junction's window blocks.
+    from hybridkv.sim.simulator import SimConfig, simulate
+    from hybridkv.sim.workloads import ClosedLoop, shared_prefix
+
+    w = shared_prefix(120, num_prefixes=4, prefix_len=2048, suffix_len=256, max_new_tokens=64, arrivals=ClosedLoop(16))
+    rates = [simulate(w, SimConfig(kv_cache_tokens=60000, max_model_len=8192,
+                                   retention=WindowRetention(keep_ends=keep))).summary["prefix_hit_rate"]
+             for keep in (False, True)]
+    assert rates[1] >= rates[0] > 0.8
+
+
 def test_window_retention_does_not_lose_to_lru_when_everything_fits() -> None:
     roomy = replace(SMALL, num_blocks=20000)
     prompts = build_workload(roomy)
@@ -48,7 +61,12 @@ def test_junction_window_is_retained_and_released_with_its_prefix(chunk: int) ->
     run_prefill(mgr, b, chunk)
     mgr.free(b)
     assert mgr.stats.retention["junctions_found"] == 1
-    assert mgr.pool.num_kept_blocks == 2  # cdiv(31, 16) blocks ending at 128
+    # cdiv(31, 16) = 2 window blocks ending at the junction (128), and 2 ending at each freed
+    # sequence's end (192: a re-sent prompt or the next turn resumes there).
+    assert mgr.pool.num_kept_blocks == 6
+    kept = mgr.pool.kept
+    assert kept is not None
+    anchors = {mgr.pool.block_hash[a] for a in kept.by_anchor}
     # Pressure: unrelated prompts take the whole pool; the window goes only with its prefix.
     for i in range(6):
         s = Sequence(f"x{i}", tokens(10000 * (i + 2), 300))
@@ -57,8 +75,8 @@ def test_junction_window_is_retained_and_released_with_its_prefix(chunk: int) ->
         mgr.check_invariants()
     hit = mgr.lookup(Sequence("c", prefix + tokens(3000, 10)))
     assert hit.num_tokens in (0, 128)
-    if hit.num_tokens == 0:
-        assert mgr.pool.num_kept_blocks == 0  # released together with the evicted prefix
+    if hit.num_tokens == 0:  # released together with the evicted prefix (the x's keep their own ends)
+        assert anchors.isdisjoint(mgr.pool.block_hash[a] for a in kept.by_anchor)
 
 
 def test_retention_never_stalls_a_running_sequence() -> None:
@@ -84,8 +102,10 @@ def test_a_policy_object_is_configuration_shared_by_managers() -> None:
 
 
 def _junction(a_suffix: int = 64, num_blocks: int = 120):  # type: ignore[no-untyped-def]
-    """a and b share 128 tokens: b's lookup finds the junction; b's window at 128 is kept."""
-    mgr = manager(num_blocks, full(16), swa(32, 16), retention="window", max_model_len=2048, batch=2048)
+    """a and b share 128 tokens: b's lookup finds the junction; b's window at 128 is kept (the
+    windows at a's and b's ends are not: junctions alone)."""
+    mgr = manager(num_blocks, full(16), swa(32, 16), retention=WindowRetention(keep_ends=False),
+                  max_model_len=2048, batch=2048)
     prefix = tokens(0, 128)
     a = Sequence("a", prefix + tokens(1000, a_suffix))
     run_prefill(mgr, a, 256)

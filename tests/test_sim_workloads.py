@@ -380,3 +380,26 @@ def test_unreadable_trace_file_is_reported_with_its_path(tmp_path: Path) -> None
     (tmp_path / "x.jsonl.gz").write_bytes(b"not gzip")
     with pytest.raises(InvalidInputError, match=re.escape("x.jsonl.gz:1: cannot read the file")):
         read_trace(tmp_path / "x.jsonl.gz")
+
+
+def test_a_token_level_conversation_holds_the_simulators_answers() -> None:
+    from hybridkv.sim.workloads import SIM_ANSWER_TOKEN, with_token_ids
+
+    w = multi_turn_chat(2, 3, system_prompt_len=32, user_len=10, max_new_tokens=7, seed=3)
+    t = with_token_ids(w)
+    assert [r.request_id for r in t.requests] == [r.request_id for r in w.requests]
+    by_id = {r.request_id: r for r in t.requests}
+    for r in w.requests:
+        ids = list(by_id[r.request_id].token_ids or ())
+        assert len(ids) == r.prompt_len and ids[:32] == r.prompt_token_ids()[:32]
+        if r.turn:
+            prev = by_id[f"{r.conversation_id}-turn-{r.turn - 1}"]
+            n = len(prev.token_ids or ())
+            # The previous prompt, its answer as the simulator generates it, a new user message.
+            assert ids[:n] == list(prev.token_ids or ()) and ids[n : n + 7] == [SIM_ANSWER_TOKEN] * 7
+    path = Path(__file__).parent / "_tmp_tokens.jsonl"
+    try:
+        write_trace(path, t)
+        assert read_trace(path).requests == t.requests
+    finally:
+        path.unlink(missing_ok=True)

@@ -26,6 +26,11 @@ window before some hit point.
     whole prompt, also one alignment before it (a re-sent prompt resumes there, since a hit never
     covers the last token). A trace that knows its requests' content only in blocks of ``B`` tokens
     (Mooncake: 512) sets ``end_align=B``: its requests can share only whole blocks;
+  - every aligned boundary of the answer (past the prompt), when ``answer_ends`` is set (the
+    default): a finished sequence's end (prompt plus answer, rounded down to the hit alignment) is
+    where the next turn of a conversation resumes, and a store call cannot tell which boundary will
+    be the last. Consecutive spans overlap, so this costs about one block per window group per
+    ``align`` tokens of answer (what a recurrent group stores anyway: a state per boundary);
   - every ``interval`` tokens, when set (more hit points, more bytes).
 
 Overlapping spans share their blocks (one entry per block and group). ``StoreAll`` keeps every
@@ -90,13 +95,16 @@ class StoreAll(StoragePolicy):
 @dataclass(frozen=True)
 class StoreHitSpans(StoragePolicy):
     """Growing groups every block, recurrent groups their registered states, every other group the
-    span a hit needs at each checkpoint (junctions, the prompt's end, every ``interval`` tokens)."""
+    span a hit needs at each checkpoint (junctions, the prompt's end, the answer's boundaries, every
+    ``interval`` tokens)."""
 
     interval: int = 0
     """Also a checkpoint every this many tokens (rounded up to the hit alignment); 0: none."""
     end_align: int = 0
     """The prompt-end checkpoint is the prompt's length rounded down to a multiple of this (and of the
     hit alignment); 0: the hit alignment."""
+    answer_ends: bool = True
+    """Also a checkpoint at every hit-aligned boundary past the prompt (the answer's possible ends)."""
 
     name = "hit-spans"
 
@@ -105,10 +113,25 @@ class StoreHitSpans(StoragePolicy):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidInputError(f"StoreHitSpans.{field} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.answer_ends, bool):
+            raise InvalidInputError(f"StoreHitSpans.answer_ends must be a bool, got {self.answer_ends!r}")
 
     def checkpoints(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
                     junctions: Iterable[int] = ()) -> list[int]:
         """Checkpoint positions in ``(start, end]`` (ascending, multiples of the hit alignment, > 0)."""
+        return sorted({*self._points(manager, seq, start, end, junctions), *self._answer_points(manager, seq, start,
+                                                                                                  end)})
+
+    def _answer_points(self, manager: KVCacheManager, seq: Sequence, start: int, end: int) -> range:
+        """The answer's boundaries in ``(start, end]`` (none without ``answer_ends``)."""
+        align, prompt = manager.hit_alignment, seq.num_prompt_tokens
+        if not self.answer_ends or end <= prompt:
+            return range(0)
+        return range((max(start, prompt) // align + 1) * align, end + 1, align)
+
+    def _points(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+                junctions: Iterable[int] = ()) -> set[int]:
+        """The checkpoints in ``(start, end]`` but the answer's boundaries."""
         align = manager.hit_alignment
         points = {p for p in junctions if start < p <= end and p % align == 0}
         points.update(manager.retainer.junctions(seq, start, end))
@@ -122,7 +145,7 @@ class StoreHitSpans(StoragePolicy):
             step = -(-self.interval // align) * align
             points.update(range((start // step + 1) * step, end + 1, step))
         points.discard(0)
-        return sorted(points)
+        return points
 
     def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
                junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
@@ -136,15 +159,22 @@ class StoreHitSpans(StoragePolicy):
         blocks for both)."""
         normal: dict[int, list[Offer]] = {}
         low: dict[int, list[Offer]] = {}
-        points: list[int] | None = None
+        points: set[int] | None = None
+        answer = self._answer_points(manager, seq, start, end)
+        # An answer boundary's span less what the previous one (offered by the call that computed it)
+        # held: one block per boundary in a window group, not the whole window again.
+        previous = start // manager.hit_alignment * manager.hit_alignment
+        offered = previous if answer and previous >= self._answer_points(manager, seq, 0, end).start else 0
         for g in manager.caching_groups:
             spec = manager.layout.groups[g].spec
             if spec.grows_with_sequence or _recurrent(manager, g):
                 normal[g] = manager.registered_blocks(seq, g, start, end)
                 continue
             if points is None:
-                points = self.checkpoints(manager, seq, start, end, junctions)
+                points = self._points(manager, seq, start, end, junctions)
             wanted = _spans(manager, g, points)
+            if answer:
+                wanted |= _spans(manager, g, answer) - (_spans(manager, g, [offered]) if offered else set())
             bs = manager.group_block_size(g)
             if not wanted:  # no checkpoint in range: nothing needed, the rest as it is
                 normal[g] = []

@@ -16,7 +16,10 @@ Two policies (configuration objects; each manager builds its own ``Retainer`` fr
   *anchor* -- stays cached; window blocks dropped mid-sequence that end at no junction and at no
   replay boundary can serve no hit and are evicted before every other cached block. Junctions
   are remembered (by the anchor's hash), so a prefix recomputed after eviction keeps its window
-  too, and a recurrent group checkpoints its state there inside the prefill.
+  too, and a recurrent group checkpoints its state there inside the prefill. A released
+  sequence's computed *end* (rounded down to the hit alignment) is kept the same way: the next
+  turn of a conversation (previous prompt + answer + a new message) and a preempted sequence's
+  re-admission resume exactly there.
 
 Window retention never stalls admission. Kept blocks form the pool's last free tier
 (``KeptBlocks``). A kept block whose anchor is free sits behind that anchor in the eviction order
@@ -190,12 +193,17 @@ class WindowRetention(RetentionPolicy):
     ``max_junctions``: junctions remembered (least recently seen forgotten first).
     ``retain_at_lookup``: when an admission finds a junction whose window is already free, take
     it out of the eviction order at once.
+    ``keep_ends``: treat a released sequence's computed end (rounded down to the hit alignment) as
+    a junction. While it runs, the blocks it drops that a hit at its current end still needs (the
+    state a recurrent group wrote at the last block boundary it crossed: one per group) go to the
+    LRU tail instead of ``low``, and to ``low`` once the end moves past them.
     """
 
     name: ClassVar[str] = "window"
     kept_tier: ClassVar[type[KeptBlocks] | None] = KeptBlocks
     max_junctions: int = 1 << 16
     retain_at_lookup: bool = True
+    keep_ends: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_junctions, int) or self.max_junctions <= 0:
@@ -267,10 +275,22 @@ class Retainer:
         """The policy's own invariants (AssertionError naming the broken one)."""
 
 
+class RunningEnd:
+    """Blocks a running sequence dropped (to the LRU tail) that a hit at its current ``end`` needs:
+    ``(group, table index, block, hash)``."""
+
+    __slots__ = ("end", "blocks")
+
+    def __init__(self, end: int) -> None:
+        self.end = end
+        self.blocks: list[tuple[KindManager, int, int, bytes | None]] = []
+
+
 class WindowRetainer(Retainer):
     """The runtime of ``WindowRetention`` for one manager."""
 
-    __slots__ = ("policy", "kept", "hashes", "alignment", "anchor", "window_groups", "_junctions", "_counters")
+    __slots__ = ("policy", "kept", "hashes", "alignment", "anchor", "window_groups", "_junctions", "_ends",
+                 "_counters")
 
     def __init__(self, policy: WindowRetention, pool: BlockPool, kept: KeptBlocks, groups: list[KindManager],
                  hashes: HashesOf, alignment: int) -> None:
@@ -285,7 +305,10 @@ class WindowRetainer(Retainer):
         )
         self.window_groups = [g for g in groups if g.caching and not g.downward_closed]
         self._junctions: OrderedDict[bytes, None] = OrderedDict()  # anchor hash at the junction
-        self._counters = {"junctions_found": 0, "retained": 0, "released_low": 0, "retained_late": 0}
+        self._ends: dict[str, RunningEnd] = {}
+        """Per running sequence, the blocks it dropped (to the LRU tail) that a hit at its current end needs."""
+        self._counters = {"junctions_found": 0, "retained": 0, "released_low": 0, "retained_late": 0,
+                          "end_retained": 0}
 
     # ------------------------------------------------------------------ junctions
     def on_admit(self, seq: Sequence, hit: CacheHit) -> None:
@@ -360,13 +383,17 @@ class WindowRetainer(Retainer):
                     out.append((boundary, b))
         return out
 
-    def _classify(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]], dropped: bool) -> None:
+    def _classify(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]], dropped: bool,
+                  end: tuple[int, int] | None = None) -> None:
         """Release ``freed`` (``(index, block)``, last index first): a block inside the window of a
-        junction is kept under that junction's anchor, a dropped one outside the window a replay of
-        the prompt would read goes to ``low``, the rest to the LRU."""
+        junction (or of ``end``: ``(boundary, anchor block)``) is kept under that junction's anchor,
+        a dropped one outside the window a replay of the prompt would read goes to ``low``, the rest
+        to the LRU."""
         if not freed:
             return
         junctions = self._junction_anchors(seq, group, freed[-1][0], freed[0][0]) if self._junctions else []
+        if end is not None:
+            junctions.append(end)
         windows = [(group.hit_span(boundary), a) for boundary, a in junctions]
         align = self.alignment
         replay = group.hit_span((seq.num_prompt_tokens - 1) // align * align)
@@ -418,12 +445,17 @@ class WindowRetainer(Retainer):
         if self.anchor is None or not group.caching:
             super().release_dropped(group, seq, freed)
             return
+        if self.policy.keep_ends:
+            freed = self._keep_for_end(group, seq, freed)
         self._classify(group, seq, freed, dropped=True)
 
     def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]]) -> None:
         if self.anchor is None:
             super().release_sequence(seq, tables)
             return
+        end: tuple[int, int] | None = None
+        if self.policy.keep_ends:
+            end = self._final_end(seq, tables[self.anchor.group])
         # Windows first, while their anchors are still held (the reservation count moves with
         # them); anchors after.
         groups = self.groups
@@ -434,13 +466,113 @@ class WindowRetainer(Retainer):
             if g.caching and not g.downward_closed:
                 freed = [(offset + i, entries[i]) for i in range(len(entries) - 1, -1, -1) if entries[i]]
                 # The sequence's own anchor table is gone already: blocks are looked up by hash.
-                self._classify(g, seq, freed, dropped=False)
+                self._classify(g, seq, freed, dropped=False, end=end)
             else:
                 entries.reverse()
                 self.pool.free(entries)
 
+    # ------------------------------------------------------------------ the sequence's end
+    def _end_anchor(self, seq: Sequence, end: int, table: list[int]) -> int | None:
+        """The cached anchor block at token ``end`` (> 0): ``table``'s entry if it holds the
+        sequence's own hash, else the block the prefix cache serves that hash from."""
+        anchor = self.anchor
+        assert anchor is not None
+        i = end // anchor.block_size - 1
+        hashes = self.hashes(seq, anchor)
+        if i >= len(hashes):
+            return None
+        b = table[i] if i < len(table) else NULL_BLOCK
+        if b != NULL_BLOCK and self.pool.block_hash[b] == hashes[i]:
+            return b
+        return self.pool.get_cached_block(anchor.group, hashes[i])
+
+    def _keep_for_end(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Release to the LRU tail the dropped blocks of ``freed`` that a hit at the sequence's current
+        end needs (a recurrent state dropped during decode, the first block of a window), remembering
+        them: kept at the sequence's release if its end is still there, sent to ``low`` once the end
+        moves on. Returns the blocks left to classify."""
+        end = seq.num_computed_tokens // self.alignment * self.alignment
+        sid = seq.seq_id
+        running = self._ends.get(sid)
+        if running is not None and running.end != end:
+            del self._ends[sid]
+            self._let_go(seq, running)
+            running = None
+        if end <= 0 or not freed or (seq.num_computed_tokens + 1) % self.alignment == 0:
+            return freed  # no end yet, or the step being allocated moves it (a window's usual drop point)
+        first, stop = group.hit_span(end)
+        if freed[0][0] < first or freed[-1][0] >= stop:
+            return freed  # nothing dropped inside the end's span (the common case)
+        # ``freed`` is last index first: the end's span is one slice of it; a block inside a
+        # junction's window stays with that junction (``_classify``).
+        lo = next(k for k, (i, _) in enumerate(freed) if i < stop)
+        hi = next((k for k, (i, _) in enumerate(freed) if i < first), len(freed))
+        windows = self._windows(seq, group, first, stop)
+        keep = [(i, b) for i, b in freed[lo:hi] if not any(w0 <= i < w1 for (w0, w1), _ in windows)]
+        if not keep:
+            return freed
+        released = set(self.pool.free([b for _, b in keep]))
+        block_hash = self.pool.block_hash
+        if running is None:
+            running = self._ends[sid] = RunningEnd(end)
+        running.blocks += [(group, i, b, block_hash[b]) for i, b in keep if b in released and block_hash[b] is not None]
+        taken = {b for _, b in keep}
+        return [(i, b) for i, b in freed if b not in taken]
+
+    def _windows(self, seq: Sequence, group: KindManager, first: int, stop: int) -> list[tuple[tuple[int, int], int]]:
+        """``(span, anchor block)`` of the remembered junctions whose window in ``group`` meets
+        blocks ``first .. stop - 1``."""
+        if not self._junctions or stop <= first:
+            return []
+        return [(group.hit_span(boundary), a) for boundary, a in self._junction_anchors(seq, group, first, stop - 1)]
+
+    def _let_go(self, seq: Sequence, running: RunningEnd) -> None:
+        """Send the blocks remembered for an end the sequence has moved past where dropped blocks go
+        (``_classify``; those another sequence adopted or pressure evicted since are no longer the
+        sequence's)."""
+        pool = self.pool
+        by_group: dict[KindManager, list[tuple[int, int]]] = {}
+        for g, i, b, h in running.blocks:
+            if pool.block_hash[b] == h and pool.tier_of(b) == "lru":
+                by_group.setdefault(g, []).append((i, b))
+        for g, blocks in by_group.items():
+            blocks.sort(reverse=True)
+            pool.touch([b for _, b in blocks])
+            self._classify(g, seq, blocks, dropped=True)
+
+    def _final_end(self, seq: Sequence, anchor_table: tuple[int, list[int]]) -> tuple[int, int] | None:
+        """``(end, anchor block)`` of a released sequence: its computed tokens rounded down to the
+        hit alignment, with the blocks it dropped earlier that a hit there needs taken out of the
+        eviction order; None when nothing is cached there."""
+        sid = seq.seq_id
+        end = seq.num_computed_tokens // self.alignment * self.alignment
+        running = self._ends.pop(sid, None)
+        if running is not None and running.end != end:
+            self._let_go(seq, running)
+        offset, entries = anchor_table
+        anchor_block = self._end_anchor(seq, end, [NULL_BLOCK] * offset + entries) if end > 0 else None
+        if anchor_block is None:
+            return None
+        admit = self._admit_under(anchor_block)
+        pool = self.pool
+        for g in self.window_groups:
+            first, stop = g.hit_span(end)
+            hashes = self.hashes(seq, g)
+            index = pool.index[g.group]
+            stop = min(stop, len(hashes))
+            # Free blocks of the end's window (dropped earlier) are kept under the anchor there; one
+            # inside a junction's window under that junction's anchor (it outlives the end's).
+            ids = [index.get(hashes[i]) for i in range(first, stop)]
+            windows = self._windows(seq, g, first, stop)
+            for (w0, w1), a in windows:
+                junction = ids[max(0, w0 - first) : max(0, w1 - first)]
+                self._counters["end_retained"] += pool.keep_free([b for b in junction if b], self._admit_under(a))
+            self._counters["end_retained"] += pool.keep_free([b for b in ids if b], admit)
+        return end, anchor_block
+
     def reset(self) -> None:
         self._junctions.clear()
+        self._ends.clear()
 
     def stats(self) -> dict[str, int]:
         return {**self._counters, "junctions_known": len(self._junctions)}

@@ -20,6 +20,14 @@ What "can resume from" means is the model:
 * ``infinite`` -- every block ever seen is held (the trace's own reuse).
 
 Every hit is capped to never cover the prompt's last token and rounded down to ``alignment``.
+
+``turn_ceiling`` is the same idea at token level for conversations: each request's prompt *and its
+answer* (the tokens the simulator generates) become content blocks, so a next turn can resume after
+the previous answer. Its models: ``growing`` (a hit may end at any block), ``prompt-end`` (a
+checkpoint at each prompt's last aligned boundary and at junctions, as ``junctions`` above: what
+tiers and retention kept before the answer's end was a checkpoint), ``turn-end`` (also one at the
+request's computed end, prompt plus answer less the last sampled token, rounded down to
+``alignment``), ``infinite``.
 """
 
 from __future__ import annotations
@@ -28,10 +36,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hybridkv.core import BlockHasher
 from hybridkv.errors import InvalidInputError
-from hybridkv.sim.workloads import SimRequest
+from hybridkv.sim.synthetic import SyntheticSequence
+from hybridkv.sim.workloads import SIM_ANSWER_TOKEN, SimRequest
 
 MODELS = ("growing", "end-checkpoint", "junctions", "infinite")
+TURN_MODELS = ("growing", "prompt-end", "turn-end", "infinite")
 
 
 @dataclass(frozen=True)
@@ -139,3 +150,93 @@ def lru_ceiling(requests: Sequence[SimRequest], capacity_bytes: float, *, model:
             used -= size
             evicted += size
     return CeilingResult(model, hit_total, prompt_total, n, int(evicted), stored_checkpoints)
+
+
+def block_chain(req: SimRequest, block_size: int, answer_token: int = SIM_ANSWER_TOKEN) -> list[object]:
+    """Keys of the full blocks of ``req``'s prompt and answer (``max_new_tokens`` tokens, as the simulator
+    generates them); each names the whole prefix up to the block's end."""
+    if req.token_ids is None:
+        seq = SyntheticSequence(req.request_id, req.segments, req.cache_salt)
+        seq.append_token_ids([answer_token] * req.max_new_tokens)
+        return list(seq.block_hashes(BlockHasher(), block_size))
+    ids = [*req.token_ids, *[answer_token] * req.max_new_tokens]
+    parent: object = req.cache_salt
+    keys: list[object] = []
+    for i in range(0, len(ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(ids[i : i + block_size])))
+        keys.append(parent)
+    return keys
+
+
+def turn_ceiling(requests: Sequence[SimRequest], capacity: float, *, model: str, growing_per_token: float,
+                 span: Callable[[int], Sequence[tuple[int, int, float]]], alignment: int,
+                 max_prompt_tokens: int | None = None) -> CeilingResult:
+    """The hit rate of an LRU cache of ``capacity`` (bytes, or blocks: any unit the sizes share) holding
+    ``requests``' prompts and answers, replayed one at a time; ``model`` is one of ``TURN_MODELS`` (module
+    docstring). Entries are blocks of ``alignment`` tokens: a growing block (``alignment * growing_per_token``)
+    and the blocks of the other groups a hit at token ``p`` reads, ``span(p)``: ``(group, block index,
+    size)`` (a window's blocks, a state), shared by the checkpoints whose spans overlap."""
+    if model not in TURN_MODELS:
+        raise InvalidInputError(f"model must be one of {', '.join(TURN_MODELS)}, got {model!r}")
+    bs = alignment
+    lru: OrderedDict[object, float] = OrderedDict()
+    used = evicted = 0.0
+    seen: set[object] = set()
+    hit_total = prompt_total = n = stored = 0
+    anywhere = model in ("growing", "infinite")
+    for req in requests:
+        length = req.prompt_len
+        if max_prompt_tokens is not None and length > max_prompt_tokens:
+            continue
+        n += 1
+        prompt_total += length
+        keys = block_chain(req, bs)
+
+        def entries(m: int) -> list[tuple[object, float]]:
+            """The non-growing blocks a hit after ``m`` blocks reads."""
+            return [(("w", g, keys[i]), size) for g, i, size in span(m * bs)]  # noqa: B023
+
+        cap = (length - 1) // bs
+        held = 0
+        for key in keys[:cap]:
+            if key not in (seen if model == "infinite" else lru):
+                break
+            held += 1
+        resume = held  # the longest held run, back to where the other groups' blocks are held too
+        while resume and not anywhere and not all(e in lru for e, _ in entries(resume)):
+            resume -= 1
+        hit_total += resume * bs
+        computed = (length + req.max_new_tokens - 1) // bs
+        if model == "infinite":
+            seen.update(keys[:computed])
+            continue
+        touched: list[tuple[object, float]] = []
+        if not anywhere:
+            points = {cap}  # the prompt's end
+            if held > resume:  # a junction: the chain ran past the last checkpoint on it
+                points.add(held)
+            if model == "turn-end":
+                points.add(computed)
+            for m in sorted(p for p in points if p > 0):
+                stored += 1
+                touched += entries(m)
+            if resume and resume not in points:  # the checkpoint this request resumed from served it:
+                live = {e for e, _ in touched}  # evicted first, as a device drops what a window moved past
+                for e, _ in entries(resume):
+                    if e in lru and e not in live:
+                        lru.move_to_end(e, last=False)
+        touched += [(key, bs * growing_per_token) for key in reversed(keys[:computed])]
+        for key, size in touched:
+            old = lru.pop(key, None)
+            if old is not None:
+                size = old
+            elif not size or size > capacity:
+                continue
+            lru[key] = size
+            if old is None:
+                used += size
+        while used > capacity:
+            _, size = lru.popitem(last=False)
+            used -= size
+            evicted += size
+    return CeilingResult(model, hit_total, prompt_total, n, int(evicted), stored)

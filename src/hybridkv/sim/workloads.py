@@ -50,6 +50,8 @@ __all__ = [
     "output_key",
     "release_time",
     "shared_prefix",
+    "SIM_ANSWER_TOKEN",
+    "with_token_ids",
 ]
 
 _M64 = (1 << 64) - 1
@@ -88,6 +90,10 @@ def _run_token_ids(key: str, num_tokens: int, vocab_size: int) -> list[int]:
     xs = [((x ^ (x >> 31)) * _MIX2) & _M64 for x in xs]
     mod = vocab_size - 1
     return [(x ^ (x >> 29)) % mod + 1 for x in xs]
+
+
+SIM_ANSWER_TOKEN = 1
+"""The token id the simulator samples at every decode step (its answers, as a later turn's prompt holds them)."""
 
 
 def output_key(request_id: str) -> str:
@@ -492,3 +498,23 @@ def chat_lengths(
         SimRequest(f"chat-{i}", times[i], ((f"prompt-chat-{i}", inputs[i]),), outputs[i]) for i in range(num_requests)
     ]
     return Workload(requests, arrivals.concurrency_limit(), "chat_lengths")
+
+
+def with_token_ids(workload: Workload, *, vocab_size: int = 32000, answer_token: int = SIM_ANSWER_TOKEN) -> Workload:
+    """The same workload as a token-level trace: every request with explicit ``token_ids``.
+
+    A run is :meth:`SimRequest.prompt_token_ids`' ids, except a run that is the output of a request of the
+    workload (key :func:`output_key` of its id): ``answer_token`` repeated, what the simulator generates, so a
+    conversation's next turn holds its previous turn's answer token for token.
+    """
+    outputs = {output_key(r.request_id) for r in workload.requests}
+    requests = []
+    for r in workload.requests:
+        ids: list[int] = []
+        for key, n in r.segments:
+            ids += [answer_token] * n if key in outputs else _run_token_ids(key, n, vocab_size)
+        requests.append(SimRequest(r.request_id, r.arrival_time, ((f"ids:{r.request_id}", len(ids)),),
+                                   r.max_new_tokens, r.prefix_group, r.conversation_id, r.turn, r.cache_salt,
+                                   tuple(ids)))
+    return Workload(requests, workload.concurrency, f"{workload.name}-tokens", workload.think_time_s,
+                    workload.content_block_size)

@@ -22,6 +22,12 @@ writes:
   (the spec's per-request bound);
 * in mode ``all``, a checkpoint at every block boundary (memory grows with the sequence).
 
+A step that ends on a block boundary writes the state there into its own entry, which is
+registered like a planned checkpoint: during decode every step ends on a token, so each boundary
+the sequence crosses leaves a state in the cache at no extra block (the running state's block
+becomes it). The next turn of a conversation resumes at the last one, the sequence's end rounded
+down: window retention keeps it (``retention.WindowRetention.keep_ends``).
+
 A checkpoint enters the prefix cache only once the caller reports its tokens computed (at the
 sequence's next allocation or at its free): a state is an input of the step that computes it,
 so a sequence admitted in the same step must not resume from it. A sequence drops a state as soon
