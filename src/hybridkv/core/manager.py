@@ -563,7 +563,7 @@ class KVCacheManager:
         self._idle_until.pop(stored, None)
         self._progress.pop(sid, None)
         tables = [g.pop_table(sid) for g in self.groups]
-        self.retainer.release_sequence(stored, tables)
+        self.retainer.release_sequence(stored, tables, computed)
 
     def _orphan_adopters(self, group: KindManager, sid: str, stale: list[int]) -> None:
         """Mark the sequences that adopted any of ``stale`` (blocks ``sid`` registered and never

@@ -252,12 +252,13 @@ class Retainer:
         """Release blocks a window dropped; ``freed`` is ``(index, block)``, last index first."""
         self.pool.free([b for _, b in freed])
 
-    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]]) -> None:
+    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]], computed: int) -> None:
         """Release all of a sequence's blocks (finished or preempted), group by group.
 
         ``tables[g]`` is ``(offset, entries)``: group ``g``'s table from index ``offset`` on
         (earlier entries were dropped). Within a group the last block goes first, so a
-        sequence's tail is evicted before the prefix it shares with others.
+        sequence's tail is evicted before the prefix it shares with others. ``computed`` is the
+        sequence's computed-token count as the manager trusts it.
         """
         free = self.pool.free
         for _, entries in tables:
@@ -449,13 +450,13 @@ class WindowRetainer(Retainer):
             freed = self._keep_for_end(group, seq, freed)
         self._classify(group, seq, freed, dropped=True)
 
-    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]]) -> None:
+    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]], computed: int) -> None:
         if self.anchor is None:
-            super().release_sequence(seq, tables)
+            super().release_sequence(seq, tables, computed)
             return
         end: tuple[int, int] | None = None
         if self.policy.keep_ends:
-            end = self._final_end(seq, tables[self.anchor.group])
+            end = self._final_end(seq, computed, tables[self.anchor.group])
         # Windows first, while their anchors are still held (the reservation count moves with
         # them); anchors after.
         groups = self.groups
@@ -540,12 +541,12 @@ class WindowRetainer(Retainer):
             pool.touch([b for _, b in blocks])
             self._classify(g, seq, blocks, dropped=True)
 
-    def _final_end(self, seq: Sequence, anchor_table: tuple[int, list[int]]) -> tuple[int, int] | None:
-        """``(end, anchor block)`` of a released sequence: its computed tokens rounded down to the
+    def _final_end(self, seq: Sequence, computed: int, anchor_table: tuple[int, list[int]]) -> tuple[int, int] | None:
+        """``(end, anchor block)`` of a released sequence: its ``computed`` tokens rounded down to the
         hit alignment, with the blocks it dropped earlier that a hit there needs taken out of the
         eviction order; None when nothing is cached there."""
         sid = seq.seq_id
-        end = seq.num_computed_tokens // self.alignment * self.alignment
+        end = computed // self.alignment * self.alignment
         running = self._ends.pop(sid, None)
         if running is not None and running.end != end:
             self._let_go(seq, running)
