@@ -108,6 +108,8 @@ class Request:
     """Prefix-hit tokens at the latest admission."""
     num_external_tokens: int = 0
     """Tokens an external KV tier supplied at the latest admission (after the local hit)."""
+    max_prefill_chunk: int = 0
+    """Most prompt tokens this sequence computes per step (0: the config's ``long_prefill_token_threshold``)."""
     load: Any = None
     """The external tier load of a waiting request (``connectors.loads.PendingLoad``): in flight, or
     done for an admission that did not fit yet, reused while the local hit is unchanged."""
@@ -176,9 +178,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ add
     def add(self, seq: Sequence, max_new_tokens: int, priority: int = 0,
-            stop_token_ids: Iterable[int] | None = ()) -> Request:
+            stop_token_ids: Iterable[int] | None = (), *, max_prefill_chunk: int = 0) -> Request:
         """Queue a sequence; refuse one longer than ``max_model_len``; reject one that can never fit.
 
+        ``max_prefill_chunk`` caps the prompt tokens it computes per step (0: the config's threshold),
+        for a sequence whose tokens cost more than others' (prompt scoring).
         Every argument is checked before anything is recorded: a refused ``add`` leaves no trace.
         """
         if not isinstance(seq, Sequence):
@@ -190,6 +194,8 @@ class Scheduler:
         if type(priority) is not int:
             raise InvalidInputError(f"priority must be an integer (lower runs first), got {priority!r}")
         stops = _stop_tokens(stop_token_ids)
+        if type(max_prefill_chunk) is not int or max_prefill_chunk < 0:
+            raise InvalidInputError(f"max_prefill_chunk must be a non-negative integer, got {max_prefill_chunk!r}")
         limit = self.manager.max_model_len
         if seq.num_tokens > limit:
             raise SequenceTooLongError(
@@ -200,7 +206,7 @@ class Scheduler:
         # Generation stops when the sequence reaches max_model_len tokens (a prompt of exactly
         # max_model_len tokens still gets its one token: it is sampled, never computed).
         max_new = min(max_new_tokens, max(1, limit - seq.num_tokens))
-        req = Request(seq, max_new, priority, self._arrivals, stops)
+        req = Request(seq, max_new, priority, self._arrivals, stops, max_prefill_chunk=max_prefill_chunk)
         self._arrivals += 1
         self.requests[seq.seq_id] = req
         need = self.manager.blocks_needed_when_empty(min(req.final_len, limit))
@@ -234,7 +240,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             seq = req.seq
-            n = self._chunk(seq, seq.num_computed_tokens, budget)
+            n = self._chunk(req, seq.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -262,10 +268,11 @@ class Scheduler:
         self._unapplied = out
         return out
 
-    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
-        """Tokens ``seq`` computes this step from token ``start`` on (prompt chunks capped)."""
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        """Tokens ``req`` computes this step from token ``start`` on (prompt chunks capped)."""
+        seq = req.seq
         n = min(seq.num_tokens - start, budget)
-        threshold = self.config.long_prefill_token_threshold
+        threshold = req.max_prefill_chunk or self.config.long_prefill_token_threshold
         if threshold and start < seq.num_prompt_tokens:
             n = min(n, threshold)
         return n
@@ -283,7 +290,7 @@ class Scheduler:
                 i += 1
                 continue
             external = fetched.num_tokens if fetched is not None else 0
-            n = self._chunk(seq, hit.num_tokens + external, budget)
+            n = self._chunk(req, hit.num_tokens + external, budget)
             if cfg.admission == "guaranteed_no_preemption" and not self._growth_fits(req, hit.num_blocks):
                 break
             new = mgr.allocate(seq, n, hit=hit, num_external_tokens=external, whole_sequence_must_fit=True)
