@@ -119,15 +119,20 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         ordered = await cancel_on_disconnect(request, collect_finals(first, outputs))
         if ordered is None:
             return Response(status_code=499)
-        body_choices = []
-        for choice, output in ordered:
-            reason = finish_reason(output)
-            head = prompt_text(choice.prompt) if echo else ""
-            text = head + ("" if prompt_only else output.text)
-            body_choices.append(choice_body(choice, output, text, reason, logprobs(choice, output, 0, echo, 0)))
-        per_prompt = {c.prompt_index: o for c, o in reversed(ordered)}
-        return JSONResponse(envelope(choices=body_choices, usage=usage(per_prompt, [] if prompt_only else
-                                                                         [o for _, o in ordered])))
+        finals = ordered
+
+        def whole() -> JSONResponse:  # a scored prompt has an entry per token: built in a worker thread
+            body_choices = []
+            for choice, output in finals:
+                reason = finish_reason(output)
+                head = prompt_text(choice.prompt) if echo else ""
+                text = head + ("" if prompt_only else output.text)
+                body_choices.append(choice_body(choice, output, text, reason, logprobs(choice, output, 0, echo, 0)))
+            per_prompt = {c.prompt_index: o for c, o in reversed(finals)}
+            return JSONResponse(envelope(choices=body_choices, usage=usage(per_prompt, [] if prompt_only else
+                                                                             [o for _, o in finals])))
+
+        return await asyncio.to_thread(whole)
 
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
 
