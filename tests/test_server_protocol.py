@@ -297,3 +297,15 @@ def test_parsing_rendering_and_tokenizing_run_off_the_event_loop(engine: EchoEng
     loop_thread, resp = run(engine, test)
     assert resp.status_code == 200, resp.text
     assert set(threads) == {"parse", "render", "encode"} and loop_thread not in threads.values()
+
+
+def test_openapi_lists_the_request_bodies(engine: EchoEngine) -> None:
+    async def test(client: Any) -> Any:
+        return (await client.get("/openapi.json")).json()
+
+    spec = run(engine, test)
+    schemas = spec["components"]["schemas"]
+    assert {"CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TokenizeRequest"} <= set(schemas)
+    assert "prompt" in schemas["CompletionRequest"]["properties"]
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}

@@ -83,6 +83,22 @@ def build_context(async_engine: AsyncEngine, model_name: str, options: ServerOpt
                          token_to_id(END_OF_TURN))
 
 
+def _body_schemas() -> dict[str, Any]:
+    """JSON schemas of the request bodies and the models they use, by name (for ``/openapi.json``)."""
+    schemas: dict[str, Any] = {}
+    for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    return schemas
+
+
+def _body(model: type[Any]) -> dict[str, Any]:
+    """A route's ``openapi_extra``: its JSON body is a ``model`` (parsed by the route, not by FastAPI)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
 def build_app(async_engine: AsyncEngine, model_name: str, options: ServerOptions | None = None,
               context: ServerContext | None = None) -> FastAPI:
     """The FastAPI app serving ``async_engine`` as model ``model_name``; its shutdown drains the engine."""
@@ -132,21 +148,32 @@ def build_app(async_engine: AsyncEngine, model_name: str, options: ServerOptions
         raw = await request.body()
         return await asyncio.to_thread(parse_body, raw, model, max_model_len=ctx.max_model_len)
 
-    @app.post("/v1/completions", response_model=None)
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = default_openapi()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(_body_schemas())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.post("/v1/completions", response_model=None, openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         _check_open(async_engine)
         return await create_completion(await parsed(request, CompletionRequest), request, ctx)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         _check_open(async_engine)
         return await create_chat_completion(await parsed(request, ChatCompletionRequest), request, ctx)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> dict[str, Any]:
         return await asyncio.to_thread(tokenize, await parsed(request, TokenizeRequest), ctx)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> dict[str, Any]:
         return await asyncio.to_thread(detokenize, await parsed(request, DetokenizeRequest), ctx)
 
