@@ -23,20 +23,20 @@ from hybridkv.server.openai_format import check_n, completion_logprobs, finish_r
 from hybridkv.server.protocol import MAX_CHOICES, CompletionRequest
 
 
-def _prompts(body: CompletionRequest, ctx: ServerContext) -> tuple[list[Prompt], int]:
-    """The request's prompts, tokenized, and its ``n``; the count of completions is checked first."""
+def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts as sent: texts or token-id lists."""
     raw = body.prompt
-    items: list[str | list[int]]
     if isinstance(raw, str):
-        items = [raw]
-    elif raw and all(isinstance(p, int) for p in raw):
-        items = [cast("list[int]", raw)]
-    else:
-        items = cast("list[str | list[int]]", list(raw))
+        return [raw]
+    if raw and all(isinstance(p, int) for p in raw):
+        return [cast("list[int]", raw)]
+    items = cast("list[str | list[int]]", list(raw))
     if not items:
         raise APIError(400, "the prompt is empty", param="prompt")
-    n = check_n(body.n, len(items), MAX_CHOICES)
-    add_bos = body.add_special_tokens is not False
+    return items
+
+
+def _tokenized(items: list[str | list[int]], add_bos: bool, ctx: ServerContext) -> list[Prompt]:
     out = []
     for i, item in enumerate(items):
         what = "the prompt" if len(items) == 1 else f"prompt[{i}]"
@@ -45,7 +45,7 @@ def _prompts(body: CompletionRequest, ctx: ServerContext) -> tuple[list[Prompt],
                        else ctx.tokenize.token_ids(item, add_bos, what))
         except InvalidInputError as exc:
             raise APIError(400, str(exc), param="prompt") from exc
-    return out, n
+    return out
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,15 @@ def _prepare(body: CompletionRequest, ctx: ServerContext) -> _Prepared:
     if max_tokens is not None and max_tokens < (0 if echo else 1):
         raise APIError(400, f"max_tokens must be a positive integer{' (or 0 with echo)' if echo else ''}, "
                             f"got {max_tokens}", param="max_tokens")
-    prompts, n = _prompts(body, ctx)
+    items = _prompt_items(body)
+    n = check_n(body.n, len(items), MAX_CHOICES)
     if body.best_of is not None and body.best_of != n:
         raise APIError(400, f"best_of must be None or equal to n ({n}): every generated completion is returned",
                        param="best_of")
     params = sampling_params(body, max_tokens=ctx.max_model_len if max_tokens is None else max(1, max_tokens),
                              vocab_size=ctx.tokenize.vocab_size, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None)
+    prompts = _tokenized(items, body.add_special_tokens is not False, ctx)  # last: every count is checked
     return _Prepared(make_choices(prompts, params, n), n, echo, max_tokens == 0)
 
 
