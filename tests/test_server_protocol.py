@@ -309,3 +309,16 @@ def test_openapi_lists_the_request_bodies(engine: EchoEngine) -> None:
     assert "prompt" in schemas["CompletionRequest"]["properties"]
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+
+
+def test_the_openai_sdk_raises_bad_request_error_for_a_validation_error(engine: EchoEngine) -> None:
+    openai = pytest.importorskip("openai")
+
+    async def test(client: Any) -> Any:
+        sdk = openai.AsyncOpenAI(api_key="none", base_url="http://test/v1", http_client=client, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.completions.create(model=MODEL, prompt="hi", extra_body={"frequency_penality": 1})
+        return caught.value
+
+    error = run(engine, test)
+    assert error.status_code == 400 and "frequency_penality" in error.message
