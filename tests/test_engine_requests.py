@@ -167,7 +167,7 @@ def test_request_params_max_tokens_records_what_fits_after_the_prompt() -> None:
 
 
 def test_a_scoring_prefill_is_chunked_and_a_decode_stream_advances_at_every_step() -> None:
-    eng = engine(max_num_batched_tokens=64)  # a scoring request computes 32 prompt tokens per step
+    eng = engine(max_num_batched_tokens=64)  # a scored token takes 2 of a step's 64 budget tokens
     ids = gemma.tokenizer().encode(DOC * 2)
     assert len(ids) > 120
     eng.add_request("stream", "Once upon a time", SamplingParams(max_tokens=40, ignore_eos=True))
@@ -180,7 +180,7 @@ def test_a_scoring_prefill_is_chunked_and_a_decode_stream_advances_at_every_step
         stream_tokens.append(len(outs["stream"].token_ids))
         if "score" in outs and outs["score"].finished:
             scored = outs["score"]
-    assert steps >= len(ids) // 32  # never more than 32 scored positions a step
+    assert steps >= len(ids) // 32  # at most 31 scored positions a step, next to the stream's decode
     assert stream_tokens == list(range(stream_tokens[0], stream_tokens[0] + steps))  # one token every step
     chunks: list[torch.Tensor] = []
     eng.add_request("ref", ids, SamplingParams(max_tokens=1), cache_salt="reference",
