@@ -360,7 +360,8 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, victim: Request, out: SchedulerOutput, *, itself: bool) -> int:
-        """Free ``victim`` and queue it again; returns the tokens it had been given this step."""
+        """Free ``victim`` and queue it again; returns the step budget its tokens this step had taken."""
+        returned = self._cost(victim, victim.seq.num_computed_tokens, out.num_scheduled_tokens.pop(victim.seq_id, 0))
         self.running.remove(victim)
         self.manager.free(victim.seq)
         victim.seq.num_computed_tokens = 0
@@ -369,7 +370,6 @@ class Scheduler:
         victim.load = None
         victim.num_preemptions += 1
         self.stats.preemptions += 1
-        returned = out.num_scheduled_tokens.pop(victim.seq_id, 0)
         out.new_block_ids.pop(victim.seq_id, None)
         out.preempted.append(victim.seq_id)
         if itself:
