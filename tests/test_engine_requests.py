@@ -150,3 +150,45 @@ def test_metrics_count_prompt_tokens_with_cached_ones_and_time_each_phase() -> N
     assert m.request_generation_tokens.total == 12 and m.generation_tokens == 12
     text = eng.metrics_text("m")
     assert f'hybridkv_prompt_tokens_total{{model_name="m"}} {float(2 * n)}' in text
+    assert f'vllm:prompt_tokens_total{{model_name="m"}} {float(2 * n)}' in eng.metrics_text("m", "vllm")
+
+
+def test_request_params_max_tokens_records_what_fits_after_the_prompt() -> None:
+    eng = engine()  # max_model_len 512
+    n = len(gemma.tokenizer().encode(DOC))
+    for rid in ("a", "b"):
+        eng.add_request(rid, DOC, SamplingParams(max_tokens=10**30))
+    eng.add_request("c", DOC, SamplingParams(max_tokens=3))
+    h = eng.metrics.request_max_tokens
+    assert h.count == 3 and h.total == 2 * (512 - n) + 3  # not 2e30
+    for rid in ("a", "b", "c"):
+        eng.abort(rid)
+    eng.step()
+
+
+def test_a_scoring_prefill_is_chunked_and_a_decode_stream_advances_at_every_step() -> None:
+    eng = engine(max_num_batched_tokens=64)  # a scored token takes 2 of a step's 64 budget tokens
+    ids = gemma.tokenizer().encode(DOC * 2)
+    assert len(ids) > 120
+    eng.add_request("stream", "Once upon a time", SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()  # the stream's prompt
+    eng.add_request("score", ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    steps, stream_tokens, scored = 0, [], None
+    while scored is None:
+        outs = {o.request_id: o for o in eng.step()}
+        steps += 1
+        stream_tokens.append(len(outs["stream"].token_ids))
+        if "score" in outs and outs["score"].finished:
+            scored = outs["score"]
+    assert steps >= len(ids) // 32  # at most 31 scored positions a step, next to the stream's decode
+    assert stream_tokens == list(range(stream_tokens[0], stream_tokens[0] + steps))  # one token every step
+    chunks: list[torch.Tensor] = []
+    eng.add_request("ref", ids, SamplingParams(max_tokens=1), cache_salt="reference",
+                    logits_sink=lambda _p, lg: chunks.append(lg))
+    while eng.has_unfinished:
+        eng.step()
+    reference = torch.log_softmax(torch.cat(chunks), -1)
+    plp = scored.prompt_logprobs
+    assert plp is not None
+    expected = [reference[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    assert [e.logprob for e in plp[1:] if e is not None] == pytest.approx(expected, abs=1e-3)

@@ -36,7 +36,7 @@ pytest.importorskip("tokenizers")
 import httpx
 
 from hybridkv.engine.engine import EngineConfig, RequestOutput
-from hybridkv.engine.metrics import EngineMetrics
+from hybridkv.engine.metrics import EngineMetrics, MetricNames
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.tokenizer import GemmaTokenizer
 from hybridkv.errors import InvalidInputError
@@ -104,8 +104,8 @@ class ScriptedEngine:
 
     num_running = num_waiting = 0
 
-    def metrics_text(self, model_name: str = "") -> str:
-        return self.metrics.render({"kv_cache_usage_perc": (self.manager.usage, "KV-cache usage.")},
+    def metrics_text(self, model_name: str = "", names: MetricNames = "hybridkv") -> str:
+        return self.metrics.render({"kv_cache_usage_perc": (self.manager.usage, "KV-cache usage.")}, names,
                                    model_name=model_name)
 
     def step(self) -> list[RequestOutput]:
@@ -420,7 +420,7 @@ def test_concurrent_clients_are_batched_and_match_solo_runs(client: httpx.Client
 
     assert asyncio.run(all_at_once()) == solo
     after = metrics(client)
-    generated = after["hybridkv_generation_tokens_total"] - before["hybridkv_generation_tokens_total"]
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     steps = after["hybridkv_engine_steps_total"] - before["hybridkv_engine_steps_total"]
     assert generated == 8 * len(PROMPTS)
     assert steps <= generated / 2, f"{steps} steps for {generated} tokens: the requests were not batched"
@@ -446,15 +446,15 @@ def test_prefix_cache_and_cache_salt(client: httpx.Client) -> None:
 def test_metrics_and_no_access_log_for_metrics(client: httpx.Client, server: Server) -> None:
     complete(client, prompt=PROMPTS[1], **GREEDY)
     m = metrics(client)
-    assert m["hybridkv_prefix_cache_queries_total"] > 0
-    assert m["hybridkv_prefix_cache_hits_total"] > 0  # the solo and concurrent runs share prompts
-    assert m["hybridkv_time_to_first_token_seconds_count"] > 0
-    ttft = "hybridkv_time_to_first_token_seconds"
+    assert m["vllm:prefix_cache_queries_total"] > 0
+    assert m["vllm:prefix_cache_hits_total"] > 0  # the solo and concurrent runs share prompts
+    assert m["vllm:time_to_first_token_seconds_count"] > 0
+    ttft = "vllm:time_to_first_token_seconds"
     assert m[f'{ttft}_bucket{{le="+Inf"}}'] == m[f"{ttft}_count"]
-    assert m['hybridkv_request_success_total{finished_reason="length"}'] > 0
+    assert m['vllm:request_success_total{finished_reason="length"}'] > 0
     assert m["hybridkv_num_free_blocks"] > 0
-    assert 0 <= m["hybridkv_kv_cache_usage_perc"] < 1
-    assert m["hybridkv_num_requests_running"] == m["hybridkv_num_requests_waiting"] == 0
+    assert 0 <= m["vllm:kv_cache_usage_perc"] < 1
+    assert m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
     assert m["process_resident_memory_bytes"] > 0
     log = server.log.read_text()
     assert '"POST /v1/completions HTTP/1.1" 200' in log  # the access log is on...
@@ -463,14 +463,14 @@ def test_metrics_and_no_access_log_for_metrics(client: httpx.Client, server: Ser
 
 BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
     ("malformed json", b'{"model": "gemma-3-270m", "prompt": ', 400, "not valid JSON"),
-    ("unknown field", {"prompt": "hi", "frequency_penality": 1}, 422, "frequency_penality"),
-    ("missing prompt", {}, 422, "prompt: Field required"),
-    ("wrong type", {"prompt": "hi", "max_tokens": "8"}, 422, "max_tokens"),
-    ("negative max_tokens", {"prompt": "hi", "max_tokens": -1}, 422, "max_tokens: Input should be greater"),
-    ("negative temperature", {"prompt": "hi", "temperature": -1}, 422, "temperature"),
+    ("unknown field", {"prompt": "hi", "frequency_penality": 1}, 400, "frequency_penality"),
+    ("missing prompt", {}, 400, "prompt: Field required"),
+    ("wrong type", {"prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
+    ("negative max_tokens", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens: Input should be greater"),
+    ("negative temperature", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("prompt too long", {"prompt": "hello " * 2100}, 400, "tokens; max_model_len is 2048"),
     ("too long, streamed", {"prompt": "hello " * 2100, "stream": True}, 400, "max_model_len is 2048"),
-    ("empty prompt", {"prompt": []}, 422, "prompt"),
+    ("empty prompt", {"prompt": []}, 400, "prompt"),
     ("token id out of range", {"prompt": [2, 10**9]}, 400, "token ids must be integers in [0,"),
     ("unknown model", {"prompt": "hi", "model": "gpt-4"}, 404, "`gpt-4` does not exist"),
 ]
@@ -500,7 +500,7 @@ def test_one_element_prompt_list_and_token_ids(client: httpx.Client, tokenizer: 
 
 
 def test_client_disconnect_aborts_the_request(client: httpx.Client, server: Server) -> None:
-    aborted = "hybridkv_request_success_total{finished_reason=\"abort\"}"
+    aborted = "vllm:request_success_total{finished_reason=\"abort\"}"
     start = metrics(client).get(aborted, 0.0)
     body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=1.0) as impatient:
@@ -509,7 +509,7 @@ def test_client_disconnect_aborts_the_request(client: httpx.Client, server: Serv
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
         next(line for line in resp.iter_lines() if line.startswith("data: "))
     wait_for(client, aborted, after_plain)
-    assert metrics(client)["hybridkv_num_requests_running"] == 0
+    assert metrics(client)["vllm:num_requests_running"] == 0
 
 
 def test_sigterm_finishes_a_bounded_stream_ends_an_unbounded_one_then_exits_zero(client: httpx.Client,

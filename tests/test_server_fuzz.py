@@ -160,6 +160,6 @@ def test_the_engine_is_healthy_after_the_fuzzing(client: Any) -> None:
                                                "max_tokens": 3, "temperature": 0})
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
     metrics = client.get("/metrics").text
-    assert f'hybridkv_num_requests_running{{model_name="{gemma.MODEL_NAME}"}} 0.0' in metrics
+    assert f'vllm:num_requests_running{{model_name="{gemma.MODEL_NAME}"}} 0.0' in metrics
     print({path: {"requests": len(codes), "2xx": sum(c < 300 for c in codes), "4xx": sum(c >= 400 for c in codes)}
            for path, codes in STATUS.items()})

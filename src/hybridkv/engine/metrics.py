@@ -1,17 +1,20 @@
 """Engine counters and histograms, rendered in the Prometheus text format under vLLM's names.
 
-Every vLLM metric here keeps vLLM's name and suffix with ``hybridkv_`` in place of ``vllm:``
-(``vllm:e2e_request_latency_seconds`` is ``hybridkv_e2e_request_latency_seconds``) and carries a
-``model_name`` label; the counts follow vLLM's rules (prompt tokens include cached ones, counted
-once per request when its prefill completes). Metrics vLLM has no name for keep ours
-(``hybridkv_num_free_blocks``, ``hybridkv_step_seconds``, the external KV tier counters).
+Metrics vLLM has keep vLLM's name and suffix; ``names="vllm"`` writes them exactly as vLLM does
+(``vllm:e2e_request_latency_seconds``), ``names="hybridkv"`` with ``hybridkv_`` in place of
+``vllm:``. Every sample carries a ``model_name`` label; the counts follow vLLM's rules (prompt tokens
+include cached ones, counted once per request when its prefill completes). Metrics vLLM has no
+name for are always ``hybridkv_*`` (``hybridkv_num_free_blocks``, ``hybridkv_step_seconds``, the
+external KV tier counters).
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
@@ -25,6 +28,24 @@ STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """vLLM's ``finished_reason`` label values (a rejected request counts as ``abort``)."""
+MetricNames = Literal["vllm", "hybridkv"]
+VLLM_METRICS = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+    "prompt_tokens_cached_total", "prompt_tokens_by_source_total", "generation_tokens_total",
+    "prefix_cache_queries_total", "prefix_cache_hits_total", "external_prefix_cache_queries_total",
+    "external_prefix_cache_hits_total", "num_preemptions_total", "request_success_total",
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "request_inference_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+    "request_params_max_tokens", "request_params_n", "iteration_tokens_total",
+})
+"""The metrics vLLM exports under ``vllm:<name>`` (the name as rendered, counters with ``_total``)."""
+
+
+def metric_name(name: str, names: MetricNames) -> str:
+    """The exported name of metric ``name``: ``vllm:name`` for vLLM's metrics under ``names="vllm"``,
+    else ``hybridkv_name``."""
+    return f"vllm:{name}" if names == "vllm" and name in VLLM_METRICS else f"hybridkv_{name}"
 
 
 def token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -56,6 +77,9 @@ class Histogram:
         self.counts = [0] * (len(self.buckets) + 1)
 
     def observe(self, value: float) -> None:
+        """Count ``value``; a value that is not finite is ignored (it would poison the sum)."""
+        if not math.isfinite(value):
+            return
         self.counts[bisect_left(self.buckets, value)] += 1
         self.total += value
         self.count += 1
@@ -152,7 +176,7 @@ class EngineMetrics:
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
-    def render(self, gauges: dict[str, tuple[float, str]], prefix: str = "hybridkv", *,
+    def render(self, gauges: dict[str, tuple[float, str]], names: MetricNames = "hybridkv", *,
                counters: dict[str, tuple[float, str]] | None = None, model_name: str = "") -> str:
         """Prometheus text: ``gauges`` and extra ``counters`` map name -> (value, help); an extra
         counter name may carry labels (``name{kind="x"}``; the help text of its first sample counts)."""
@@ -160,9 +184,10 @@ class EngineMetrics:
         lines: list[str] = []
 
         def family(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            lines.extend((f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} {kind}"))
+            full = metric_name(name, names)
+            lines.extend((f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"))
             for extra, value in samples:
-                lines.append(f"{prefix}_{name}{{{label}{',' + extra if extra else ''}}} {_number(value)}")
+                lines.append(f"{full}{{{label}{',' + extra if extra else ''}}} {_number(value)}")
 
         for name, (value, help_text) in gauges.items():
             family(name, "gauge", help_text, [("", value)])
@@ -218,7 +243,7 @@ class EngineMetrics:
             ("step_seconds", self.step_seconds, "Wall time of one engine step."),
         )
         for name, hist, help_text in histograms:
-            lines += hist.render(f"{prefix}_{name}", help_text, label)
+            lines += hist.render(metric_name(name, names), help_text, label)
         return "\n".join(lines) + "\n"
 
 

@@ -206,11 +206,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
-    """For each row of float32 ``logits [n, vocab]``, the log-probability of ``token_ids[row]`` and the top ``k``."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long)[:, None])[:, 0].tolist()
+    """For each row of float32 ``logits [n, vocab]``, the log-probability of ``token_ids[row]`` and the top ``k``.
+
+    A log-probability is the logit minus the row's log-sum-exp: no ``[n, vocab]`` log-softmax is
+    materialized, and the top ``k`` are taken on the logits (the same order)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)[:, None]
+    chosen = (logits.gather(1, ids)[:, 0] - lse).tolist()
     if k:
-        values, indices = logprobs.topk(k, dim=-1)
+        values, indices = logits.topk(k, dim=-1)
+        values -= lse[:, None]
         tops = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
     else:
         tops = [()] * len(token_ids)

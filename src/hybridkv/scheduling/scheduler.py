@@ -110,6 +110,9 @@ class Request:
     """Prefix-hit tokens at the latest admission."""
     num_external_tokens: int = 0
     """Tokens an external KV tier supplied at the latest admission (after the local hit)."""
+    prefill_weight: int = 1
+    """Step-budget tokens each of its prompt tokens takes: above 1 for a sequence whose prompt tokens
+    cost more than a plain prefill's (prompt scoring), so a step never costs more than a plain chunk."""
     load: Any = None
     """The external tier load of a waiting request (``connectors.loads.PendingLoad``): in flight, or
     done for an admission that did not fit yet, reused while the local hit is unchanged."""
@@ -178,9 +181,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ add
     def add(self, seq: Sequence, max_new_tokens: int, priority: int = 0,
-            stop_token_ids: Iterable[int] | None = ()) -> Request:
+            stop_token_ids: Iterable[int] | None = (), *, prefill_weight: int = 1) -> Request:
         """Queue a sequence; refuse one longer than ``max_model_len``; reject one that can never fit.
 
+        Each of its prompt tokens takes ``prefill_weight`` tokens of a step's budget (2 for a token
+        that costs up to twice a plain prefill token's time, as prompt scoring does).
         Every argument is checked before anything is recorded: a refused ``add`` leaves no trace.
         """
         if not isinstance(seq, Sequence):
@@ -192,6 +197,8 @@ class Scheduler:
         if type(priority) is not int:
             raise InvalidInputError(f"priority must be an integer (lower runs first), got {priority!r}")
         stops = _stop_tokens(stop_token_ids)
+        if type(prefill_weight) is not int or prefill_weight < 1:
+            raise InvalidInputError(f"prefill_weight must be a positive integer, got {prefill_weight!r}")
         limit = self.manager.max_model_len
         if seq.num_tokens > limit:
             raise SequenceTooLongError(
@@ -202,7 +209,7 @@ class Scheduler:
         # Generation stops when the sequence reaches max_model_len tokens (a prompt of exactly
         # max_model_len tokens still gets its one token: it is sampled, never computed).
         max_new = min(max_new_tokens, max(1, limit - seq.num_tokens))
-        req = Request(seq, max_new, priority, self._arrivals, stops)
+        req = Request(seq, max_new, priority, self._arrivals, stops, prefill_weight=prefill_weight)
         self._arrivals += 1
         self.requests[seq.seq_id] = req
         need = self.manager.blocks_needed_when_empty(min(req.final_len, limit))
@@ -242,7 +249,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             seq = req.seq
-            n = self._chunk(seq, seq.num_computed_tokens, budget)
+            n = self._chunk(req, seq.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -260,7 +267,7 @@ class Scheduler:
                 continue
             out.num_scheduled_tokens[seq.seq_id] = n
             out.new_block_ids[seq.seq_id] = new
-            budget -= n
+            budget -= self._cost(req, seq.num_computed_tokens, n)
             i += 1
         if not out.preempted:
             self._admit(out, budget)
@@ -270,13 +277,21 @@ class Scheduler:
         self._unapplied = out
         return out
 
-    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
-        """Tokens ``seq`` computes this step from token ``start`` on (prompt chunks capped)."""
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        """Tokens ``req`` computes this step from token ``start`` on (prompt chunks capped and weighted)."""
+        seq = req.seq
         n = min(seq.num_tokens - start, budget)
-        threshold = self.config.long_prefill_token_threshold
-        if threshold and start < seq.num_prompt_tokens:
-            n = min(n, threshold)
+        if start < seq.num_prompt_tokens:
+            threshold = self.config.long_prefill_token_threshold
+            if threshold:
+                n = min(n, threshold)
+            n = min(n, budget // req.prefill_weight)
         return n
+
+    @staticmethod
+    def _cost(req: Request, start: int, n: int) -> int:
+        """The step budget ``n`` tokens of ``req`` from token ``start`` on take."""
+        return n * req.prefill_weight if start < req.seq.num_prompt_tokens else n
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
@@ -291,7 +306,9 @@ class Scheduler:
                 i += 1
                 continue
             external = fetched.num_tokens if fetched is not None else 0
-            n = self._chunk(seq, hit.num_tokens + external, budget)
+            n = self._chunk(req, hit.num_tokens + external, budget)
+            if n <= 0:  # its weighted chunk does not fit the rest of this step's budget
+                break
             if cfg.admission == "guaranteed_no_preemption" and not self._growth_fits(req, hit.num_blocks):
                 break
             new = mgr.allocate(seq, n, hit=hit, num_external_tokens=external, whole_sequence_must_fit=True)
@@ -312,7 +329,7 @@ class Scheduler:
             out.num_scheduled_tokens[seq.seq_id] = n
             out.new_block_ids[seq.seq_id] = new
             self.stats.admissions += 1
-            budget -= n
+            budget -= self._cost(req, seq.num_computed_tokens, n)
 
     def _fetch_external(self, req: Request, local_hit: int) -> Any:
         """The connector's verified payloads for the tokens after ``local_hit`` (None without a
@@ -353,7 +370,8 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, victim: Request, out: SchedulerOutput, *, itself: bool) -> int:
-        """Free ``victim`` and queue it again; returns the tokens it had been given this step."""
+        """Free ``victim`` and queue it again; returns the step budget its tokens this step had taken."""
+        returned = self._cost(victim, victim.seq.num_computed_tokens, out.num_scheduled_tokens.pop(victim.seq_id, 0))
         self.running.remove(victim)
         self.manager.free(victim.seq)
         victim.seq.num_computed_tokens = 0
@@ -362,7 +380,6 @@ class Scheduler:
         victim.load = None
         victim.num_preemptions += 1
         self.stats.preemptions += 1
-        returned = out.num_scheduled_tokens.pop(victim.seq_id, 0)
         out.new_block_ids.pop(victim.seq_id, None)
         out.preempted.append(victim.seq_id)
         if itself:

@@ -2,7 +2,9 @@
 streaming), ``/v1/models`` and ``/v1/models/{id}``, ``/health`` and ``/metrics``, and vLLM's
 ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` (lm-eval tokenizes through them).
 
-Every error body has the OpenAI form ``{"error": {"message", "type", "param", "code"}}``.
+Every error body has the OpenAI form ``{"error": {"message", "type", "param", "code"}}``. Nothing
+that grows with a request runs on the event loop: bodies are parsed and validated
+(``parsing.parse_body``), conversations rendered and prompts tokenized in worker threads.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,10 +28,12 @@ from hybridkv.server.context import ServerContext
 from hybridkv.server.errors import APIError, BodySizeLimit, install_error_handlers
 from hybridkv.server.generation import Tokenize
 from hybridkv.server.openai_format import TokenText
+from hybridkv.server.parsing import parse_body
 from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from hybridkv.server.tokenize_api import detokenize, tokenize, tokenizer_info
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,22 @@ def build_context(async_engine: AsyncEngine, model_name: str, options: ServerOpt
                          token_to_id(END_OF_TURN))
 
 
+def _body_schemas() -> dict[str, Any]:
+    """JSON schemas of the request bodies and the models they use, by name (for ``/openapi.json``)."""
+    schemas: dict[str, Any] = {}
+    for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    return schemas
+
+
+def _body(model: type[Any]) -> dict[str, Any]:
+    """A route's ``openapi_extra``: its JSON body is a ``model`` (parsed by the route, not by FastAPI)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
 def build_app(async_engine: AsyncEngine, model_name: str, options: ServerOptions | None = None,
               context: ServerContext | None = None) -> FastAPI:
     """The FastAPI app serving ``async_engine`` as model ``model_name``; its shutdown drains the engine."""
@@ -123,23 +143,39 @@ def build_app(async_engine: AsyncEngine, model_name: str, options: ServerOptions
         ctx.check_model(model_id)
         return model_card()
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def parsed(request: Request, model: type[Body]) -> Body:
+        """The request's body as ``model``: read here, parsed and validated in a worker thread."""
+        raw = await request.body()
+        return await asyncio.to_thread(parse_body, raw, model, max_model_len=ctx.max_model_len)
+
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = default_openapi()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(_body_schemas())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.post("/v1/completions", response_model=None, openapi_extra=_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
         _check_open(async_engine)
-        return await create_completion(body, request, ctx)
+        return await create_completion(await parsed(request, CompletionRequest), request, ctx)
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
         _check_open(async_engine)
-        return await create_chat_completion(body, request, ctx)
+        return await create_chat_completion(await parsed(request, ChatCompletionRequest), request, ctx)
 
-    @app.post("/tokenize")
-    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
-        return await tokenize(body, ctx)
+    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        return await asyncio.to_thread(tokenize, await parsed(request, TokenizeRequest), ctx)
 
-    @app.post("/detokenize")
-    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
-        return await detokenize(body, ctx)
+    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        return await asyncio.to_thread(detokenize, await parsed(request, DetokenizeRequest), ctx)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info_route() -> dict[str, Any]:

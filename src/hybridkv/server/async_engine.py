@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from hybridkv.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from hybridkv.engine.metrics import MetricNames
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.errors import HybridKVError, InvalidInputError
 
@@ -66,9 +67,12 @@ class _Abort:
 class AsyncEngine:
     """Runs ``engine`` on a background thread started here; ``generate`` streams outputs per request."""
 
-    def __init__(self, engine: LLMEngine, model_name: str = "gemma-3-270m") -> None:
+    def __init__(self, engine: LLMEngine, model_name: str = "gemma-3-270m", *,
+                 metrics_names: MetricNames = "vllm") -> None:
         self._engine = engine
         self.model_name = model_name
+        self.metrics_names: MetricNames = metrics_names
+        """``vllm``: vLLM's metrics as ``vllm:*`` (dashboards and routers built for vLLM read them); ``hybridkv``."""
         self.config: EngineConfig = engine.config
         self.tokenizer = engine.tokenizer
         """Thread-safe for encoding and decoding: the server tokenizes prompts on worker threads."""
@@ -253,7 +257,7 @@ class AsyncEngine:
 
     def _render_metrics(self) -> str:
         try:
-            return self._engine.metrics_text(self.model_name)
+            return self._engine.metrics_text(self.model_name, self.metrics_names)
         except Exception:
             logger.exception("rendering the metrics failed")
             return self._metrics_text

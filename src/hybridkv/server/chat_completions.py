@@ -3,6 +3,7 @@ ending at the model's end-of-turn token; ``logprobs``/``top_logprobs``; streamed
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,14 +34,11 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext) -> Response:
+def _prepare(body: ChatCompletionRequest, ctx: ServerContext) -> tuple[list[Choice], int, int | None]:
+    """The choices, ``n`` and top-logprobs count of ``body``: checks first, then the conversation
+    rendered and tokenized (blocking: run it in a worker thread)."""
     ctx.check_model(body.model)
     _check_unsupported(body)
-    try:
-        text = ctx.chat_template.render(plain_messages(body.messages), body.add_generation_prompt is not False)
-        prompt = await ctx.tokenize.text(text, False, "the rendered conversation")
-    except InvalidInputError as exc:
-        raise APIError(400, str(exc), param="messages") from exc
     n = check_n(body.n, 1, MAX_CHOICES)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 1:
@@ -50,7 +48,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     stops = () if ctx.end_of_turn_id is None or body.ignore_eos else (ctx.end_of_turn_id,)
     params = sampling_params(body, max_tokens=ctx.max_model_len if max_tokens is None else max_tokens,
                              vocab_size=ctx.tokenize.vocab_size, logprobs=k, stop_token_ids=stops)
-    choices = make_choices([prompt], params, n)
+    try:
+        text = ctx.chat_template.render(plain_messages(body.messages), body.add_generation_prompt is not False)
+        prompt = ctx.tokenize.text(text, False, "the rendered conversation")
+    except InvalidInputError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+    return make_choices([prompt], params, n), n, k
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext) -> Response:
+    choices, n, k = await asyncio.to_thread(_prepare, body, ctx)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     started = await start_choices(ctx, request, request_id, choices, cache_salt=body.cache_salt,
                                   priority=body.priority or 0, n=n)

@@ -49,6 +49,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-bos-for-token-prompts", dest="bos_for_token_prompts", action="store_false",
                         help="send token-id prompts as given; by default <bos> is put before one that lacks it "
                              "(it is not echoed)")
+    parser.add_argument("--metrics-names", choices=("vllm", "hybridkv"), default="vllm",
+                        help="/metrics names: vllm (vLLM's own, vllm:num_requests_waiting, ...: dashboards and "
+                             "routers built for vLLM work unchanged) or hybridkv (hybridkv_num_requests_waiting, "
+                             "...); metrics vLLM has no name for are hybridkv_* either way (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM/Ctrl-C, how long requests in flight may finish before they are ended "
                              "with an error (default: %(default)s)")
@@ -123,7 +127,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, start: float) -> int:
 
     logger.info("imported in %.1f s", time.perf_counter() - mark)
     engine = LLMEngine.from_package(engine_config(args))
-    async_engine = AsyncEngine(engine, args.model_name)
+    async_engine = AsyncEngine(engine, args.model_name, metrics_names=args.metrics_names)
     options = ServerOptions(chat_template=args.chat_template, max_request_bytes=args.max_request_bytes,
                             bos_for_token_prompts=args.bos_for_token_prompts)
     try:

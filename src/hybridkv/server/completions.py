@@ -4,9 +4,11 @@ tasks read), streamed as server-sent events or answered whole."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 from fastapi import Request
@@ -21,48 +23,65 @@ from hybridkv.server.openai_format import check_n, completion_logprobs, finish_r
 from hybridkv.server.protocol import MAX_CHOICES, CompletionRequest
 
 
-async def _prompts(body: CompletionRequest, ctx: ServerContext) -> list[Prompt]:
+def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts as sent: texts or token-id lists."""
     raw = body.prompt
-    items: list[str | list[int]]
     if isinstance(raw, str):
-        items = [raw]
-    elif raw and all(isinstance(p, int) for p in raw):
-        items = [cast("list[int]", raw)]
-    else:
-        items = cast("list[str | list[int]]", list(raw))
+        return [raw]
+    if raw and all(isinstance(p, int) for p in raw):
+        return [cast("list[int]", raw)]
+    items = cast("list[str | list[int]]", list(raw))
     if not items:
         raise APIError(400, "the prompt is empty", param="prompt")
-    add_bos = body.add_special_tokens is not False
+    return items
+
+
+def _tokenized(items: list[str | list[int]], add_bos: bool, ctx: ServerContext) -> list[Prompt]:
     out = []
     for i, item in enumerate(items):
         what = "the prompt" if len(items) == 1 else f"prompt[{i}]"
         try:
-            out.append(await ctx.tokenize.text(item, add_bos, what) if isinstance(item, str)
+            out.append(ctx.tokenize.text(item, add_bos, what) if isinstance(item, str)
                        else ctx.tokenize.token_ids(item, add_bos, what))
         except InvalidInputError as exc:
             raise APIError(400, str(exc), param="prompt") from exc
     return out
 
 
-async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext) -> Response:
+@dataclass(frozen=True)
+class _Prepared:
+    choices: list[Choice]
+    n: int
+    echo: bool
+    prompt_only: bool
+    """``max_tokens`` 0 with ``echo``: score the prompt without generating."""
+
+
+def _prepare(body: CompletionRequest, ctx: ServerContext) -> _Prepared:
+    """Checks, tokenization and the choices of ``body`` (blocking: run it in a worker thread)."""
     ctx.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported: the model has no fill-in-the-middle mode", param="suffix")
-    prompts = await _prompts(body, ctx)
-    n = check_n(body.n, len(prompts), MAX_CHOICES)
-    if body.best_of is not None and body.best_of != n:
-        raise APIError(400, f"best_of must be None or equal to n ({n}): every generated completion is returned",
-                       param="best_of")
     echo = bool(body.echo)
     max_tokens = 16 if "max_tokens" not in body.model_fields_set else body.max_tokens
     if max_tokens is not None and max_tokens < (0 if echo else 1):
         raise APIError(400, f"max_tokens must be a positive integer{' (or 0 with echo)' if echo else ''}, "
                             f"got {max_tokens}", param="max_tokens")
-    prompt_only = max_tokens == 0  # echo the prompt (and score it) without generating
+    items = _prompt_items(body)
+    n = check_n(body.n, len(items), MAX_CHOICES)
+    if body.best_of is not None and body.best_of != n:
+        raise APIError(400, f"best_of must be None or equal to n ({n}): every generated completion is returned",
+                       param="best_of")
     params = sampling_params(body, max_tokens=ctx.max_model_len if max_tokens is None else max(1, max_tokens),
                              vocab_size=ctx.tokenize.vocab_size, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None)
-    choices = make_choices(prompts, params, n)
+    prompts = _tokenized(items, body.add_special_tokens is not False, ctx)  # last: every count is checked
+    return _Prepared(make_choices(prompts, params, n), n, echo, max_tokens == 0)
+
+
+async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext) -> Response:
+    prepared = await asyncio.to_thread(_prepare, body, ctx)
+    choices, n, echo, prompt_only = prepared.choices, prepared.n, prepared.echo, prepared.prompt_only
     request_id = f"cmpl-{uuid.uuid4().hex}"
     started = await start_choices(ctx, request, request_id, choices, cache_salt=body.cache_salt,
                                   priority=body.priority or 0, n=n)
@@ -102,15 +121,20 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         ordered = await cancel_on_disconnect(request, collect_finals(first, outputs))
         if ordered is None:
             return Response(status_code=499)
-        body_choices = []
-        for choice, output in ordered:
-            reason = finish_reason(output)
-            head = prompt_text(choice.prompt) if echo else ""
-            text = head + ("" if prompt_only else output.text)
-            body_choices.append(choice_body(choice, output, text, reason, logprobs(choice, output, 0, echo, 0)))
-        per_prompt = {c.prompt_index: o for c, o in reversed(ordered)}
-        return JSONResponse(envelope(choices=body_choices, usage=usage(per_prompt, [] if prompt_only else
-                                                                         [o for _, o in ordered])))
+        finals = ordered
+
+        def whole() -> JSONResponse:  # a scored prompt has an entry per token: built in a worker thread
+            body_choices = []
+            for choice, output in finals:
+                reason = finish_reason(output)
+                head = prompt_text(choice.prompt) if echo else ""
+                text = head + ("" if prompt_only else output.text)
+                body_choices.append(choice_body(choice, output, text, reason, logprobs(choice, output, 0, echo, 0)))
+            per_prompt = {c.prompt_index: o for c, o in reversed(finals)}
+            return JSONResponse(envelope(choices=body_choices, usage=usage(per_prompt, [] if prompt_only else
+                                                                             [o for _, o in finals])))
+
+        return await asyncio.to_thread(whole)
 
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
 

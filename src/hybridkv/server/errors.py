@@ -1,12 +1,14 @@
 """Every error the server answers is an OpenAI error body ``{"error": {"message", "type", "param",
-"code"}}`` with JSON content type: validation failures, unknown routes, bodies over the size limit
-(413), failed requests (500) and anything unexpected (500, logged; the server keeps serving).
+"code"}}`` with JSON content type: validation failures (400, as OpenAI and vLLM answer them), unknown
+routes (404), a method a route does not take (405 with ``Allow``), bodies over the size limit (413),
+failed requests (500) and anything unexpected (500, logged; the server keeps serving).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,13 +27,14 @@ class APIError(Exception):
     """An error answered as an OpenAI error body with ``status``."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     @classmethod
     def bad_input(cls, exc: InvalidInputError, param: str | None = None) -> APIError:
@@ -43,7 +46,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return ErrorResponse(self.body(), status_code=self.status)
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class ErrorResponse(JSONResponse):
@@ -53,9 +56,8 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """The first offending field of a FastAPI validation error, as an ``APIError``."""
-    errors = exc.errors()
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """A 400 naming the offending fields of pydantic/FastAPI validation ``errors``."""
     invalid_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
     if invalid_json is not None:
         detail = invalid_json.get("ctx", {}).get("error", "")
@@ -69,7 +71,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         fields.append(field)
         hint = f" (unknown field {loc[-1]!r})" if e.get("type") == "extra_forbidden" and loc else ""
         parts.append(f"{field}: {e.get('msg', 'invalid')}{hint}")
-    return APIError(422, "; ".join(parts)[:2000], param=fields[0].split(".", 1)[0] if fields else None)
+    return APIError(400, "; ".join(parts)[:2000], param=fields[0].split(".", 1)[0] if fields else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -80,14 +82,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def request_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, f"{exc.detail} ({request.method} {request.url.path})",
                         type="invalid_request_error" if exc.status_code < 500 else "server_error",
-                        code="request_too_large" if exc.status_code == 413 else None).response()
+                        code="request_too_large" if exc.status_code == 413 else None,
+                        headers=exc.headers).response()  # a 405 keeps its Allow header
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""From a request body to engine requests and back: prompts to token ids (off the engine thread),
+"""From a request body to engine requests and back: prompts to token ids (in a worker thread),
 choices (prompts x ``n``) submitted together, and their outputs merged into one stream.
 
 Choices share the prefix cache: a choice whose prompt shares at least one KV block with an
@@ -44,7 +44,7 @@ class PromptTooLong(InvalidInputError):
 
 
 class Tokenize:
-    """Prompt text or ids to ``Prompt``: validated, tokenized in a worker thread, ``<bos>`` policy applied."""
+    """Prompt text or ids to ``Prompt``: validated, tokenized, ``<bos>`` policy applied (blocking calls)."""
 
     def __init__(self, encode: Callable[[str, bool], list[int]], *, bos_token_id: int, vocab_size: int,
                  max_model_len: int, max_token_chars: int, bos_for_token_prompts: bool) -> None:
@@ -56,13 +56,14 @@ class Tokenize:
         """No text longer than this can fit: no token covers more than ``max_token_chars`` characters."""
         self.bos_for_token_prompts = bos_for_token_prompts
 
-    async def text(self, text: str, add_bos: bool, what: str = "the prompt") -> Prompt:
+    def text(self, text: str, add_bos: bool, what: str = "the prompt") -> Prompt:
+        """``text`` tokenized (blocking: run it in a worker thread); its length is checked first."""
         if not text:
             raise InvalidInputError(f"{what} is empty")
         if len(text) > self.max_chars:
             raise PromptTooLong(f"{what} has {len(text)} characters: more than max_model_len "
                                 f"({self.max_model_len}) tokens can hold")
-        ids = await asyncio.to_thread(self.encode, text, add_bos)
+        ids = self.encode(text, add_bos)
         prompt = Prompt(ids, 1 if add_bos and ids[:1] == [self.bos_token_id] else 0, text)
         self.check_length(prompt, what)
         return prompt

@@ -91,9 +91,15 @@ class TokenText:
         self.tokenizer = tokenizer
         self.text = functools.lru_cache(maxsize=65536)(self._text)
         self.bytes = functools.lru_cache(maxsize=65536)(self._bytes)
+        self.width = functools.lru_cache(maxsize=65536)(self._width)
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _width(self, token_id: int) -> int:
+        """Characters the token adds to returned text: 0 for a special token (``<bos>``), which the
+        echoed prompt and the generated text leave out; else its text's length."""
+        return len(self.text(token_id)) if self.tokenizer.decode([token_id], skip_special_tokens=True) else 0
 
     def _bytes(self, token_id: int) -> list[int]:
         piece = getattr(self.tokenizer, "id_to_token", lambda _: None)(token_id)
@@ -111,13 +117,14 @@ def _lp(value: float) -> float:
 
 def completion_logprobs(entries: list[tuple[int, TokenLogprob | None]], tokens: TokenText,
                         text_offset: int) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object of ``(token id, entry)`` pairs (entry None: no log-prob)."""
+    """The legacy completions ``logprobs`` object of ``(token id, entry)`` pairs (entry None: no log-prob);
+    ``text_offset`` indexes the returned text, which holds no special tokens."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, entry in entries:
         text = tokens.text(token_id)
         out["tokens"].append(text)
         out["text_offset"].append(text_offset)
-        text_offset += len(text)
+        text_offset += tokens.width(token_id)
         if entry is None:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)

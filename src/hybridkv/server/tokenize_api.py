@@ -6,7 +6,6 @@ tokenizer (or hub access) is needed to evaluate the served model.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from hybridkv.errors import InvalidInputError
@@ -16,7 +15,8 @@ from hybridkv.server.errors import APIError
 from hybridkv.server.protocol import DetokenizeRequest, TokenizeRequest
 
 
-async def tokenize(body: TokenizeRequest, ctx: ServerContext) -> dict[str, Any]:
+def tokenize(body: TokenizeRequest, ctx: ServerContext) -> dict[str, Any]:
+    """The ``/tokenize`` answer (blocking: run it in a worker thread)."""
     if body.model is not None:
         ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
@@ -32,11 +32,12 @@ async def tokenize(body: TokenizeRequest, ctx: ServerContext) -> dict[str, Any]:
                                     f"({ctx.max_model_len}) tokens can hold")
     except InvalidInputError as exc:
         raise APIError(400, str(exc), param="messages" if body.messages is not None else "prompt") from exc
-    tokens = await asyncio.to_thread(ctx.tokenize.encode, text, add_bos)
+    tokens = ctx.tokenize.encode(text, add_bos)
     return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens, "token_strs": None}
 
 
-async def detokenize(body: DetokenizeRequest, ctx: ServerContext) -> dict[str, Any]:
+def detokenize(body: DetokenizeRequest, ctx: ServerContext) -> dict[str, Any]:
+    """The ``/detokenize`` answer (blocking: run it in a worker thread)."""
     if body.model is not None:
         ctx.check_model(body.model)
     vocab = ctx.tokenize.vocab_size
@@ -44,7 +45,7 @@ async def detokenize(body: DetokenizeRequest, ctx: ServerContext) -> dict[str, A
         raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
     if len(body.tokens) > ctx.tokenize.max_chars:
         raise APIError(400, f"at most {ctx.tokenize.max_chars} tokens", param="tokens")
-    text = await asyncio.to_thread(ctx.tokenizer.decode, body.tokens)
+    text = ctx.tokenizer.decode(body.tokens)
     return {"prompt": text}
 
 
