@@ -134,21 +134,8 @@ def lru_ceiling(requests: Sequence[SimRequest], capacity_bytes: float, *, model:
             if resume_key is not None:
                 touched.append((("cp", resume_key), 0.0))
         touched += [(key, tokens * growing_bytes_per_token) for key, tokens in reversed(chain)]
-        for key, size in touched:
-            old = lru.pop(key, None)
-            if old is not None:
-                size = old
-            elif not size:
-                continue
-            if size > capacity_bytes:
-                continue
-            lru[key] = size
-            if old is None:
-                used += size
-        while used > capacity_bytes:
-            _, size = lru.popitem(last=False)
-            used -= size
-            evicted += size
+        used, dropped = _touch_lru(lru, touched, used, capacity_bytes)
+        evicted += dropped
     return CeilingResult(model, hit_total, prompt_total, n, int(evicted), stored_checkpoints)
 
 
@@ -226,17 +213,28 @@ def turn_ceiling(requests: Sequence[SimRequest], capacity: float, *, model: str,
                     if e in lru and e not in live:
                         lru.move_to_end(e, last=False)
         touched += [(key, bs * growing_per_token) for key in reversed(keys[:computed])]
-        for key, size in touched:
-            old = lru.pop(key, None)
-            if old is not None:
-                size = old
-            elif not size or size > capacity:
-                continue
-            lru[key] = size
-            if old is None:
-                used += size
-        while used > capacity:
-            _, size = lru.popitem(last=False)
-            used -= size
-            evicted += size
+        used, dropped = _touch_lru(lru, touched, used, capacity)
+        evicted += dropped
     return CeilingResult(model, hit_total, prompt_total, n, int(evicted), stored)
+
+
+def _touch_lru(lru: OrderedDict[object, float], touched: list[tuple[object, float]], used: float, capacity: float
+               ) -> tuple[float, float]:
+    """Move ``touched`` keys to the LRU's most recent end (a new key enters with its size; one of size 0,
+    or larger than the whole capacity, is not stored), then evict from the least recent end until
+    ``used`` fits ``capacity``. Returns the new ``used`` and the bytes evicted."""
+    evicted = 0.0
+    for key, size in touched:
+        old = lru.pop(key, None)
+        if old is not None:
+            size = old
+        elif not size or size > capacity:
+            continue
+        lru[key] = size
+        if old is None:
+            used += size
+    while used > capacity:
+        _, size = lru.popitem(last=False)
+        used -= size
+        evicted += size
+    return used, evicted
