@@ -63,21 +63,19 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     Each query's result depends on its own row and the keys it sees only, not on how many queries
     or keys the call holds: scores are one float32 matmul with the query heads of each KV head as
     rows (row-independent: its row count is a multiple of 4); the softmax uses the exact maximum
-    over visible keys; values are reduced per key tile (a matmul of fixed depth ``KEY_TILE``, the
-    softmax denominator as an extra column of ones) and the tiles added in position order
+    over visible keys; values and the softmax denominator are reduced per key tile (a matmul of
+    fixed depth ``KEY_TILE``, a sum of ``KEY_TILE`` terms) and the tiles added in position order
     (``cumsum``: sequential), so tiles a query does not see add exact zeros wherever they are."""
     b, nq, h, d = q.shape
     length, kvh = k.shape[1], k.shape[2]
     rows, tiles = nq * (h // kvh), length // KEY_TILE
-    qg = q.reshape(b, nq, kvh, h // kvh, d).transpose(1, 2).reshape(b, kvh, rows, d)
-    scores = torch.matmul(qg, k.float().permute(0, 2, 3, 1)).mul_(scale)  # [B, KVH, rows, L]
+    qg = (q * scale).reshape(b, nq, kvh, h // kvh, d).transpose(1, 2).reshape(b, kvh, rows, d)
+    scores = torch.matmul(qg, k.float().permute(0, 2, 3, 1))  # [B, KVH, rows, L]
     scores.view(b, kvh, nq, h // kvh, length).masked_fill_(~mask[:, None, :, None, :], float("-inf"))
-    probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-    ones = torch.ones(b, length, kvh, 1, device=v.device)
-    values = torch.cat((v.float(), ones), dim=-1).permute(0, 2, 1, 3).reshape(b, kvh, tiles, KEY_TILE, d + 1)
-    partial = torch.matmul(probs.view(b, kvh, rows, tiles, KEY_TILE).transpose(2, 3), values)
-    total = partial.cumsum(2)[:, :, -1]  # [B, KVH, rows, D + 1]
-    out = total[..., :d] / total[..., d:]
+    probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_().view(b, kvh, rows, tiles, KEY_TILE)
+    values = v.float().permute(0, 2, 1, 3).reshape(b, kvh, tiles, KEY_TILE, d)
+    weighted = torch.matmul(probs.transpose(2, 3), values).cumsum(2)[:, :, -1]  # [B, KVH, rows, D]
+    out = weighted / probs.sum(-1).cumsum(-1)[..., -1:]
     return out.reshape(b, kvh, nq, h // kvh, d).transpose(1, 2).reshape(b, nq, h, d)
 
 
