@@ -60,6 +60,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prefill-len", type=int, default=PREFILL_LEN)
+    ap.add_argument("--no-invariance", action="store_true", help="measure speed only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gguf = GGUFFile(default_model_path())
@@ -68,18 +70,20 @@ def main() -> int:
                           max_num_batched_tokens=1024, enable_prefix_caching=False)
     weights = Gemma3Weights.load(gguf, parse_dtype(args.dtype), weights_format(config))
     rng = random.Random(0)
-    long, one = [token_ids(rng, PREFILL_LEN)], [token_ids(rng, PROMPT_LEN)]
+    long, one = [token_ids(rng, args.prefill_len)], [token_ids(rng, PROMPT_LEN)]
     eight = [token_ids(rng, PROMPT_LEN + 8 * i) for i in range(8)]
     generate(LLMEngine(weights, tokenizer, config), one, 2)  # warm-up
     r: dict[str, float] = {}
     for _ in range(args.repeat):
         eng = LLMEngine(weights, tokenizer, config)
-        r["prefill"] = max(r.get("prefill", 0.0), PREFILL_LEN / generate(eng, long, 1)[0])
+        r["prefill"] = max(r.get("prefill", 0.0), args.prefill_len / generate(eng, long, 1)[0])
         r["decode1"] = max(r.get("decode1", 0.0), (DECODE_TOKENS - 1) / generate(eng, one, DECODE_TOKENS)[1])
         r["decode8"] = max(r.get("decode8", 0.0), 8 * (DECODE_TOKENS - 1) / generate(eng, eight, DECODE_TOKENS)[1])
     print(f"{weights.format} {args.dtype}, {args.threads} thread(s), best of {args.repeat}: prefill "
-          f"{r['prefill']:.1f} tok/s (1,024 tokens), decode {r['decode1']:.2f} tok/s (1 seq), "
-          f"{r['decode8']:.2f} tok/s (8 seqs)")
+          f"{r['prefill']:.1f} tok/s ({args.prefill_len} tokens), decode {r['decode1']:.2f} tok/s (1 seq), "
+          f"{r['decode8']:.2f} tok/s (8 seqs)", flush=True)
+    if args.no_invariance:
+        return 0
 
     eng = LLMEngine(weights, tokenizer, EngineConfig(**{**vars(config), "max_num_batched_tokens": 256}))
     alone = [generate(eng, [p], 16)[2][0] for p in eight]

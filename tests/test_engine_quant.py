@@ -155,9 +155,10 @@ def fp32(gguf: GGUFFile) -> Gemma3Weights:
 
 
 @pytest.fixture(scope="module")
-def default(gguf: GGUFFile) -> Gemma3Weights:
-    config = EngineConfig()
-    return Gemma3Weights.load(gguf, torch.bfloat16, weights_format(config))
+def default() -> Gemma3Weights:
+    import gemma
+
+    return gemma.default_weights()
 
 
 def make_engine(weights: Gemma3Weights, tokenizer: GemmaTokenizer, **kw: Any) -> LLMEngine:
