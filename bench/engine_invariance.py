@@ -91,7 +91,7 @@ def main() -> int:
     same_tokens = sum([t for t, _ in a] == [t for t, _ in b] for a, b in zip(alone, mixed))
     same_bits = sum(a == b for a, b in zip(alone, mixed))
     print(f"batch invariance: {same_tokens}/8 sequences with identical greedy tokens, {same_bits}/8 with "
-          f"bitwise-identical log-probabilities, alone vs in a batch of 8 + a chunked 1,024-token prefill")
+          f"bitwise-identical log-probabilities, alone vs in a batch of 8 + a chunked {args.prefill_len}-token prefill")
     return 0
 
 
