@@ -1,8 +1,9 @@
 """Packing one step: the scheduler's token counts become the forward pass's ``StepInputs``.
 
 Each scheduled sequence contributes its next tokens as consecutive rows of one packed batch;
-its K/V slots come from its block tables; attention runs per part (one per prefill chunk, one for
-all single-token decodes), keys gathered from the first block its window needs.
+its K/V slots come from its block tables; attention runs per part (one per ``QUERY_TILE`` queries
+of a prefill chunk, one for all single-token decodes), keys gathered in whole ``KEY_TILE`` s from
+the tile that holds the first key the part's window needs.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.core import Sequence
-from hybridkv.engine.model import AttentionPart, StepInputs
+from hybridkv.engine.model import KEY_TILE, AttentionPart, StepInputs
 
 Tables = tuple[tuple[int, ...], ...]
+
+QUERY_TILE = 128
+"""Queries of a prefill chunk per attention part (bounds the ``[queries, keys]`` score tensor)."""
 
 
 @dataclass
@@ -81,8 +85,10 @@ class BatchBuilder:
             if n == 1:
                 decodes.append((row, start, table))
             else:
-                for w in self.windows:
-                    parts[w].append(self._part([(row, start, n, table)], w))
+                for lo in range(0, n, QUERY_TILE):
+                    tile = (row + lo, start + lo, min(QUERY_TILE, n - lo), table)
+                    for w in self.windows:
+                        parts[w].append(self._part([tile], w))
         if decodes:
             for w in self.windows:
                 parts[w].append(self._part([(row, pos, 1, table) for row, pos, table in decodes], w))
@@ -96,36 +102,39 @@ class BatchBuilder:
 
     def _part(self, members: list[tuple[int, int, int, Tables]], window: int | None) -> AttentionPart:
         """One attention call for ``members`` = (first row, first position, tokens, block tables), all
-        with the same number of tokens; keys from the first block the window needs to the end."""
+        with the same number of tokens; keys in whole ``KEY_TILE`` s from the tile holding the first key
+        the window needs to the end (null-block slots where a block is no longer held)."""
         bs = self.block_size
+        tile = KEY_TILE
+        if tile % bs:
+            raise ValueError(f"the key tile ({tile}) must be a multiple of the block size ({bs})")
         q = members[0][2]
-        key_starts = [0 if window is None else max(0, pos - window + 1) // bs * bs for _, pos, _, _ in members]
-        lengths = [pos + n - ks for (_, pos, n, _), ks in zip(members, key_starts)]
-        width = max(lengths)
+        firsts = [0 if window is None else max(0, pos - window + 1) for _, pos, _, _ in members]
+        key_starts = [f // tile * tile for f in firsts]
+        width = -(-max(pos + n - ks for (_, pos, n, _), ks in zip(members, key_starts)) // tile) * tile
         dev = self.device
         offs = torch.arange(width, device=dev)
         kpos = torch.tensor(key_starts, device=dev)[:, None] + offs[None, :]  # [B, L]
         qpos = torch.tensor([pos for _, pos, _, _ in members], device=dev)[:, None] + torch.arange(q, device=dev)
-        mask = (kpos[:, None, :] <= qpos[:, :, None]) & (offs[None, None, :] < torch.tensor(lengths, device=dev)
-                                                          [:, None, None])
+        mask = kpos[:, None, :] <= qpos[:, :, None]
         if window is not None:
             mask &= kpos[:, None, :] > qpos[:, :, None] - window
         rows = torch.tensor([row for row, _, _, _ in members], device=dev)[:, None] + torch.arange(q, device=dev)
-        part = AttentionPart(query_rows=rows, mask=mask[:, None])
-        nblocks = -(-width // bs)
+        part = AttentionPart(query_rows=rows, mask=mask)
+        nblocks = width // bs
         for g, w in enumerate(self.group_windows):
             if w != window:
                 continue
             table_rows = []
-            for (_, pos, n, tables), ks in zip(members, key_starts):
+            for (_, pos, n, tables), ks, first in zip(members, key_starts, firsts):
                 blocks = list(tables[g][ks // bs:-(-(pos + n) // bs)])
-                if 0 in blocks:
+                seen = blocks[first // bs - ks // bs:]
+                if 0 in seen:
                     raise RuntimeError(
                         f"group {g}: the manager gave the null block for a position the window still sees "
-                        f"(positions {ks}..{pos + n - 1}): {blocks}"
+                        f"(positions {first}..{pos + n - 1}): {seen}"
                     )
                 table_rows.append(blocks + [0] * (nblocks - len(blocks)))
             block_ids = torch.tensor(table_rows, device=dev)
-            key_slots = (block_ids[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(len(members), -1)
-            part.key_slots[g] = key_slots[:, :width]
+            part.key_slots[g] = (block_ids[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(len(members), -1)
         return part

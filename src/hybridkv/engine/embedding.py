@@ -92,7 +92,9 @@ class ScreenedEmbedding:
             return self.exact_logits(x)
         out = self.screen(x).float()
         top = top_indices(out, self.rescore)  # [M, k]
-        exact = torch.einsum("mkd,md->mk", self.rows(top), x)
+        # A product and a sum over the hidden dimension: each row's logits whatever the row count
+        # (a batched matmul's were not: a request's logits would depend on its batch).
+        exact = (self.rows(top) * x[:, None, :]).sum(-1)
         return out.scatter_(1, top, exact)
 
     def exact_logits(self, x: torch.Tensor) -> torch.Tensor:

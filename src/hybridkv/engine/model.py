@@ -2,8 +2,14 @@
 
 One step runs a packed batch: the new tokens of every scheduled sequence in one ``[T, hidden]``
 tensor. Projections, norms and the MLP run on the packed batch; attention runs per *part*: one
-part per prefill chunk (its queries, the keys it may see, a causal/window mask) and one part for
-all single-token decodes together (keys padded to the longest context, padding masked).
+part per tile of a prefill chunk's queries (the keys they may see, a causal/window mask) and one
+part for all single-token decodes together (keys padded to the longest context, padding masked).
+
+Every row's arithmetic is a function of its token, its position and the cached K/V alone, not of
+how the tokens were split into steps, chunks or batches, so caching, chunking and batching never
+change an output: each matmul kernel computes rows independently whatever their count, a token's
+K/V is read back from the cache (rounded to its dtype) by the step that wrote it as by later ones,
+and attention runs over key tiles aligned to absolute positions (``tiled_attention``).
 
 KV memory is shared by the groups the way hybridkv plans it: a group of ``n`` layers uses ``n``
 per-slot tensors ``[num_blocks * block_size, kv_heads, head_dim]``; layer ``j`` of every group
@@ -45,18 +51,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-                     ) -> torch.Tensor:
-    """One query per sequence, in float32: ``q`` ``[B, H, D]`` against ``k``, ``v`` ``[B, L, KVH, D]``
-    where ``mask`` ``[B, 1, 1, L]`` is True; ``[B, H, D]``. Two batched matmuls with the query heads of
-    each KV head as rows (grouped-query attention without repeating K/V): for one query ~5x less
-    overhead than the CPU flash kernel, and float32 matmuls this small run ~4x faster than bf16."""
-    b, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, kvh, h // kvh, d)
-    scores = torch.matmul(qg, k.float().permute(0, 2, 3, 1)).mul_(scale)  # [B, KVH, G, L]
-    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
-    return torch.matmul(probs, v.float().transpose(1, 2)).reshape(b, h, d)
+KEY_TILE = 128
+"""Keys per attention tile; tiles start at absolute positions that are multiples of it."""
+
+
+def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+                    ) -> torch.Tensor:
+    """Float32 attention ``[B, Q, H, D]`` of ``q`` ``[B, Q, H, D]`` over ``k``, ``v`` ``[B, L, KVH, D]`` (keys
+    ``KEY_TILE``-aligned to absolute positions, ``L`` a multiple of it) where ``mask`` ``[B, Q, L]`` is True.
+
+    Each query's result depends on its own row and the keys it sees only, not on how many queries
+    or keys the call holds: scores are one float32 matmul with the query heads of each KV head as
+    rows (row-independent: its row count is a multiple of 4); the softmax uses the exact maximum
+    over visible keys; values and the softmax denominator are reduced per key tile (a matmul of
+    fixed depth ``KEY_TILE``, a sum of ``KEY_TILE`` terms) and the tiles added in position order
+    (``cumsum``: sequential), so tiles a query does not see add exact zeros wherever they are."""
+    b, nq, h, d = q.shape
+    length, kvh = k.shape[1], k.shape[2]
+    rows, tiles = nq * (h // kvh), length // KEY_TILE
+    qg = (q * scale).reshape(b, nq, kvh, h // kvh, d).transpose(1, 2).reshape(b, kvh, rows, d)
+    scores = torch.matmul(qg, k.float().permute(0, 2, 3, 1))  # [B, KVH, rows, L]
+    scores.view(b, kvh, nq, h // kvh, length).masked_fill_(~mask[:, None, :, None, :], float("-inf"))
+    probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_().view(b, kvh, rows, tiles, KEY_TILE)
+    values = v.float().permute(0, 2, 1, 3).reshape(b, kvh, tiles, KEY_TILE, d)
+    weighted = torch.matmul(probs.transpose(2, 3), values).cumsum(2)[:, :, -1]  # [B, KVH, rows, D]
+    out = weighted / probs.sum(-1).cumsum(-1)[..., -1:]
+    return out.reshape(b, kvh, nq, h // kvh, d).transpose(1, 2).reshape(b, nq, h, d)
 
 
 @dataclass
@@ -66,9 +86,11 @@ class AttentionPart:
     query_rows: torch.Tensor
     """``[B, Q]`` indices into the packed batch."""
     mask: torch.Tensor
-    """``[B, 1, Q, L]`` True where a query may see a key."""
+    """``[B, Q, L]`` True where a query may see a key; key ``j`` of row ``b`` is at a position
+    ``KEY_TILE``-aligned start + ``j``, ``L`` a multiple of ``KEY_TILE``."""
     key_slots: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Per hybridkv group of this part's kind: ``[B, L]`` key slots (block id * block size + offset)."""
+    """Per hybridkv group of this part's kind: ``[B, L]`` key slots (block id * block size + offset;
+    slots of the null block where the window sees no key)."""
 
 
 @dataclass
@@ -137,8 +159,8 @@ class Gemma3Model:
     from the layout, not the layer, so a layout that plans every layer as full attention runs the
     model without its windows (the tests' negative control).
 
-    The residual stream and the norms are float32 whatever the weights; q, k, v, the KV cache and
-    attention are in ``weights.dtype``; each matmul runs in its weights' own format.
+    The residual stream, the norms and attention are float32 whatever the weights; k, v and the KV
+    cache are in ``weights.dtype``; each projection runs in its weights' own format.
     """
 
     def __init__(self, weights: Gemma3Weights, kv: PagedKVCache, layer_slots: list[tuple[int, int]],
@@ -198,14 +220,7 @@ class Gemma3Model:
             key_slots = part.key_slots[group]
             flat = key_slots.reshape(-1)
             gathered = (*key_slots.shape, nkv, hd)
-            kp = k_cache.index_select(0, flat).view(gathered)  # [B, L, KVH, D]
+            kp = k_cache.index_select(0, flat).view(gathered)  # [B, L, KVH, D], read back as cached
             vp = v_cache.index_select(0, flat).view(gathered)
-            if part.query_rows.shape[1] == 1:
-                rows = part.query_rows[:, 0]
-                out[rows] = decode_attention(q[rows], kp, vp, part.mask, cfg.attn_scale)
-                continue
-            qp = q[part.query_rows].transpose(1, 2).to(self.dtype)  # [B, H, Q, D]
-            o = F.scaled_dot_product_attention(qp, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=part.mask,
-                                               scale=cfg.attn_scale, enable_gqa=True)
-            out[part.query_rows] = o.transpose(1, 2).float()
+            out[part.query_rows] = tiled_attention(q[part.query_rows], kp, vp, part.mask, cfg.attn_scale)
         return layer.o(out.reshape(t, -1))

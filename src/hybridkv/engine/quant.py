@@ -231,17 +231,17 @@ class DenseLinear:
 
 
 class GGUFLinear:
-    """A GGUF matrix for every batch size: its packed codes for a few rows (the int4 kernel's cost
-    grows with the rows: it handles 4 at a time), a bf16 copy of the same weights for more
-    (prefill chunks, large decode batches), where a dense GEMM is several times faster."""
+    """A GGUF matrix as its packed codes, one kernel for every row count: each row's result is a
+    function of that row alone (the kernel runs rows independently), so a token computes the same
+    whether it is one row of a decode step or of a prefill chunk of any size. Measured on the
+    2-core AVX2 development machine (one thread), the packed kernel is also faster than a bf16 GEMM
+    on the dequantized weights at every row count above one (a layer: 2.3 ms against 4.7 ms at 4
+    rows, 0.66 s against 1.3 s at 1,024)."""
 
-    __slots__ = ("packed", "dense")
-
-    PACKED_MAX_ROWS = 4
+    __slots__ = ("packed",)
 
     def __init__(self, codes: GroupCodes) -> None:
         self.packed = PackedLinear(codes)
-        self.dense = DenseLinear(codes.dequantize().to(torch.bfloat16))
 
     @property
     def in_features(self) -> int:
@@ -249,7 +249,7 @@ class GGUFLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 ``[M, out_features]``."""
-        return self.packed(x) if x.shape[0] <= self.PACKED_MAX_ROWS else self.dense(x)
+        return self.packed(x)
 
     def to(self, device: torch.device) -> GGUFLinear:
         self.packed.to(device)
@@ -257,4 +257,4 @@ class GGUFLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.dense.nbytes
+        return self.packed.nbytes
