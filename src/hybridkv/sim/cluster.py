@@ -48,6 +48,7 @@ from hybridkv.cluster.replica import RequestKeys
 from hybridkv.cluster.routing import POLICIES, BackendState, Policy
 from hybridkv.cluster.scrape import BackendLoad
 from hybridkv.core import BlockHasher, KVCacheManager, Sequence, capacity_report
+from hybridkv.core.hits import LOSS_CAUSES
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
 from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig
 from hybridkv.sim.cost_model import CostModel, calibrate
@@ -466,6 +467,7 @@ def _summary(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, replica
         "throughput_tokens_per_s": run.output_tokens / now if now else 0.0,
         "throughput_requests_per_s": finished / now if now else 0.0,
         "prefix_hit_rate": hit / queried if queried else 0.0, "hit_tokens": hit, "queried_tokens": queried,
+        "lost_hit_tokens": {c: sum(r.mgr.stats.lost_hit_tokens[c] for r in replicas) for c in LOSS_CAUSES},
         "ttft_p50_s": _percentile(ttfts, 0.5), "ttft_p90_s": _percentile(ttfts, 0.9),
         "ttft_p99_s": _percentile(ttfts, 0.99), "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
         "itl_p50_s": _percentile(itl, 0.5), "itl_p90_s": _percentile(itl, 0.9), "itl_p99_s": _percentile(itl, 0.99),
