@@ -221,7 +221,10 @@ def tier_storage(cfg: SimConfig, workload: Workload | None = None) -> StoragePol
     if align is None:
         align = workload.content_block_size if workload is not None and workload.content_block_size else 0
     policy = StoreSpansSpill if cfg.tier_storage == "spans+spill" else StoreHitSpans
-    return policy(interval=cfg.tier_checkpoint_interval, end_align=align)
+    # A trace that knows content only as prompt blocks (Mooncake) never holds the simulator's own
+    # answers in a later prompt: storing the answer's boundaries would only take the tier's room.
+    answers_reused = workload is None or workload.content_block_size is None
+    return policy(interval=cfg.tier_checkpoint_interval, end_align=align, answer_ends=answers_reused)
 
 
 def _make_sequence(req: SimRequest, tiered: bool = False) -> Sequence:
