@@ -63,42 +63,36 @@ because eviction took it, or because no step ever checkpointed it there."""
 
 
 def hit_losses(groups: Sequence[KindManager], hashes: Callable[[KindManager], list[bytes]],
-               cached: Callable[[KindManager], Mapping[bytes, int]], full_hit: int, hit: int, alignment: int,
+               cached: Callable[[KindManager], Mapping[bytes, int]], max_hit: int, alignment: int,
                evicted: Callable[[KindManager, list[bytes]], bool]) -> dict[str, int]:
-    """Replay ``agreed_hit``'s fixed point from ``full_hit`` down to the agreed ``hit`` and attribute
-    each cut to its cause: ``{cause: tokens}``, at most ``full_hit - hit`` in all (less only if
-    blocks were cached since the hit was found). ``evicted(g, hashes)`` says whether eviction took
-    any of a recurrent group's states at those block hashes."""
+    """Why the agreed hit stops short of the full-attention match: ``agreed_hit``'s cuts, each
+    attributed to its cause (``{cause: tokens}``, summing to the gap). ``evicted(g, hashes)`` says
+    whether eviction took any of a recurrent group's states at those block hashes."""
     losses: dict[str, int] = {}
-    bound = full_hit
-    rest = [g for g in groups if g.constrains_hits and not g.downward_closed]
-    changed = True
-    while changed and bound > hit:
-        changed = False
-        for g in rest:
-            tokens, _ = g.find_longest_cache_hit(hashes(g), cached(g), bound)
-            if tokens < bound:
-                cut = max(hit, tokens // alignment * alignment)
-                if not g.registers_when_computed:
-                    cause = "window_evicted"
-                else:
-                    states = hashes(g)[cut // g.block_size:bound // g.block_size]
-                    cause = "state_evicted" if evicted(g, states) else "state_not_checkpointed"
-                losses[cause] = losses.get(cause, 0) + bound - cut
-                bound = cut
-                changed = True
+
+    def record(g: KindManager, bound: int, cut: int) -> None:
+        if not g.registers_when_computed:
+            cause = "window_evicted"
+        else:
+            states = hashes(g)[cut // g.block_size:bound // g.block_size]
+            cause = "state_evicted" if evicted(g, states) else "state_not_checkpointed"
+        losses[cause] = losses.get(cause, 0) + bound - cut
+
+    agreed_hit(groups, hashes, cached, max_hit, alignment, on_cut=record)
     return losses
 
 
 def agreed_hit(groups: Sequence[KindManager], hashes: Callable[[KindManager], list[bytes]],
-               cached: Callable[[KindManager], Mapping[bytes, int]], max_hit: int, alignment: int
+               cached: Callable[[KindManager], Mapping[bytes, int]], max_hit: int, alignment: int,
+               on_cut: Callable[[KindManager, int, int], None] | None = None
                ) -> tuple[int, int, list[list[int]]]:
     """The longest prefix of at most ``max_hit`` tokens every group can serve.
 
     ``hashes(g)`` is the sequence's block hashes at group ``g``'s block size and ``cached(g)`` the
     mapping of the hashes ``g`` holds to block ids. Returns ``(tokens, full_hit_tokens, blocks)``:
     the agreed hit, how far the downward-closed groups alone reached, and per group (in order)
-    its table prefix for the hit (empty for groups that do not constrain hits).
+    its table prefix for the hit (empty for groups that do not constrain hits). ``on_cut(g, bound,
+    cut)``, when given, hears each time a group that is not downward-closed lowers the bound.
     """
     found: dict[int, list[int]] = {}
     bound = max_hit
@@ -120,7 +114,10 @@ def agreed_hit(groups: Sequence[KindManager], hashes: Callable[[KindManager], li
             tokens, blocks = g.find_longest_cache_hit(hashes(g), cached(g), bound)
             found[g.group] = blocks
             if tokens < bound:
-                bound = tokens // alignment * alignment
+                cut = tokens // alignment * alignment
+                if on_cut is not None:
+                    on_cut(g, bound, cut)
+                bound = cut
                 changed = True
     blocks_per_group = [
         found.get(g.group, [])[: bound // g.block_size] if g.constrains_hits and bound else []

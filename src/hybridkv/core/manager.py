@@ -312,7 +312,7 @@ class KVCacheManager:
         index = self.pool.index
         was_evicted = self.pool.was_evicted
         return hit_losses(self.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group],
-                          hit.full_hit_tokens, hit.num_tokens, self.hit_alignment,
+                          hit.max_hit_tokens, self.hit_alignment,
                           lambda g, hashes: any(was_evicted(g.group, h) for h in hashes))
 
     def _content(self, seq: Sequence, num_tokens: int) -> bytes | None:
