@@ -14,6 +14,10 @@ from hybridkv.engine.weights import weights_format
 from hybridkv.errors import InvalidInputError
 
 
+MODELS = ("gemma-3-270m", "hybrid-tiny")
+"""The built-in models (``EngineConfig.model``; ``hybridkv.engine.models``)."""
+
+
 class Tokenizer(Protocol):
     eos_token_id: int
 
@@ -53,8 +57,13 @@ class EngineConfig:
     """Publish KV-cache events (vLLM's wire format) on this ZMQ endpoint, e.g. ``tcp://127.0.0.1:5557``."""
     kv_events_replay_endpoint: str | None = None
     """Serve missed event batches on this ZMQ endpoint (needs ``kv_events_endpoint``)."""
+    model: str = "gemma-3-270m"
+    """The built-in model ``LLMEngine.from_package`` loads: ``gemma-3-270m`` or ``hybrid-tiny`` (attention
+    and Mamba-2 layers, weights from a fixed seed: ``hybridkv.engine.hybrid``)."""
 
     def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise InvalidInputError(f"unknown model {self.model!r}: the built-in models are {', '.join(MODELS)}")
         weights_format(self)
         if not isinstance(self.device, str) or (self.device != "cpu" and not self.device.startswith("cuda")):
             raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

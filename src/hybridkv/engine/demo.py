@@ -57,7 +57,7 @@ def engine_demo(args: argparse.Namespace) -> int:
     print(f"Loaded Gemma 3 270M ({args.dtype}) in {time.perf_counter() - t0:.1f} s; KV pool "
           f"{cached_engine.layout.num_blocks - 1} blocks x {cached_engine.block_size} tokens in "
           f"{len(cached_engine.layout.groups)} groups (5 sliding-window + 1 global)")
-    plain_engine = LLMEngine(cached_engine.model.w, cached_engine.tokenizer,
+    plain_engine = LLMEngine(cached_engine.weights, cached_engine.tokenizer,
                              dataclasses.replace(cached_engine.config, enable_prefix_caching=False))
     document = DOCUMENT * args.repeat_document
     prompts = [document + "\n" + q for q in QUESTIONS[:args.requests]]

