@@ -131,15 +131,39 @@ def test_planner_pads_groups_when_sizes_are_close() -> None:
     assert sorted(len(g.layer_names) for g in split.groups) == [1, 2, 2]
 
 
-def test_planner_enlarges_attention_blocks_to_fit_mamba_state() -> None:
+def test_unified_pages_enlarge_attention_blocks_to_fit_a_mamba_state() -> None:
     specs = {"attn": full(16), "m0": MambaSpec(block_size=16, state_bytes=200_000)}
-    lay = plan_layout(specs, 1 << 30, max_model_len=8192, max_num_batched_tokens=2048)
+    lay = plan_layout(specs, 1 << 30, max_model_len=8192, max_num_batched_tokens=2048,
+                      recurrent_pages="unified")
     attn, state = lay.groups[0].spec, lay.groups[1].spec
     assert attn.page_size_bytes >= 200_000
     # A 16-token page is 64 KiB: 4 of them (64 tokens, 256 KiB) are the first to hold 200,000 bytes.
     assert attn.block_size == 64 and attn.page_size_bytes == 262144
     assert state.page_size_bytes == attn.page_size_bytes  # padded
     assert state.block_size == attn.block_size  # checkpoints at attention block boundaries
+
+
+def test_split_pages_keep_attention_blocks_and_spread_a_state_over_pages() -> None:
+    specs = {"a0": full(16), "a1": full(16), "m0": MambaSpec(block_size=16, state_bytes=200_000),
+             "m1": MambaSpec(block_size=16, state_bytes=200_000)}
+    lay = plan_layout(specs, 1 << 30, max_model_len=8192, max_num_batched_tokens=2048)
+    attn = lay.groups[0].spec
+    assert attn.block_size == 16 and attn.page_size_bytes == 65536
+    # 200,000 bytes need 4 pages of 64 KiB: one group per page, the same layers in each.
+    (state,) = lay.recurrent_states
+    assert state.layer_names == ("m0", "m1") and len(state.groups) == 4
+    assert state.part_bytes == 50_000 and state.state_bytes == 200_000
+    for j, g in enumerate(state.groups):
+        spec = lay.groups[g].spec
+        assert isinstance(spec, MambaSpec) and (spec.state_part, spec.state_parts) == (j, 4)
+        assert spec.block_size == 16 and spec.page_size_bytes == 65536  # padded from 50,000
+        assert lay.groups[g].layer_names == ("m0", "m1")
+    # The same bytes per request either way: the admission bound counts every page of a state.
+    unified = plan_layout(specs, 1 << 30, max_model_len=8192, max_num_batched_tokens=2048,
+                          recurrent_pages="unified")
+    split_pages = sum(capacity_report(lay, max_model_len=8192, max_num_batched_tokens=2048).blocks_per_request[1:])
+    unified_pages = capacity_report(unified, max_model_len=8192, max_num_batched_tokens=2048).blocks_per_request[1]
+    assert split_pages * 65536 == unified_pages * 262144 == 3 * 4 * 65536  # read, checkpoint, write
 
 
 def test_planner_raises_block_size_when_pages_divide() -> None:

@@ -8,8 +8,16 @@ these names are the core's public surface.
 from hybridkv.core.block_pool import NULL_BLOCK, AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KVCacheEvent
 from hybridkv.core.hashing import HASH_ALGORITHMS, BlockHasher, HashAlgorithm
 from hybridkv.core.hits import CacheHit, HitRules
-from hybridkv.core.layout import CapacityReport, KVCacheGroup, KVCacheLayout, capacity_report, plan_layout
-from hybridkv.core.manager import KVCacheManager, KVCacheStats
+from hybridkv.core.layout import (
+    CapacityReport,
+    KVCacheGroup,
+    KVCacheLayout,
+    RecurrentPages,
+    RecurrentState,
+    capacity_report,
+    plan_layout,
+)
+from hybridkv.core.manager import KVCacheManager, KVCacheStats, StateStep
 from hybridkv.core.retention import NoRetention, RetentionPolicy, WindowRetention
 from hybridkv.core.sequence import Sequence
 from hybridkv.core.specs import (
@@ -52,9 +60,12 @@ __all__ = [
     "MambaMode",
     "MambaSpec",
     "NoRetention",
+    "RecurrentPages",
+    "RecurrentState",
     "RetentionPolicy",
     "Sequence",
     "SlidingWindowSpec",
+    "StateStep",
     "WindowRetention",
     "capacity_report",
     "plan_layout",

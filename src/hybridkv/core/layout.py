@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Literal
 
 from hybridkv.core._util import cdiv
 from hybridkv.core.specs import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec, MambaSpec
 from hybridkv.errors import DoesNotFitError, InvalidInputError, LayoutError
+
+MAX_GROUPS = 255
+"""Most groups a layout may have (a group index fits in one byte of a block's key)."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,23 @@ class KVCacheGroup:
         if not isinstance(self.spec, KVCacheSpec):
             raise InvalidInputError(f"KVCacheGroup.spec must be a KVCacheSpec, got {type(self.spec).__name__}")
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """The state of one group of recurrent layers, spread over the pages of ``state_parts`` groups.
+
+    The state at table index ``i`` is the pages ``tables[groups[j]][i]`` for ``j`` in part order
+    (a page list per state, no contiguity needed): part ``j`` of layer ``layer_names[m]``'s state is
+    bytes ``[j * part_bytes, (j + 1) * part_bytes)`` of it, in KV tensor ``m`` of group ``groups[j]``.
+    """
+
+    layer_names: tuple[str, ...]
+    groups: tuple[int, ...]
+    state_bytes: int
+    """Bytes of one layer's whole state."""
+    part_bytes: int
+    """Bytes of one layer's state each page holds (the last part may hold fewer)."""
 
 
 @dataclass(frozen=True)
@@ -46,11 +68,50 @@ class KVCacheLayout:
         object.__setattr__(self, "groups", tuple(self.groups))
         if not self.groups:
             raise InvalidInputError("a layout needs at least one KVCacheGroup")
-        if len(self.groups) > 255:
-            raise InvalidInputError(f"at most 255 groups are supported, got {len(self.groups)}")
+        if len(self.groups) > MAX_GROUPS:
+            raise InvalidInputError(f"at most {MAX_GROUPS} groups are supported, got {len(self.groups)}")
         for g in self.groups:
             if not isinstance(g, KVCacheGroup):
                 raise InvalidInputError(f"layout groups must be KVCacheGroup, got {type(g).__name__}")
+        self._check_state_pages()
+        self.recurrent_states  # noqa: B018  (validates the parts of every state)
+
+    def _check_state_pages(self) -> None:
+        """A recurrent state's pages are the pool's pages. A hand-built layout of attention groups
+        alone may mix page sizes (the pool's page is the largest); one with a state may not: a state
+        page larger than the attention pages would silently make every attention page that large."""
+        states = [g.spec for g in self.groups if isinstance(g.spec, MambaSpec)]
+        pages = {g.spec.page_size_bytes for g in self.groups} - {0}
+        if not states or len(pages) < 2:
+            return
+        largest = max(s.page_size_bytes for s in states)
+        attention = max((g.spec.page_size_bytes for g in self.groups if not isinstance(g.spec, MambaSpec)),
+                        default=0)
+        if largest > attention or any(s.state_parts > 1 for s in states):
+            raise LayoutError(
+                f"a recurrent state page of {largest} bytes in a pool whose attention pages are "
+                f"{attention} bytes: every group needs the one page size ({', '.join(map(str, sorted(pages)))} "
+                "given); plan_layout spreads a state over several pages (MambaSpec.state_parts) or pads"
+            )
+
+    @cached_property
+    def recurrent_states(self) -> tuple[RecurrentState, ...]:
+        """Each recurrent state with the groups holding its parts (in part order)."""
+        parts: dict[tuple[KVCacheSpec, tuple[str, ...]], dict[int, int]] = {}
+        for i, g in enumerate(self.groups):
+            if isinstance(g.spec, MambaSpec):
+                whole = replace(g.spec, state_part=0, page_size_padded=None)
+                parts.setdefault((whole, g.layer_names), {})[g.spec.state_part] = i
+        out = []
+        for (spec, names), found in parts.items():
+            assert isinstance(spec, MambaSpec)
+            if sorted(found) != list(range(spec.state_parts)):
+                missing = sorted(set(range(spec.state_parts)) - set(found))
+                raise LayoutError(f"recurrent layers {', '.join(names) or '(unnamed)'}: the state has "
+                                  f"{spec.state_parts} parts but no group holds part(s) {missing}")
+            out.append(RecurrentState(names, tuple(found[j] for j in range(spec.state_parts)),
+                                      spec.state_bytes, spec.part_bytes))
+        return tuple(out)
 
     @property
     def page_size_bytes(self) -> int:
@@ -75,58 +136,80 @@ class KVCacheLayout:
 
 
 # ---------------------------------------------------------------------- planner
-def _unify_page_sizes(specs: list[KVCacheSpec]) -> list[KVCacheSpec]:
-    """Raise block sizes or pad pages so that every caching spec has one page size."""
+RecurrentPages = Literal["split", "unified"]
+"""How the planner gives recurrent states and attention one page size: ``split`` (default) keeps
+attention blocks small and spreads a state over as many pages as its bytes need, one group per
+page (hits and checkpoints at attention granularity); ``unified`` raises attention blocks until one
+page holds a whole state (the reference engine's layout: hits only at multiples of that block)."""
+
+
+def _unify_attention(attn: list[AttentionSpec]) -> dict[int, KVCacheSpec]:
+    """Attention specs on one page size: raise the block size where pages divide, else pad."""
+    out: dict[int, KVCacheSpec] = {}
+    target = max((s.real_page_size_bytes for s in attn), default=0)
+    for s in attn:
+        page = s.real_page_size_bytes
+        if page == target:
+            out[id(s)] = s
+        elif target % page == 0:
+            out[id(s)] = replace(s, block_size=s.block_size * (target // page))
+        else:
+            out[id(s)] = replace(s, page_size_padded=target)
+    return out
+
+
+def _unify_page_sizes(specs: list[KVCacheSpec], recurrent_pages: RecurrentPages = "split"
+                      ) -> list[tuple[KVCacheSpec, ...]]:
+    """Per spec, the spec(s) its layers take so that every caching spec has one page size: one
+    each, except a recurrent state split over several pages (``recurrent_pages="split"``)."""
     mamba = [s for s in specs if isinstance(s, MambaSpec)]
     attn = [s for s in specs if isinstance(s, AttentionSpec) and s.real_page_size_bytes > 0]
-    out: dict[int, KVCacheSpec] = {}
-    if mamba and attn:
-        # Attention blocks grow until one attention page holds a Mamba state page.
+    if recurrent_pages not in ("split", "unified"):
+        raise InvalidInputError(f"recurrent_pages must be 'split' or 'unified', got {recurrent_pages!r}")
+    if mamba and attn and recurrent_pages == "unified":
+        # Attention blocks grow until one attention page holds a whole state.
         state_page = max(s.real_page_size_bytes for s in mamba)
-        for s in attn:
-            per_token = s.real_page_size_bytes // s.block_size
-            mult = cdiv(state_page, s.block_size * per_token)
-            out[id(s)] = replace(s, block_size=s.block_size * mult)
-    for s in attn:
-        out.setdefault(id(s), s)
-    # Attention specs: raise the block size when pages divide, else pad to the largest.
-    target = max((out[id(s)].real_page_size_bytes for s in attn), default=0)
-    for s in attn:
-        cur = out[id(s)]
-        page = cur.real_page_size_bytes
-        if page != target:
-            if target % page == 0:
-                cur = replace(cur, block_size=cur.block_size * (target // page))
-            else:
-                cur = replace(cur, page_size_padded=target)
-            out[id(s)] = cur
+        attn = [replace(s, block_size=s.block_size * cdiv(state_page, s.real_page_size_bytes)) for s in attn]
+        grown = dict(zip((id(s) for s in specs if isinstance(s, AttentionSpec) and s.real_page_size_bytes > 0),
+                         attn))
+    else:
+        grown = {id(s): s for s in attn}
+    unified = _unify_attention(attn)
+    out: dict[int, tuple[KVCacheSpec, ...]] = {key: (unified[id(s)],) for key, s in grown.items()}
     if mamba:
-        attn_block = max((out[id(s)].block_size for s in attn), default=0)
-        target = max(target, max(s.real_page_size_bytes for s in mamba))
+        attn_page = max((s.real_page_size_bytes for s in unified.values()), default=0)
+        attn_block = max((s.block_size for s in unified.values()), default=0)
+        page = attn_page or max(s.state_bytes for s in mamba)
         for m in mamba:
+            parts = cdiv(m.state_bytes, page)
             state = replace(m, block_size=attn_block) if attn_block and m.mode != "none" else m
-            if state.real_page_size_bytes != target:
-                state = replace(state, page_size_padded=target)
-            out[id(m)] = state
-    return [out.get(id(s), s) for s in specs]
+            out[id(m)] = tuple(_padded(replace(state, state_part=j, state_parts=parts), page)
+                               for j in range(parts))
+    return [out.get(id(s), (s,)) for s in specs]
 
 
-def _group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> tuple[list[KVCacheGroup], tuple[str, ...]]:
+def _padded(spec: KVCacheSpec, page: int) -> KVCacheSpec:
+    return spec if spec.real_page_size_bytes == page else replace(spec, page_size_padded=page)
+
+
+def _group_layers(layer_specs: Mapping[str, tuple[KVCacheSpec, ...]]
+                  ) -> tuple[list[KVCacheGroup], tuple[str, ...]]:
     """Layers of one spec together; equal-sized groups (the reference planner's rule).
 
     When the largest spec has fewer than 1.5x the layers of the smallest, every spec is one
     group, padded to the largest; otherwise groups have as many layers as the smallest spec
-    and larger specs are split.
+    and larger specs are split. A layer whose state spans several pages is in one group per page.
     """
     by_spec: dict[KVCacheSpec, list[str]] = {}
     uncached: list[str] = []
-    for name, spec in layer_specs.items():
-        if not isinstance(spec, KVCacheSpec):
-            raise InvalidInputError(f"layer {name!r}: expected a KVCacheSpec, got {type(spec).__name__}")
-        if isinstance(spec, EncoderOnlyAttentionSpec):
-            uncached.append(name)
-        else:
-            by_spec.setdefault(spec, []).append(name)
+    for name, specs in layer_specs.items():
+        for spec in specs:
+            if not isinstance(spec, KVCacheSpec):
+                raise InvalidInputError(f"layer {name!r}: expected a KVCacheSpec, got {type(spec).__name__}")
+            if isinstance(spec, EncoderOnlyAttentionSpec):
+                uncached.append(name)
+            else:
+                by_spec.setdefault(spec, []).append(name)
     if not by_spec:
         raise LayoutError("no layer keeps a KV cache: nothing to plan")
     counts = [len(v) for v in by_spec.values()]
@@ -164,6 +247,7 @@ def plan_layout(
     *,
     max_model_len: int,
     max_num_batched_tokens: int,
+    recurrent_pages: RecurrentPages = "split",
 ) -> KVCacheLayout:
     """Group layers, unify page sizes and size the pool for a memory budget.
 
@@ -177,8 +261,22 @@ def plan_layout(
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
     names = list(layer_specs)
-    unified = _unify_page_sizes(list(layer_specs.values()))
+    for name, spec in layer_specs.items():
+        if not isinstance(spec, KVCacheSpec):
+            raise InvalidInputError(f"layer {name!r}: expected a KVCacheSpec, got {type(spec).__name__}")
+        if isinstance(spec, MambaSpec) and spec.state_parts != 1:
+            raise InvalidInputError(f"layer {name!r}: state_parts={spec.state_parts}, but the planner "
+                                    "decides how many pages a state spans: give the whole state (state_parts=1)")
+    unified = _unify_page_sizes(list(layer_specs.values()), recurrent_pages)
     groups, uncached = _group_layers(dict(zip(names, unified)))
+    if len(groups) > MAX_GROUPS:
+        parts = max((g.spec.state_parts for g in groups if isinstance(g.spec, MambaSpec)), default=1)
+        raise LayoutError(
+            f"the layout needs {len(groups)} KV-cache groups, more than the limit of {MAX_GROUPS}"
+            + (f": a recurrent state spans {parts} pages of {groups[0].spec.page_size_bytes} bytes; "
+               "raise the attention block_size (larger pages, fewer per state) or use "
+               "recurrent_pages='unified'" if parts > 1 else "")
+        )
     group_size = max(len(g.layer_names) for g in groups)
     page = max(g.spec.page_size_bytes for g in groups)
     num_blocks = memory_bytes // (page * group_size)

@@ -58,6 +58,19 @@ class KVCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class StateStep:
+    """Where one step of one sequence finds and leaves a recurrent state (``state_steps``).
+
+    A state is a page list: one block id per part (``KVCacheLayout.recurrent_states``)."""
+
+    read: tuple[int, ...] | None
+    """The pages holding the state the step starts from (None: the zero state)."""
+    writes: tuple[tuple[int, tuple[int, ...]], ...]
+    """``(p, pages)``, ascending: store the state after ``p`` tokens into ``pages``. Every ``p`` but
+    the last is a checkpoint the manager planned; the last is the step's end (the running state)."""
+
+
 def _empty_lists(n: int) -> Callable[[], tuple[list[int], ...]]:
     """A function returning a tuple of ``n`` fresh empty lists (a literal: several times faster
     than a generator, on the path most decode steps take)."""
@@ -217,6 +230,26 @@ class KVCacheManager:
         if not isinstance(seq_id, str) or seq_id not in self._seqs:
             raise UnknownSequenceError(f"sequence {seq_id!r} holds no blocks")
         return tuple(tuple(g.tables.get(seq_id, ())) for g in self.groups)
+
+    def state_steps(self, seq_id: str, num_computed: int, num_tokens: int) -> tuple[StateStep, ...]:
+        """For a step computing tokens ``[num_computed, num_tokens)`` of a running sequence (call it
+        after the step's ``allocate``; ``num_computed`` includes tokens a tier loaded), one
+        ``StateStep`` per ``layout.recurrent_states``: the pages to read the state from and the pages
+        to write it into, after each planned checkpoint and at the step's end. Read before writing:
+        the read pages may be the last written ones (a step that stays inside one block)."""
+        if not isinstance(seq_id, str) or seq_id not in self._seqs:
+            raise UnknownSequenceError(f"sequence {seq_id!r} holds no blocks")
+        if _count("num_computed", num_computed) >= _count("num_tokens", num_tokens):
+            raise InvalidInputError(f"a step computes at least one token: num_computed={num_computed} "
+                                    f">= num_tokens={num_tokens}")
+        steps = []
+        for state in self.layout.recurrent_states:
+            parts = [self.groups[g] for g in state.groups]
+            read, writes = parts[0].state_entries(seq_id, num_computed, num_tokens)
+            tables = [g.tables[seq_id] for g in parts]
+            steps.append(StateStep(None if read is None else tuple(t[read] for t in tables),
+                                   tuple((p, tuple(t[i] for t in tables)) for p, i in writes)))
+        return tuple(steps)
 
     def lost_hit_tokens(self, seq_id: str) -> dict[str, int]:
         """Why the running sequence's hit at admission stopped short of the prefix its full-attention

@@ -209,7 +209,10 @@ class MambaSpec(KVCacheSpec):
       once (the one it reads, the checkpoints of the step, the one it writes);
     * ``"all"`` -- a checkpoint at every block boundary; memory grows with the sequence.
 
-    ``block_size`` is the checkpoint granularity in tokens.
+    ``block_size`` is the checkpoint granularity in tokens: a state can be checkpointed (and a
+    hit can end) at every multiple of it. A state larger than one page of the pool is split into
+    ``state_parts`` pages, each in its own group (``state_part`` says which): part ``j`` of a
+    layer's state is bytes ``[j * part_bytes, (j + 1) * part_bytes)`` of it (``layout.RecurrentState``).
     """
 
     state_bytes: int
@@ -218,11 +221,13 @@ class MambaSpec(KVCacheSpec):
     """Mode ``align``: most checkpoints one step writes inside a prefill (0: only where steps end).
     Junctions go first, then the prompt's end, then interval checkpoints."""
     checkpoint_interval: int = 0
-    """Mode ``align``: also checkpoint every this many tokens (0: off; rounded to the hit alignment)."""
+    """Mode ``align``: also checkpoint every this many tokens (0: off; a multiple of ``block_size``)."""
+    state_part: int = 0
+    state_parts: int = 1
 
     def __post_init__(self) -> None:
-        _require_positive(type(self).__name__, state_bytes=self.state_bytes)
-        for name in ("checkpoint_blocks", "checkpoint_interval"):
+        _require_positive(type(self).__name__, state_bytes=self.state_bytes, state_parts=self.state_parts)
+        for name in ("checkpoint_blocks", "checkpoint_interval", "state_part"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidInputError(f"MambaSpec.{name} must be a non-negative integer, got {value!r}")
@@ -230,15 +235,33 @@ class MambaSpec(KVCacheSpec):
             raise InvalidInputError(
                 f"MambaSpec.mode must be 'none', 'align' or 'all', got {self.mode!r}"
             )
+        if self.state_part >= self.state_parts:
+            raise InvalidInputError(
+                f"MambaSpec.state_part={self.state_part} must be below state_parts={self.state_parts}"
+            )
+        if self.state_parts > self.state_bytes:
+            raise InvalidInputError(
+                f"MambaSpec.state_parts={self.state_parts} exceeds state_bytes={self.state_bytes}"
+            )
         super().__post_init__()
+        if self.checkpoint_interval % self.block_size:
+            raise InvalidInputError(
+                f"MambaSpec.checkpoint_interval={self.checkpoint_interval} is not a multiple of "
+                f"block_size={self.block_size}: checkpoints can only be written at block boundaries"
+            )
 
     @property
     def kind(self) -> str:
         return f"mamba_{self.mode}"
 
     @property
+    def part_bytes(self) -> int:
+        """Bytes of one layer's state each part holds (the last part may hold fewer)."""
+        return cdiv(self.state_bytes, self.state_parts)
+
+    @property
     def real_page_size_bytes(self) -> int:
-        return self.state_bytes
+        return self.part_bytes
 
     @property
     def grows_with_sequence(self) -> bool:

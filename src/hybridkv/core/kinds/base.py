@@ -30,6 +30,7 @@ from hybridkv.core._util import cdiv, gather
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.sequence import Sequence
 from hybridkv.core.specs import KVCacheSpec
+from hybridkv.errors import InvalidInputError
 
 NOTHING = range(0)
 
@@ -100,6 +101,13 @@ class KindManager:
     def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
         """Note what the kind needs before a sequence's first allocation: its encoder tokens, and
         the ``(token position, rank)`` where a recurrent group should leave a state checkpoint."""
+
+    def state_entries(self, seq_id: str, num_computed: int, num_tokens: int
+                      ) -> tuple[int | None, list[tuple[int, int]]]:
+        """Recurrent kinds: the table index a step over ``[num_computed, num_tokens)`` reads its state
+        from (None: the zero state) and the ``(position, index)`` pairs it writes the state after
+        ``position`` tokens into, ascending (the last is ``num_tokens``: the running state)."""
+        raise InvalidInputError(f"group {self.group} ({self.spec.kind}) keeps no recurrent state")
 
     def held_blocks(self, seq_id: str) -> int:
         """Non-null blocks the sequence holds in this group."""

@@ -44,6 +44,7 @@ from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.kinds.base import NEVER, NOTHING, Indices, KindManager
 from hybridkv.core.sequence import Sequence
 from hybridkv.core.specs import MambaSpec
+from hybridkv.errors import InvalidInputError
 
 
 class MambaManager(KindManager):
@@ -181,6 +182,26 @@ class MambaManager(KindManager):
         else:
             del self.pending[seq_id]
 
+    def state_entries(self, seq_id: str, num_computed: int, num_tokens: int
+                      ) -> tuple[int | None, list[tuple[int, int]]]:
+        # Entry i holds the state after a position in (i * bs, (i + 1) * bs]: the step reads the entry
+        # of ``num_computed`` and writes, for every entry from the one it reads up to the one of
+        # ``num_tokens``, the state at the entry's end (or at ``num_tokens``) where the allocation
+        # gave it a block. The entry read is the sequence's own running state unless the step starts
+        # on a boundary, and then it is not written: a cached checkpoint is never overwritten.
+        table = self.tables[seq_id]
+        bs = self.block_size
+        last = cdiv(num_tokens, bs) - 1
+        read = cdiv(num_computed, bs) - 1 if num_computed else None
+        if last >= len(table) or (read is not None and table[read] == NULL_BLOCK):
+            raise InvalidInputError(
+                f"sequence {seq_id!r} group {self.group}: no blocks for a step over tokens "
+                f"[{num_computed}, {num_tokens}) (allocate the step first)"
+            )
+        writes = [(min((i + 1) * bs, num_tokens), i) for i in range(num_computed // bs, last + 1)
+                  if i == last or table[i] != NULL_BLOCK]
+        return read, writes
+
     def idle_limit(self, seq_id: str) -> int:
         if seq_id in self.pending:
             return 0  # the next allocation registers what this step computed
@@ -214,6 +235,12 @@ class MambaNoCacheManager(KindManager):
                      num_tokens: int) -> Indices:
         table = self.tables.get(seq_id)
         return NOTHING if table else range(0, 1)
+
+    def state_entries(self, seq_id: str, num_computed: int, num_tokens: int
+                      ) -> tuple[int | None, list[tuple[int, int]]]:
+        if not self.tables.get(seq_id):
+            raise InvalidInputError(f"sequence {seq_id!r} group {self.group}: no state block (allocate first)")
+        return (0 if num_computed else None), [(num_tokens, 0)]
 
     def idle_limit(self, seq_id: str) -> int:
         return NEVER if self.tables.get(seq_id) else 0
