@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.core import Sequence
-from hybridkv.engine.model import KEY_TILE, AttentionPart, StepInputs
+from hybridkv.core import Sequence, StateStep
+from hybridkv.engine.model import KEY_TILE, AttentionPart, StateSpan, StepInputs
 
 Tables = tuple[tuple[int, ...], ...]
+StateSteps = Callable[[str, int, int], tuple[StateStep, ...]]
+"""``KVCacheManager.state_steps``: the recurrent-state pages a step of a sequence reads and writes."""
 
 QUERY_TILE = 128
 """Queries of a prefill chunk per attention part (bounds the ``[queries, keys]`` score tensor)."""
@@ -40,20 +42,25 @@ class Batch:
 
 
 class BatchBuilder:
-    """Builds ``Batch`` es for a model whose groups attend over ``group_windows`` (``None``: full)."""
+    """Builds ``Batch`` es for a model whose groups attend over ``group_windows`` (``None``: full);
+    ``state_groups`` hold recurrent states (no per-token slots, no attention)."""
 
-    def __init__(self, block_size: int, group_windows: list[int | None], device: torch.device) -> None:
+    def __init__(self, block_size: int, group_windows: list[int | None], device: torch.device,
+                 state_groups: frozenset[int] = frozenset()) -> None:
         self.block_size = block_size
         self.group_windows = group_windows
         self.device = device
-        self.windows: list[int | None] = [*sorted({w for w in group_windows if w is not None})]
-        if None in group_windows:
+        self.state_groups = state_groups
+        attention = [w for g, w in enumerate(group_windows) if g not in state_groups]
+        self.windows: list[int | None] = [*sorted({w for w in attention if w is not None})]
+        if None in attention:
             self.windows.append(None)
 
     def build(self, scheduled: Mapping[str, int], seqs: Mapping[str, Sequence], tables: Callable[[str], Tables],
-              every_row: Callable[[str], bool]) -> Batch:
+              every_row: Callable[[str], bool], state_steps: StateSteps | None = None) -> Batch:
         """The batch of ``scheduled`` (request -> tokens this step); ``every_row(request)`` asks for
-        the logits of every position it computes, not only the one it samples from."""
+        the logits of every position it computes, not only the one it samples from; ``state_steps``
+        for a model with recurrent layers."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -64,6 +71,7 @@ class BatchBuilder:
         num_prompt_tokens = 0
         decodes: list[tuple[int, int, Tables]] = []  # (row, position, tables)
         parts: dict[int | None, list[AttentionPart]] = {w: [] for w in self.windows}
+        states: list[StateSpan] = []
         for sid, n in scheduled.items():
             seq = seqs[sid]
             start = seq.num_computed_tokens
@@ -73,7 +81,10 @@ class BatchBuilder:
             positions.extend(range(start, start + n))
             table = tables(sid)
             for g, group_table in enumerate(table):
-                slots[g].extend(group_table[p // bs] * bs + p % bs for p in range(start, start + n))
+                if g not in self.state_groups:
+                    slots[g].extend(group_table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if state_steps is not None:
+                states.append(StateSpan(row, start, n, state_steps(sid, start, start + n)))
             if every_row(sid):
                 spans[sid] = (len(logits_rows), n, start)
                 logits_rows.extend(range(row, row + n))
@@ -97,7 +108,8 @@ class BatchBuilder:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         inputs = StepInputs(input_ids=index(ids), positions=index(positions),
-                            slot_mapping=[index(s) for s in slots], parts=parts, logits_rows=index(logits_rows))
+                            slot_mapping=[index(s) for s in slots], parts=parts, logits_rows=index(logits_rows),
+                            states=states)
         return Batch(inputs, sampling_rows, spans, num_prompt_tokens)
 
     def _part(self, members: list[tuple[int, int, int, Tables]], window: int | None) -> AttentionPart:
@@ -123,7 +135,7 @@ class BatchBuilder:
         part = AttentionPart(query_rows=rows, mask=mask)
         nblocks = width // bs
         for g, w in enumerate(self.group_windows):
-            if w != window:
+            if w != window or g in self.state_groups:
                 continue
             table_rows = []
             for (_, pos, n, tables), ks, first in zip(members, key_starts, firsts):

@@ -13,7 +13,6 @@ from hybridkv.engine.sampling import TokenLogprob
 from hybridkv.engine.weights import weights_format
 from hybridkv.errors import InvalidInputError
 
-
 MODELS = ("gemma-3-270m", "hybrid-tiny")
 """The built-in models (``EngineConfig.model``; ``hybridkv.engine.models``)."""
 

@@ -12,7 +12,6 @@ clears the prefix cache (the blocks it was writing hold nothing valid). The loop
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -299,7 +298,8 @@ class LLMEngine:
                         self.connector.write(fetched, self.manager.block_table(sid), self.kv.write_block)
                 batch = self.batcher.build(out.num_scheduled_tokens, {s: self._tracked[s].seq for s in
                                                                       out.num_scheduled_tokens},
-                                           self.manager.block_table, lambda s: self._tracked[s].every_row())
+                                           self.manager.block_table, lambda s: self._tracked[s].every_row(),
+                                           self.manager.state_steps if self.layout.recurrent_states else None)
                 self._run(batch, out.num_scheduled_tokens, sampled, failed)
             except Exception as exc:
                 logger.exception("the model step failed; ending every running request with an error")

@@ -4,7 +4,6 @@ where each layer's KV lives in it, and a one-line account of it for start-up log
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 from hybridkv.core import (
     FullAttentionSpec,

@@ -23,11 +23,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from hybridkv.core import StateStep
 from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, LayerWeights
 
 logger = logging.getLogger(__name__)
@@ -108,8 +109,8 @@ class StateSpan:
     position: int
     """The position of that row (the tokens computed before the step)."""
     count: int
-    steps: tuple[Any, ...]
-    """Per ``layout.recurrent_states``: the manager's ``StateStep`` (blocks to read, checkpoints to write)."""
+    steps: tuple[StateStep, ...]
+    """Per ``layout.recurrent_states``: the pages to read the state from and to write it into."""
 
 
 @dataclass
@@ -261,10 +262,15 @@ class Gemma3Model:
 
 
 def paged_attention(kv: PagedKVCache, step: StepInputs, group: int, slot: int, window: int | None,
-                    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+                    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                    raw_pages: bool = False) -> torch.Tensor:
     """Float32 attention ``[T, heads, head_dim]`` of the step's queries ``q``: writes the new tokens'
     ``k``, ``v`` ``[T, kv heads, head_dim]`` into KV slot ``slot`` at group ``group``'s slots, then
-    attends each of the step's parts over the keys read back from the cache (``tiled_attention``)."""
+    attends each of the step's parts over the keys read back from the cache (``tiled_attention``).
+
+    ``raw_pages``: pages may hold other bytes than K/V (a recurrent state's, before the page was
+    reused): the masked slots of a tile may read as NaN, which a zero weight does not cancel, so
+    non-finite values are zeroed (a real value is always finite)."""
     k_cache, v_cache = kv.keys[slot], kv.values[slot]
     slots = step.slot_mapping[group]
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
@@ -277,6 +283,8 @@ def paged_attention(kv: PagedKVCache, step: StepInputs, group: int, slot: int, w
         gathered = (*key_slots.shape, nkv, hd)
         kp = k_cache.index_select(0, flat).view(gathered)  # [B, L, KVH, D], read back as cached
         vp = v_cache.index_select(0, flat).view(gathered)
+        if raw_pages:
+            vp = vp.nan_to_num(0.0, 0.0, 0.0)
         out[part.query_rows] = tiled_attention(q[part.query_rows], kp, vp, part.mask, scale)
     return out
 
