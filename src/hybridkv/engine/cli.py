@@ -14,6 +14,10 @@ from hybridkv.sizes import size_arg
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine options shared by ``generate``, ``engine-demo`` and ``serve`` (unset: ``EngineConfig``'s defaults)."""
+    p.add_argument("--model", default="gemma-3-270m", metavar="NAME",
+                   help="built-in model: gemma-3-270m, or hybrid-tiny (attention and Mamba-2 layers, seeded "
+                        "weights, bytes as tokens: proves recurrent states exact in the paged cache) "
+                        "(default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), default="bfloat16",
                    help="KV-cache and attention dtype; float32 runs the exact dense path (default: %(default)s)")
     p.add_argument("--weights", choices=("auto", "gguf", "dense"), default="auto",
@@ -51,14 +55,15 @@ def engine_config(args: argparse.Namespace) -> Any:
     names = ("kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "retention", "policy")
     options: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     tiers = [*getattr(args, "kv_tier", []), *([args.kv_store] if getattr(args, "kv_store", None) else [])]
-    return EngineConfig(dtype=args.dtype, weights=getattr(args, "weights", "auto"), device=args.device,
+    return EngineConfig(model=getattr(args, "model", "gemma-3-270m"), dtype=args.dtype,
+                        weights=getattr(args, "weights", "auto"), device=args.device,
                         enable_prefix_caching=not args.no_prefix_caching, kv_tiers=tuple(tiers),
                         kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
                         kv_events_replay_endpoint=getattr(args, "kv_events_replay_endpoint", None), **options)
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("generate", help="generate text with the embedded Gemma 3 270M on the paged cache",
+    p = sub.add_parser("generate", help="generate text with a built-in model (Gemma 3 270M) on the paged cache",
                        description="Continue prompts with Gemma 3 270M (base model: outputs are continuations). "
                                    "Prompts run one after another, so later ones hit the prefix cache of earlier "
                                    "ones; --batch runs them together.")
@@ -93,7 +98,7 @@ def generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
     start = time.perf_counter()
     engine = LLMEngine.from_package(config)
-    print(f"[loaded Gemma 3 270M in {time.perf_counter() - start:.1f} s: {config.dtype} on {config.device}, "
+    print(f"[loaded {config.model} in {time.perf_counter() - start:.1f} s: {config.dtype} on {config.device}, "
           f"{engine.layout.num_blocks - 1} KV blocks of {engine.block_size} tokens, "
           f"{len(engine.layout.groups)} groups]", file=sys.stderr)
     groups = [prompts] if args.batch else [[p] for p in prompts]

@@ -39,8 +39,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one "
                                                                "(default: %(default)s)")
-    parser.add_argument("--model-name", default="gemma-3-270m",
-                        help="the model id clients send and /v1/models lists (default: %(default)s)")
+    parser.add_argument("--model-name", default=None,
+                        help="the model id clients send and /v1/models lists (default: the --model name)")
     parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                         help="Jinja chat template for /v1/chat/completions (default: the GGUF's own, else "
                              "Gemma's <start_of_turn>/<end_of_turn> turns)")
@@ -126,7 +126,10 @@ def _serve(args: argparse.Namespace, sock: socket.socket, start: float) -> int:
     from hybridkv.server.async_engine import AsyncEngine
 
     logger.info("imported in %.1f s", time.perf_counter() - mark)
-    engine = LLMEngine.from_package(engine_config(args))
+    config = engine_config(args)
+    if args.model_name is None:
+        args.model_name = config.model
+    engine = LLMEngine.from_package(config)
     async_engine = AsyncEngine(engine, args.model_name, metrics_names=args.metrics_names)
     options = ServerOptions(chat_template=args.chat_template, max_request_bytes=args.max_request_bytes,
                             bos_for_token_prompts=args.bos_for_token_prompts)
