@@ -363,7 +363,14 @@ class LLMEngine:
             for sid, n in scheduled.items():
                 seq = self._tracked[sid].seq
                 first = seq.num_computed_tokens
-                self.connector.store(seq, first + n, self.manager.block_table(sid), self.kv.read_block, first)
+                # The step's tokens are computed: reported so while its blocks are offered, the
+                # recurrent checkpoints it wrote register in the prefix cache and are offered too
+                # (the scheduler advances the count for good after sampling).
+                seq.num_computed_tokens = first + n
+                try:
+                    self.connector.store(seq, first + n, self.manager.block_table(sid), self.kv.read_block, first)
+                finally:
+                    seq.num_computed_tokens = first
         if not spans:
             self._consume(batch, 0, hidden_or_logits, sampled, failed)
             return

@@ -19,9 +19,13 @@ def build_connector(cfg: EngineConfig, manager: KVCacheManager) -> KVConnector:
     tier loads run on background threads (a request waits for its load while the others run)."""
     from hybridkv.engine.weights import parse_dtype, weights_format
 
+    model = NAMESPACES.get(cfg.model, cfg.model)
     return KVConnector([parse_tier(spec) for spec in cfg.kv_tiers], manager,
-                       namespace=f"gemma-3-270m-q4_k_m/{parse_dtype(cfg.dtype)}/{weights_format(cfg)}",
-                       loads=BackgroundLoads())
+                       namespace=f"{model}/{parse_dtype(cfg.dtype)}/{weights_format(cfg)}", loads=BackgroundLoads())
+
+
+NAMESPACES = {"gemma-3-270m": "gemma-3-270m-q4_k_m"}
+"""A model's name in tier keys where it is not ``EngineConfig.model`` (Gemma's, as tiers already hold it)."""
 
 
 def parse_tier(spec: str) -> KVTier:
