@@ -340,3 +340,34 @@ def test_two_engines_share_states_through_redis(weights: HybridWeights, prompts:
     second = small_engine(weights, kv_tiers=(redis_url,))
     out, cached, external = run(second, prompts[0])
     assert out == reference[0] and cached == 0 and external == len(prompts[0]) // 16 * 16
+
+
+# ---------------------------------------------------------------------- selecting the model
+def test_generate_and_serve_take_the_model_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridkv.cli import main
+
+    assert main(["generate", "--model", "no-such-model", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown model 'no-such-model'" in err and "hybrid-tiny" in err
+    assert main(["serve", "--port", "0", "--model", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    assert main(["generate", "--model", "hybrid-tiny", "--max-tokens", "4", "--ignore-eos", "Hello"]) == 0
+    err = capsys.readouterr().err
+    assert "[loaded hybrid-tiny" in err and "4 generated" in err
+
+
+def test_the_server_serves_the_hybrid_model(weights: HybridWeights) -> None:
+    """The OpenAI-compatible app on the hybrid engine: a greedy completion, twice (the second on a
+    cached prefix), the same."""
+    from fastapi.testclient import TestClient
+
+    from hybridkv.server.app import build_app
+    from hybridkv.server.async_engine import AsyncEngine
+
+    async_engine = AsyncEngine(engine(weights), "hybrid-tiny")
+    body = {"model": "hybrid-tiny", "prompt": SHARED, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with TestClient(build_app(async_engine, "hybrid-tiny")) as client:
+        first, again = (client.post("/v1/completions", json=body).json() for _ in range(2))
+    assert first["choices"][0]["text"] == again["choices"][0]["text"]
+    assert len(first["choices"][0]["token_ids"]) == 5

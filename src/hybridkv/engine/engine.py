@@ -1,5 +1,7 @@
 """The engine loop: hybridkv's scheduler picks the batch, hybridkv's manager owns the blocks,
-the Gemma 3 forward pass reads and writes KV through the block tables.
+the model's forward pass reads and writes KV (and recurrent states) through the block tables.
+The model is a built-in one by name (``EngineConfig.model``: Gemma 3 270M, or ``hybrid-tiny``,
+attention and Mamba-2 layers) behind one interface (``models.ModelWeights``, ``model.EngineModel``).
 
     engine = LLMEngine.from_package(EngineConfig())
     for out in engine.generate(["The capital of France is"], SamplingParams(max_tokens=16)):
