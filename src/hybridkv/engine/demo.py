@@ -54,9 +54,8 @@ def engine_demo(args: argparse.Namespace) -> int:
         raise InvalidInputError("--runs must be at least 1")
     t0 = time.perf_counter()
     cached_engine = LLMEngine.from_package(engine_config(args))
-    print(f"Loaded Gemma 3 270M ({args.dtype}) in {time.perf_counter() - t0:.1f} s; KV pool "
-          f"{cached_engine.layout.num_blocks - 1} blocks x {cached_engine.block_size} tokens in "
-          f"{len(cached_engine.layout.groups)} groups (5 sliding-window + 1 global)")
+    print(f"Loaded {cached_engine.config.model} ({args.dtype}) in {time.perf_counter() - t0:.1f} s; KV pool "
+          f"{cached_engine.pool_summary()}")
     plain_engine = LLMEngine(cached_engine.weights, cached_engine.tokenizer,
                              dataclasses.replace(cached_engine.config, enable_prefix_caching=False))
     document = DOCUMENT * args.repeat_document
