@@ -104,13 +104,17 @@ def test_the_model_is_not_degenerate(reference: list[Output]) -> None:
     assert all(len(set(t)) > 2 for t in tokens), tokens  # and is not one token repeated
 
 
-def test_logits_are_bitwise_the_same_however_the_prompt_is_split(weights: HybridWeights,
-                                                                 prompts: list[list[int]]) -> None:
-    """Every prompt position's logits, computed in one chunk, in chunks of 16, 24 and 37, and beside
-    another request's decodes: bitwise equal (the recurrence and every matmul are row-invariant)."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_logits_are_bitwise_the_same_however_the_prompt_is_split(weights: HybridWeights, prompts: list[list[int]],
+                                                                 threads: int) -> None:
+    """Every position's logits of a 389-token prompt, computed in one chunk, in chunks of 16, 24, 37
+    and 200, and beside another request's decodes: bitwise equal (the recurrence and every matmul
+    are row-invariant; elementwise calls stay on one thread, so 3 threads change nothing either)."""
+    prompt = prompts[0] + prompts[1][1:]
+    torch.set_num_threads(threads)
 
     def logits(chunk: int, other: list[int] | None = None) -> torch.Tensor:
-        eng = engine(weights, enable_prefix_caching=False, max_num_batched_tokens=chunk)
+        eng = engine(weights, enable_prefix_caching=False, max_num_batched_tokens=chunk, max_model_len=512)
         rows: dict[int, torch.Tensor] = {}
 
         def sink(position: int, block: torch.Tensor) -> None:
@@ -120,16 +124,19 @@ def test_logits_are_bitwise_the_same_however_the_prompt_is_split(weights: Hybrid
         if other is not None:
             eng.add_request("other", other, SamplingParams(max_tokens=20, ignore_eos=True))
             eng.step()
-        eng.add_request("scored", prompts[0], SamplingParams(max_tokens=1), logits_sink=sink)
+        eng.add_request("scored", prompt, SamplingParams(max_tokens=1), logits_sink=sink)
         while eng.has_unfinished:
             eng.step()
-        return torch.stack([rows[p] for p in range(len(prompts[0]))])
+        return torch.stack([rows[p] for p in range(len(prompt))])
 
-    whole = logits(256)
-    assert torch.isfinite(whole).all()
-    for chunk in (16, 24, 37):
-        assert torch.equal(logits(chunk), whole), chunk
-    assert torch.equal(logits(40, other=prompts[1][:50]), whole)
+    try:
+        whole = logits(512)
+        assert torch.isfinite(whole).all()
+        for chunk in (16, 24, 37, 200):
+            assert torch.equal(logits(chunk), whole), chunk
+        assert torch.equal(logits(40, other=prompts[1][:50]), whole)
+    finally:
+        torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("chunk", [256, 32, 24])

@@ -13,9 +13,10 @@ output is gated by ``silu(z)``. One layer's state is its conv inputs ``[3, conv 
 
 Every row's arithmetic is independent of the batch and of where its chunk starts: linear layers
 run one row at a time (``rowwise``), attention is ``tiled_attention``, elementwise functions run on
-rows whose lengths are multiples of the CPU vector width, and the recurrence runs token by token
-in float32 on fixed-shape tensors. So the state after token ``p`` is bitwise the same whether
-computed in one chunk, in several, or restored from a checkpoint, and so is every logit.
+one thread over rows whose widths are multiples of the CPU vector width (``by_rows``), and the
+recurrence runs token by token in float32 on fixed-shape tensors. So the state after token ``p``
+is bitwise the same whether computed in one chunk, in several, or restored from a checkpoint, and
+so is every logit.
 
 States live in the pool's own pages (``KVCacheLayout.recurrent_states``): part ``j`` of a layer's
 state is the first ``part_bytes`` bytes of a page -- the block's K page then V page of the layer's
@@ -96,6 +97,22 @@ def rowwise(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not len(x):
         return x.new_empty(0, weight.shape[0])
     return torch.stack([torch.mv(weight, row) for row in x])
+
+
+SERIAL = 4096
+"""Elements an elementwise call computes at most: torch's CPU kernels run calls this small on one
+thread (the default grain is 32,768 elements; GELU's own threshold is 6,144)."""
+
+
+def by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (elementwise) over ``x`` ``[rows, width]``, ``SERIAL`` elements a call at most: split
+    between threads, an element may fall to the scalar loop (whose ``exp`` may differ in the last bit)
+    depending on how many rows the call has; on one thread, rows whose width is a multiple of the
+    vector width never do."""
+    rows = max(1, SERIAL // max(1, x[0].numel())) if len(x) else 1
+    if len(x) <= rows:
+        return fn(x)
+    return torch.cat([fn(x[i:i + rows]) for i in range(0, len(x), rows)])
 
 
 @dataclass
@@ -301,15 +318,19 @@ class HybridModel:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         x = F.embedding(step.input_ids, self.w.embed)
-        rope = rope_tables(step.positions, cfg.head_dim, cfg.rope_theta, torch.float32)
+        # RoPE tables a thread's worth of positions at a time (as ``by_rows``).
+        n = SERIAL // cfg.head_dim
+        tables = [rope_tables(step.positions[i:i + n], cfg.head_dim, cfg.rope_theta, torch.float32)
+                  for i in range(0, len(step.positions), n)]
+        cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
         for i, layer in enumerate(self.w.layers):
             h = rms_norm(x, None, eps)
             if isinstance(layer.mixer, MambaWeights):
                 x = x + self._mamba(i, layer.mixer, h, step)
             else:
-                x = x + self._attention(i, layer.mixer, h, rope, step)
+                x = x + self._attention(i, layer.mixer, h, (cos, sin), step)
             gate, up = rowwise(rms_norm(x, None, eps), layer.gate_up).chunk(2, dim=-1)
-            x = x + rowwise(F.gelu(gate, approximate="tanh") * up, layer.down)
+            x = x + rowwise(by_rows(lambda g: F.gelu(g, approximate="tanh"), gate) * up, layer.down)
         if not len(step.logits_rows):
             return torch.empty(0, cfg.vocab_size)
         x = rms_norm(x[step.logits_rows], None, eps)
@@ -337,7 +358,7 @@ class HybridModel:
         for span in step.states:
             rows = slice(span.row, span.row + span.count)
             y[rows] = self._scan(w, xbc[rows], dt[rows], span.steps[state], state, slot, span.position)
-        return rowwise(rms_norm(y * F.silu(z), None, cfg.rms_norm_eps), w.out_proj)
+        return rowwise(rms_norm(y * by_rows(F.silu, z), None, cfg.rms_norm_eps), w.out_proj)
 
     def _scan(self, w: MambaWeights, xbc: torch.Tensor, dt: torch.Tensor, plan: StateStep, state: int, slot: int,
               start: int) -> torch.Tensor:
@@ -350,7 +371,7 @@ class HybridModel:
         u = inputs[0:n] * w.conv[0]
         for j in range(1, k):
             u = u + inputs[j:j + n] * w.conv[j]
-        u = F.silu(u + w.conv_bias)
+        u = by_rows(F.silu, u + w.conv_bias)
         writes = dict(plan.writes)
         out = torch.empty(n, cfg.ssm_heads, cfg.ssm_head_dim, device=xbc.device)
         for r in range(n):
