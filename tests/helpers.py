@@ -27,8 +27,9 @@ def chunked(chunk: int, bs: int = 16) -> ChunkedLocalAttentionSpec:
                                      attention_chunk_size=chunk)
 
 
-def mamba(bs: int = 16, mode: str = "align", **kw: int) -> MambaSpec:
-    return MambaSpec(block_size=bs, state_bytes=65536, mode=mode, **kw)  # type: ignore[arg-type]
+def mamba(bs: int = 16, mode: str = "align", state_bytes: int = 65536, **kw: int) -> MambaSpec:
+    # 65536: one page of ``full(16)`` (a layout with a state needs one page size).
+    return MambaSpec(block_size=bs, state_bytes=state_bytes, mode=mode, **kw)  # type: ignore[arg-type]
 
 
 def layout(num_blocks: int, *specs: object) -> KVCacheLayout:
