@@ -210,7 +210,8 @@ class LayerCosts:
         v_dim = int(cfg.get("v_head_dim") or 0) or model.head_size
         mla_flops = 2.0 * heads_per_rank * (qk_dim + v_dim)
         mla_bytes = float(model.mla_latent * kv_dtype_bytes)
-        counts = {kind: model.layer_kinds.count(kind) for kind in ("full", "mla", "sliding", "chunked", "mamba")}
+        # A parallel hybrid layer (Falcon-H1) counts once as attention and once as recurrent.
+        counts = {kind: model.count(kind) for kind in ("full", "mla", "sliding", "chunked", "mamba")}
         return cls(
             global_flops_per_pair=counts["full"] * gqa_flops + counts["mla"] * mla_flops,
             global_kv_bytes_per_token=counts["full"] * gqa_bytes + counts["mla"] * mla_bytes,
