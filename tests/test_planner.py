@@ -228,6 +228,24 @@ def test_cli_plan_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str
     assert doc["concurrency_at_request_len"]["4096"] >= doc["max_concurrency"]
 
 
+@pytest.mark.parametrize(("preset", "attention", "states"), [
+    ("nemotron-h-8b", 4, 24), ("granite-4.0-h-tiny", 4, 36), ("falcon-h1-7b", 44, 44)])
+def test_cli_plans_the_recurrent_hybrids_on_an_h100(preset: str, attention: int, states: int,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", preset, "--gpu", "h100-80gb", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] and doc["max_concurrency"] >= 1
+    layers = {kind: [name for g in doc["groups"] if g["kind"] == kind for name in g["layers"]]
+              for kind in ("full", "mamba_align")}
+    assert (len(layers["full"]), len(layers["mamba_align"])) == (attention, states)
+    assert sum(len(g["layers"]) for g in doc["groups"]) == attention + states
+    assert all(not g["grows_with_sequence"] for g in doc["groups"] if g["kind"] == "mamba_align")
+    if preset == "falcon-h1-7b":  # both caches of each parallel layer, named apart
+        assert sorted(layers["full"]) == sorted(f"model.layers.{i}.self_attn" for i in range(44))
+        assert sorted(layers["mamba_align"]) == sorted(f"model.layers.{i}.mamba" for i in range(44))
+    assert main(["plan", "--model", preset, "--gpu", "h100-80gb"]) == 0  # the table too
+
+
 def test_cli_plan_reads_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(get_preset("mistral-7b-v0.1").config))
