@@ -98,6 +98,8 @@ ACTIVE_PARAMS: dict[str, float] = {
     "jamba-mini": 12e9,
     # DeepSeek-V3 technical report (arXiv:2412.19437): 671B total, 37B activated per token.
     "deepseek-v3": 37e9,
+    # IBM Granite 4.0 announcement / granite-4.0-h-tiny card: 7B total, 1B active (6 of 64 experts).
+    "granite-4.0-h-tiny": 1e9,
 }
 """Parameters one token runs through, for the MoE presets; dense presets use ``num_params``."""
 
