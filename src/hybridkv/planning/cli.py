@@ -67,7 +67,7 @@ def _print_plan(result: object) -> None:
         return
     rows = []
     for i, g in enumerate(r["groups"]):
-        shown = ", ".join(x.rsplit(".", 1)[-1] for x in g["layers"])
+        shown = ", ".join(x.removeprefix("model.layers.") for x in g["layers"])  # "7", or "7.mamba"
         rows.append((str(i), g["kind"], f"{g['num_layers']} ({shown})", str(g["block_size"]),
                      str(g["page_size_bytes"]), "yes" if g["grows_with_sequence"] else "no",
                      str(g["blocks_per_request"]), str(g["max_blocks_per_request"]), str(g["slot_address_space"])))
