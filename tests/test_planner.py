@@ -235,10 +235,14 @@ def test_cli_plans_the_recurrent_hybrids_on_an_h100(preset: str, attention: int,
     assert main(["plan", "--model", preset, "--gpu", "h100-80gb", "--json", "-"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits"] and doc["max_concurrency"] >= 1
-    layers = {kind: [name for g in doc["groups"] if g["kind"] == kind for name in g["layers"]]
-              for kind in ("full", "mamba_align")}
+    layers = {kind: [name for g in doc["groups"] if g["kind"] == kind and not g.get("state_part")
+                     for name in g["layers"]] for kind in ("full", "mamba_align")}
     assert (len(layers["full"]), len(layers["mamba_align"])) == (attention, states)
-    assert sum(len(g["layers"]) for g in doc["groups"]) == attention + states
+    # A state spans several pages, one group each; attention keeps its 16-token blocks.
+    assert {g["block_size"] for g in doc["groups"]} == {16}
+    for st in doc["recurrent_states"]:
+        assert st["pages_per_state"] == -(-st["state_bytes"] // doc["groups"][0]["page_size_bytes"]) > 1
+        assert [doc["groups"][g]["state_part"] for g in st["groups"]] == list(range(st["pages_per_state"]))
     assert all(not g["grows_with_sequence"] for g in doc["groups"] if g["kind"] == "mamba_align")
     if preset == "falcon-h1-7b":  # both caches of each parallel layer, named apart
         assert sorted(layers["full"]) == sorted(f"model.layers.{i}.self_attn" for i in range(44))

@@ -140,3 +140,11 @@ def write_output(path: str, text: str) -> None:
             f.write(text)
     except OSError as exc:
         raise InvalidInputError(f"cannot write {path!r}: {exc.strerror}") from None
+
+
+def add_recurrent_pages_arg(parser: argparse.ArgumentParser) -> None:
+    """``--recurrent-pages``: how a recurrent state shares the pool's pages (``plan`` and ``simulate``)."""
+    parser.add_argument("--recurrent-pages", default="split", choices=("split", "unified"),
+                        help="recurrent hybrids: 'split' keeps attention blocks of --block-size and spreads a "
+                             "state over as many pages as it needs (hits at attention granularity); 'unified' "
+                             "grows attention blocks until one page holds a state (the reference engine's layout)")

@@ -219,6 +219,11 @@ def _group_layers(layer_specs: Mapping[str, tuple[KVCacheSpec, ...]]
     for spec, names in by_spec.items():
         for start in range(0, len(names), group_size):
             groups.append(KVCacheGroup(spec, tuple(names[start : start + group_size])))
+    # The pages of one state in consecutive groups, in part order.
+    first: dict[tuple[str, ...], int] = {}
+    for i, g in enumerate(groups):
+        first.setdefault(g.layer_names, i)
+    groups.sort(key=lambda g: (first[g.layer_names], g.spec.state_part if isinstance(g.spec, MambaSpec) else 0))
     return groups, tuple(uncached)
 
 

@@ -31,6 +31,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from hybridkv.cli_args import (
+    add_recurrent_pages_arg,
     count_arg,
     input_file_arg,
     non_negative_float_arg,
@@ -143,6 +144,7 @@ def add_parser(sub: Any) -> None:
                         help="dtype of the weights")
     system.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"),
                         help="dtype of the KV cache")
+    add_recurrent_pages_arg(system)
     system.add_argument("--calibration", default=None, metavar="PATH",
                         help="fit the cost model's efficiencies to measured steps in this JSON file")
     system.add_argument("--lm-head", choices=("per_token", "per_sample"), default="per_token",
@@ -288,7 +290,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
                      lm_head=args.lm_head, tiers=tuple(args.tier or ()), num_params=args.num_params,
                      tier_storage=args.tier_storage, tier_checkpoint_interval=args.tier_checkpoint_interval,
                      tier_end_align=args.tier_end_align, tier_loads=args.tier_loads,
-                     tier_load_timeout_s=args.tier_load_timeout)
+                     tier_load_timeout_s=args.tier_load_timeout, recurrent_pages=args.recurrent_pages)
 
 
 _TRUE = ("1", "true", "yes", "on")
