@@ -73,8 +73,9 @@ def main() -> None:
             split, unified = run(model, "split", prefix, args), run(model, "unified", prefix, args)
             ratio = split["hit_rate"] / share
             out[model]["runs"][prefix] = {"share": share, "split": split, "unified": unified}
+            beats = "yes" if split["hit_rate"] >= unified["hit_rate"] else "NO"
             print(f"{prefix:>7} {share:>6.3f} {split['hit_rate']:>7.3f} {unified['hit_rate']:>8.3f} {ratio:>12.3f} "
-                  f"{'yes' if ratio >= 0.9 else 'NO':>7} {'yes' if split['hit_rate'] >= unified['hit_rate'] else 'NO':>10} "
+                  f"{'yes' if ratio >= 0.9 else 'NO':>7} {beats:>10} "
                   f"{split['wall_s']:>10.1f}s {unified['wall_s']:>12.1f}s")
         s, u = caps["split"], caps["unified"]
         print(f"max concurrency at 32768 tokens: split {s['max_concurrency']}, unified {u['max_concurrency']} "
