@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,6 +64,10 @@ MISTAKES = [
     (["demo", "--num-blocks", "lots"], "argument --num-blocks"),
     (["plan", "--model", "gemma-3-1b", "--gpu-memory", "1e400"], "'1e400' is more than 1024 PiB"),
     ([*SMALL_SIM, "--kv-cache-memory", "1e400GiB"], "argument --kv-cache-memory"),
+    (["serve", "--port", "99999"], "argument --port: expected a port in 0..65535, got '99999'"),
+    (["serve", "--port", "http"], "argument --port"),
+    (["route", "--backend", "http://127.0.0.1:1", "--port", "99999"], "argument --port: expected a port in 0..65535"),
+    (["route", "--backend", "http://127.0.0.1:1", "--port", "-1"], "argument --port"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: COMMAND"),
 ]
@@ -95,6 +100,17 @@ def test_the_planner_refuses_a_zero_context_instead_of_using_the_default() -> No
         PlanInput(model="gemma-3-27b", max_model_len=0)
     with pytest.raises(InvalidInputError, match="tensor_parallel_size"):
         PlanInput(model="gemma-3-27b", tensor_parallel_size=0)
+
+
+def test_route_on_a_busy_port_is_one_line_and_never_says_listening(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("uvicorn")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, out, err = run(["route", "--backend", "http://127.0.0.1:1", "--port", str(port)], capsys)
+    assert code == 2 and "listening" not in out and out == ""
+    assert f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1 and "Traceback" not in err
 
 
 # ---------------------------------------------------------------------- simulate takes a config.json

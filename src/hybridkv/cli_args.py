@@ -61,6 +61,14 @@ def non_negative_int_arg(text: str) -> int:
     return _int(text, 0)
 
 
+def port_arg(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: the system picks a free one)."""
+    value = _int(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
+    return value
+
+
 def positive_float_arg(text: str) -> float:
     """A finite number > 0."""
     try:

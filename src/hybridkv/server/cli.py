@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybridkv.cli_args import port_arg
 from hybridkv.engine.cli import add_engine_arguments, engine_config
 from hybridkv.sizes import size_arg
 
@@ -37,7 +38,7 @@ def add_parser(sub: Any) -> None:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``hybridkv serve`` options to ``parser``; unset engine options keep ``EngineConfig``'s defaults."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one "
+    parser.add_argument("--port", type=port_arg, default=8000, help="port to listen on; 0 picks a free one "
                                                                "(default: %(default)s)")
     parser.add_argument("--model-name", default="gemma-3-270m",
                         help="the model id clients send and /v1/models lists (default: %(default)s)")
