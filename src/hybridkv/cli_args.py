@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import NoReturn
 
 from hybridkv.errors import InvalidInputError
@@ -139,6 +140,11 @@ def input_file_arg(text: str) -> str:
     if not os.access(text, os.R_OK):
         raise argparse.ArgumentTypeError(f"cannot read {text!r}: permission denied")
     return text
+
+
+def input_path_arg(text: str) -> Path:
+    """A file that exists and can be read, as a ``Path``."""
+    return Path(input_file_arg(text))
 
 
 def write_output(path: str, text: str) -> None:

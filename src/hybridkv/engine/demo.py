@@ -43,8 +43,8 @@ def add_parser(sub: Any) -> None:
 def engine_demo(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from hybridkv.engine.cli import engine_config
     from hybridkv.engine.engine import LLMEngine, RequestOutput
+    from hybridkv.engine.preflight import checked_engine_config
     from hybridkv.engine.sampling import SamplingParams
     from hybridkv.errors import InvalidInputError
 
@@ -52,8 +52,9 @@ def engine_demo(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--requests must be in 1..{len(QUESTIONS)}")
     if args.runs < 1:
         raise InvalidInputError("--runs must be at least 1")
+    config = checked_engine_config(args)  # what the options alone reveal, before the model loads
     t0 = time.perf_counter()
-    cached_engine = LLMEngine.from_package(engine_config(args))
+    cached_engine = LLMEngine.from_package(config)
     print(f"Loaded Gemma 3 270M ({args.dtype}) in {time.perf_counter() - t0:.1f} s; KV pool "
           f"{cached_engine.layout.num_blocks - 1} blocks x {cached_engine.block_size} tokens in "
           f"{len(cached_engine.layout.groups)} groups (5 sliding-window + 1 global)")

@@ -17,11 +17,10 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from hybridkv.cli_args import port_arg
-from hybridkv.engine.cli import add_engine_arguments, engine_config
+from hybridkv.cli_args import input_path_arg, port_arg
+from hybridkv.engine.cli import add_engine_arguments
 from hybridkv.sizes import size_arg
 
 logger = logging.getLogger("hybridkv.server")
@@ -42,7 +41,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                                                                "(default: %(default)s)")
     parser.add_argument("--model-name", default="gemma-3-270m",
                         help="the model id clients send and /v1/models lists (default: %(default)s)")
-    parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+    parser.add_argument("--chat-template", type=input_path_arg, default=None, metavar="FILE",
                         help="Jinja chat template for /v1/chat/completions (default: the GGUF's own, else "
                              "Gemma's <start_of_turn>/<end_of_turn> turns)")
     parser.add_argument("--max-request-bytes", type=size_arg, default=8 << 20, metavar="BYTES",
@@ -123,11 +122,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket, start: float) -> int:
     import uvicorn
 
     from hybridkv.engine.engine import LLMEngine
+    from hybridkv.engine.preflight import checked_engine_config
     from hybridkv.server.app import ServerOptions, build_app, build_context
     from hybridkv.server.async_engine import AsyncEngine
 
     logger.info("imported in %.1f s", time.perf_counter() - mark)
-    engine = LLMEngine.from_package(engine_config(args))
+    config = checked_engine_config(args)  # what the options alone reveal, before the model loads
+    engine = LLMEngine.from_package(config)
     async_engine = AsyncEngine(engine, args.model_name, metrics_names=args.metrics_names)
     options = ServerOptions(chat_template=args.chat_template, max_request_bytes=args.max_request_bytes,
                             bos_for_token_prompts=args.bos_for_token_prompts)
