@@ -68,6 +68,18 @@ MISTAKES = [
     (["serve", "--port", "http"], "argument --port"),
     (["route", "--backend", "http://127.0.0.1:1", "--port", "99999"], "argument --port: expected a port in 0..65535"),
     (["route", "--backend", "http://127.0.0.1:1", "--port", "-1"], "argument --port"),
+    ([*SMALL_SIM, "--rate", "2", "--concurrency", "4"], "give --rate 2 (open loop: arrivals at that rate) or "
+                                                         "--concurrency 4 (closed loop"),
+    ([*SMALL_SIM, "--burstiness", "0.5"], "--burstiness shapes the arrivals of --rate"),
+    (["plan", "--model", "gemma-3-1b", "--max-model-len", "4096", "--request-len", "8192"],
+     "--request-len 8192 is beyond --max-model-len 4096"),
+    (["plan", "--model", "gemma-3-1b", "--request-len", "40000"],
+     "--request-len 40000 is beyond the model's max context of 32768 (--max-model-len)"),
+    ([*SMALL_SIM[:5], "--workload", "shared-prefix", "--requests", "3", "--max-model-len", "1024", "--no-progress"],
+     "every request (3) was rejected: each prompt is longer than --max-model-len 1024"),
+    ([*SMALL_SIM[:5], "--workload", "shared-prefix", "--requests", "3", "--prefix-len", "500", "--suffix-len",
+      "10", "--kv-cache-tokens", "200", "--no-progress"],
+     "every request (3) was rejected: 0 longer than the model's context (--max-model-len), the others do not fit"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: COMMAND"),
 ]
@@ -80,6 +92,23 @@ def test_a_mistake_is_one_line_and_exit_2(argv: list[str], message: str, capsys:
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert out == ""  # nothing was computed before the mistake was reported
+
+
+def test_an_empty_trace_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text("")
+    code, out, err = run(["simulate", "--workload", "trace", "--trace", str(trace), "--no-progress"], capsys)
+    assert code == 2 and out == ""
+    assert err == f"hybridkv simulate: --trace {trace}: the trace holds no requests\n"
+
+
+def test_a_variant_that_finishes_nothing_is_named_and_the_exit_is_1(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run([*SMALL_SIM[:5], "--workload", "shared-prefix", "--requests", "3", "--prefix-len", "500",
+                          "--suffix-len", "10", "--output-len", "4", "--no-progress",
+                          "--compare", "max_model_len=100,1000"], capsys)
+    assert code == 1 and "max_model_len=1000" in out  # the other variant is reported
+    assert err == ("hybridkv simulate: max_model_len=100: every request (3) was rejected: each prompt is longer "
+                   "than --max-model-len 100\n")
 
 
 def test_an_unwritable_output_is_refused_before_the_simulation_runs(capsys: pytest.CaptureFixture[str]) -> None:
