@@ -4,8 +4,10 @@ Ctrl-C exits 130; options say their defaults; tables stay readable in narrow ter
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -80,6 +82,13 @@ MISTAKES = [
     ([*SMALL_SIM[:5], "--workload", "shared-prefix", "--requests", "3", "--prefix-len", "500", "--suffix-len",
       "10", "--kv-cache-tokens", "200", "--no-progress"],
      "every request (3) was rejected: 0 longer than the model's context (--max-model-len), the others do not fit"),
+    ([*SMALL_SIM, "--kv-cache-tokens", "100", "--kv-cache-memory", "1GiB"],
+     "give --kv-cache-memory or --kv-cache-tokens, not both"),
+    ([*SMALL_SIM, "--kv-cache-memory", "1KiB"], "one request of --max-model-len=4096 tokens needs"),
+    ([*SMALL_SIM, "--compare", "max_num_seqs=0,1"], "--max-num-seqs must be a positive integer, got 0"),
+    (["plan", "--model", "gemma-3-270m", "--gpu", "l4-24gb", "--reserve", "30GiB"],
+     "the 30.0 GiB reserve takes all of the 20.2 GiB the engine may use"),
+    (["generate", "hi", "--max-tokens", "0"], "argument --max-tokens: expected an integer >= 1"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: COMMAND"),
 ]
@@ -117,6 +126,29 @@ def test_an_unwritable_output_is_refused_before_the_simulation_runs(capsys: pyte
                           "--plot", "/nonexistent/out.png"], capsys)
     assert code == 2 and out == "" and "--plot" in err
     assert time.perf_counter() - started < 5  # the 600-request simulation takes far longer
+
+
+def test_no_memory_figure_is_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    for extra in (["--gpu-memory", "1GiB"], ["--gpu-memory-utilization", "0.01", "--gpu", "l4-24gb"]):
+        code, _, err = run(["plan", "--model", "gemma-3-270m", *extra], capsys)
+        assert code == 2 and re.search(r"(?<![\w-])-\d", err) is None, err  # the old "-1.1 GiB available"
+        assert "nothing is left for weights and KV cache" in err
+
+
+def test_field_names_become_the_options_that_set_them() -> None:
+    from hybridkv.cli_args import with_flag_names
+
+    parser = _subcommands()["simulate"]
+    assert with_flag_names("SchedulerConfig.max_num_batched_tokens must be >= 1; max_model_len=5 and "
+                           "tensor_parallel_size", parser) == ("--max-num-batched-tokens must be >= 1; "
+                                                               "--max-model-len=5 and --tp")
+    kept = "--compare max_model_len: 'x' is not a number; pass num_params (--num-params, e.g. 27e9)"
+    assert with_flag_names(kept, parser) == kept
+
+
+def test_a_table_never_prints_none(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run([*SMALL_SIM, "--compare", "tier=none,host:1GiB"], capsys)
+    assert code == 0 and "None" not in out and "tier storage / bytes written" in out
 
 
 def test_a_directory_is_not_an_output_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -269,10 +301,56 @@ def test_every_option_has_help_that_shows_its_default(command: str) -> None:
             assert f"(default: {action.default})" in " ".join(text.split()), (command, action.dest)
 
 
+def test_every_subcommand_has_a_description_and_every_option_a_help_with_one_default() -> None:
+    problems = []
+    for command, parser in _subcommands().items():
+        if not parser.description:
+            problems.append(f"{command}: no description")
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            name = f"{command} {'/'.join(action.option_strings) or action.dest}"
+            if not action.help:
+                problems.append(f"{name}: no help")
+                continue
+            shown = parser._get_formatter()._expand_help(action)  # as --help prints it, defaults added
+            if len(re.findall(r"\(default\b", shown)) > 1 or "(default: None)" in shown:
+                problems.append(f"{name}: says its default twice: {shown!r}")
+    assert not problems, "\n".join(problems)
+
+
 def test_simulate_with_no_arguments_does_not_start_a_600_request_run(capsys: pytest.CaptureFixture[str]) -> None:
     started = time.perf_counter()
     code, out, _ = run(["simulate"], capsys)
     assert code == 2 and out == "" and time.perf_counter() - started < 5
+
+
+def test_the_plot_s_tick_labels_do_not_overlap() -> None:
+    pytest.importorskip("matplotlib")
+    from hybridkv.sim.plot import plot_figure
+    from hybridkv.sim.simulator import SimConfig, SimResult
+
+    # TTFTs from 1.7 s to 25 s, as in `make demo`: a log axis of little more than one decade
+    ttfts = [1.7 * (25 / 1.7) ** (i / 99) for i in range(100)]
+    timeline = [(t * 5.0, 0.5, 0.4) for t in range(100)]
+    summary = {"retention": "window", "workload": "shared_prefix", "model": "gemma-3-27b", "gpu": "h100-80gb"}
+    fig = plot_figure([(name, SimResult(SimConfig(), "shared_prefix", summary, timeline, ttfts))
+                       for name in ("retention=none", "retention=window")])
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            ticks = [*axis.get_major_ticks(), *axis.get_minor_ticks()]
+            boxes = sorted((t.label1.get_window_extent(renderer).bounds, t.label1.get_text()) for t in ticks
+                           if t.label1.get_visible() and t.label1.get_text() and lo <= t.get_loc() <= hi)
+            for (a, text_a), (b, text_b) in itertools.pairwise(boxes):
+                if axis is ax.xaxis:
+                    assert a[0] + a[2] <= b[0], f"{ax.get_title()}: {text_a!r} overlaps {text_b!r}"
+                else:
+                    assert a[1] + a[3] <= b[1], f"{ax.get_title()}: {text_a!r} overlaps {text_b!r}"
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------------- narrow terminals

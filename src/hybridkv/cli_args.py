@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import NoReturn
 
@@ -40,6 +41,25 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+FIELD_FLAGS = {"tensor_parallel_size": "--tp", "long_prefill_token_threshold": "--long-prefill-threshold",
+               "tier_load_timeout_s": "--tier-load-timeout", "gpu_memory_bytes": "--gpu-memory",
+               "reserve_bytes": "--reserve", "enable_prefix_caching": "--no-prefix-caching"}
+"""Library fields whose option is not their name with dashes."""
+
+
+def with_flag_names(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` with the library's field names (``max_num_batched_tokens``, ``EngineConfig.max_model_len``)
+    written as the options of ``parser`` that set them (``--max-num-batched-tokens``): an error names what the
+    user typed. Field names after ``--compare`` (which takes them), or already followed by their option in
+    parentheses, stay."""
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    fields = {flag[2:].replace("-", "_"): flag for flag in flags if flag.startswith("--") and "-" in flag[2:]}
+    fields |= {name: flag for name, flag in FIELD_FLAGS.items() if flag in flags}
+    for name, flag in fields.items():
+        message = re.sub(rf"(?<![\w.-])(?<!--compare )(?:[A-Z]\w*\.)?{name}\b(?! \(--)", flag, message)
+    return message
 
 
 def _int(text: str, minimum: int) -> int:

@@ -66,13 +66,16 @@ def add_parser(sub: Any) -> None:
                                    "ones; --batch runs them together.")
     p.add_argument("prompts", nargs="*", help="prompt text(s)")
     p.add_argument("--prompt-file", action="append", default=[], type=Path, help="read a prompt from a file")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=positive_int_arg, default=64, help="most tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                            "whose probabilities add up to this (1 = all)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=None, help="random seed of the sampling (default: none, a fresh "
+                                                          "draw each run; greedy needs none)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token, up to "
+                                                             "--max-tokens")
     p.add_argument("--batch", action="store_true", help="run all prompts in one batch")
     add_engine_arguments(p)
     p.set_defaults(func=generate)

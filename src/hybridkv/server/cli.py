@@ -29,7 +29,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def add_parser(sub: Any) -> None:
     """The ``serve`` subcommand of ``hybridkv``."""
-    p = sub.add_parser("serve", help="serve the embedded Gemma 3 270M over an OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", help="serve the embedded Gemma 3 270M over an OpenAI-compatible HTTP API",
+                       description="Serve Gemma 3 270M on hybridkv's paged cache over an OpenAI-compatible HTTP API "
+                                   "(/v1/completions, /v1/chat/completions, /v1/models, /metrics, /health).")
     add_serve_arguments(p)
     p.set_defaults(func=serve_main)
 

@@ -81,8 +81,9 @@ TIER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("tokens loaded from tiers", lambda s: f"{s['tier_hit_tokens']:,}"),
     ("loaded per tier (GB)", lambda s: ", ".join(f"{k.split(':', 1)[1]} {v['loaded_bytes'] / 1e9:,.1f}"
                                                  for k, v in s["tier_stats"].items()) or "-"),
-    ("tier load time (all loads)", lambda s: f"{s['tier_load_s']:.2f} s ({s['tier_loads']})"),
-    ("tier storage / bytes written", lambda s: f"{s['tier_storage']} / {s['tier_stored_bytes'] / 2**30:,.1f} GiB"),
+    ("tier load time (all loads)", lambda s: f"{s['tier_load_s']:.2f} s ({s['tier_loads']})" if s["tiers"] else "-"),
+    ("tier storage / bytes written",
+     lambda s: f"{s['tier_storage']} / {s['tier_stored_bytes'] / 2**30:,.1f} GiB" if s["tiers"] else "-"),
 ]
 """Rows added to the summary when any variant has tiers."""
 
@@ -435,11 +436,11 @@ def _why_none_finished(result: SimResult) -> str:
     """One line on why a run finished no request: every one was rejected, and for what."""
     summary, max_len = result.summary, result.config.max_model_len
     limit = f"--max-model-len {max_len}" if max_len else "the model's context (--max-model-len)"
-    rejected, too_long = summary["rejected"], summary["rejected_too_long"]
+    rejected, too_long, blocks = summary["rejected"], summary["rejected_too_long"], summary["num_blocks"] - 1
     if too_long == rejected:
         return f"every request ({rejected}) was rejected: each prompt is longer than {limit}"
     return (f"every request ({rejected}) was rejected: {too_long} longer than {limit}, the others do not fit in the "
-            f"KV cache ({summary['num_blocks'] - 1:,} blocks) at their full length; give more KV memory "
+            f"KV cache ({blocks:,} block{'s' if blocks != 1 else ''}) at their full length; give more KV memory "
             f"(--kv-cache-memory, --kv-cache-tokens, --gpu) or shorter requests")
 
 
