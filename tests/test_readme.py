@@ -143,3 +143,26 @@ def test_the_readme_links_nothing_outside_the_repository() -> None:
     for target in re.findall(r"\]\(([^)]+)\)", text):
         if not target.startswith(("http://", "https://", "#")):
             assert (README.parent / target).exists(), target
+
+
+def test_the_commands_after_make_demo_say_to_activate_the_virtual_environment_first() -> None:
+    """`make demo` installs `hybridkv` into .venv without activating it: the README says so where its
+    `hybridkv` commands start, and every example then calls the command the same way."""
+    lines = README.read_text().splitlines()
+    make = next(i for i, line in enumerate(lines) if line.startswith("make demo"))
+    first = min(e.line for e in RUNNABLE if e.lang == "bash" and e.line > make
+                and re.search(r"^hybridkv ", e.code, re.MULTILINE))
+    between = "\n".join(lines[make:first])
+    assert ". .venv/bin/activate" in between and "`.venv/bin/hybridkv`" in between, between
+    assert "command not found" in between
+    assert not any(".venv/bin/hybridkv" in e.code for e in RUNNABLE)  # one way throughout
+
+
+def test_the_readme_says_what_a_first_make_demo_takes() -> None:
+    """A fresh machine's `make demo` first installs torch and the weights package: minutes, not the demos' 2-3."""
+    text = " ".join(README.read_text().split())
+    start = text.index("make demo #")
+    said = text[start:text.index("Then try the planner", start)]
+    assert "~2-3 minutes" not in said.split("make test")[0]  # the old claim, true only once .venv exists
+    assert "The first `make demo` on a fresh machine" in said and "installs torch" in said
+    assert "several minutes" in said
