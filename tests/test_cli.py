@@ -418,6 +418,12 @@ def test_a_missing_extra_names_the_pip_extra(module: str, argv: list[str], extra
     assert not (tmp_path / "out.png").exists() and out == ""
 
 
+def test_python_m_hybridkv_is_the_command() -> None:
+    done = subprocess.run([sys.executable, "-m", "hybridkv", "serve", "--port", "99999"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("hybridkv serve: argument --port")
+
+
 def test_plan_without_rich_prints_plain_tables(tmp_path: Path) -> None:
     proc = _python("import sys\nsys.modules['rich'] = None\nfrom hybridkv.cli import main\n"
                    "sys.exit(main(['plan', '--model', 'gemma-3-27b', '--max-model-len', '131072']))",
