@@ -1,11 +1,12 @@
 """Checks of the engine's command-line options that need no weights, run before the model loads.
 
-Loading Gemma 3 270M takes 35-60 s on a small CPU; a mistake that the options alone reveal is
+Loading Gemma 3 270M takes up to a minute on a small, busy CPU; a mistake that the options alone reveal is
 reported before that, as one line naming the flag the user typed: a KV tier spec that does not
 parse, a shared store without a tier key, a KV budget too small for one request, a
 ``--max-model-len`` beyond the model's context. The model's layer shapes are those of the
 ``gemma-3-270m`` planner preset (the GGUF's own, checked by the tests), so the KV layout the
-engine will plan is known before its weights are read.
+engine will plan is known before its weights are read (for another model, should the options
+name one, the layout checks wait for the engine's own after the load).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def checked_engine_config(args: argparse.Namespace) -> Any:
         raise InvalidInputError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     check_tiers(args)
     config = engine_config(args)
-
+    if getattr(args, "model", None) not in (None, MODEL_PRESET):
+        return config  # another model: its shapes are known once it loads, and the engine checks them then
     context = get_preset(MODEL_PRESET).max_model_len
     if config.max_model_len > context:
         raise InvalidInputError(f"--max-model-len {config.max_model_len} exceeds the model's context of "
