@@ -79,6 +79,7 @@ def workdir(tmp_path: Path) -> Path:
     config = tmp_path / "path" / "to" / "config.json"
     config.parent.mkdir(parents=True)
     config.write_text(json.dumps(dict(get_preset("mistral-7b-v0.1").config)))
+    (tmp_path / "examples").symlink_to(README.parent / "examples")  # the README's input files, as in a clone
     return tmp_path
 
 
@@ -124,6 +125,18 @@ def test_the_examples_that_need_the_model(workdir: Path) -> None:
         done = run_example(example, workdir, timeout=600)
         assert done.returncode == 0, f"{example.id} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         assert "Traceback" not in done.stderr
+        if "examples/tiers/" in example.code:  # the external-tier example reproduces what the README says of it
+            tiers, total = re.findall(r"\*\*(\d+) of its (\d+) from the tiers\*\*",
+                                       " ".join(README.read_text().split()))[0]
+            assert f"[p3: {total} prompt tokens (0 from the prefix cache, {tiers} from KV tiers)" in done.stderr, \
+                done.stderr
+
+
+def test_the_external_tier_example_is_self_contained() -> None:
+    (example,) = [e for e in RUNNABLE if "--kv-tier" in e.code and e.code.startswith("hybridkv generate")]
+    assert example.mark == "model" and "--dtype float32" in example.code
+    for path in re.findall(r"--prompt-file (\S+)", example.code):
+        assert (README.parent / path).is_file(), path
 
 
 def test_the_example_trace_simulates(workdir: Path) -> None:
