@@ -89,6 +89,8 @@ MISTAKES = [
     (["plan", "--model", "gemma-3-270m", "--gpu", "l4-24gb", "--reserve", "30GiB"],
      "the 30.0 GiB reserve takes all of the 20.2 GiB the engine may use"),
     (["generate", "hi", "--max-tokens", "0"], "argument --max-tokens: expected an integer >= 1"),
+    (["generate", "hi", "--temperature", "-1"], "hybridkv generate: --temperature must be a finite number >= 0"),
+    (["generate", "hi", "--top-p", "2"], "hybridkv generate: --top-p must be in (0, 1], got 2.0"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: COMMAND"),
 ]
@@ -144,6 +146,11 @@ def test_field_names_become_the_options_that_set_them() -> None:
                                                                "--max-model-len=5 and --tp")
     kept = "--compare max_model_len: 'x' is not a number; pass num_params (--num-params, e.g. 27e9)"
     assert with_flag_names(kept, parser) == kept
+    generate = _subcommands()["generate"]
+    assert with_flag_names("temperature must be a finite number >= 0", generate) == "--temperature must be a " \
+                                                                                     "finite number >= 0"
+    assert with_flag_names("EngineConfig.device must be 'cpu'", generate) == "--device must be 'cpu'"
+    assert with_flag_names("the seed must not change the device", generate) == "the seed must not change the device"
 
 
 def test_a_table_never_prints_none(capsys: pytest.CaptureFixture[str]) -> None:

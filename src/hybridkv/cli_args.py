@@ -53,12 +53,17 @@ def with_flag_names(message: str, parser: argparse.ArgumentParser) -> str:
     """``message`` with the library's field names (``max_num_batched_tokens``, ``EngineConfig.max_model_len``)
     written as the options of ``parser`` that set them (``--max-num-batched-tokens``): an error names what the
     user typed. Field names after ``--compare`` (which takes them), or already followed by their option in
-    parentheses, stay."""
+    parentheses, stay; a one-word field only as the subject that opens the message ("temperature must ...")."""
     flags = {flag for action in parser._actions for flag in action.option_strings}
     fields = {flag[2:].replace("-", "_"): flag for flag in flags if flag.startswith("--") and "-" in flag[2:]}
     fields |= {name: flag for name, flag in FIELD_FLAGS.items() if flag in flags}
     for name, flag in fields.items():
         message = re.sub(rf"(?<![\w.-])(?<!--compare )(?:[A-Z]\w*\.)?{name}\b(?! \(--)", flag, message)
+    # A one-word field (temperature, device) is an ordinary word too: only as the subject that opens a message.
+    words = {flag[2:]: flag for flag in flags if flag.startswith("--") and re.fullmatch(r"--[a-z]+", flag)}
+    subject = re.match(r"(?:[A-Z]\w*\.)?([a-z]+) must\b", message)
+    if subject and subject.group(1) in words:
+        message = words[subject.group(1)] + message[subject.end(1):]
     return message
 
 
