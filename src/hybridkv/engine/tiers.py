@@ -24,8 +24,9 @@ def build_connector(cfg: EngineConfig, manager: KVCacheManager) -> KVConnector:
                        loads=BackgroundLoads())
 
 
-def parse_tier(spec: str) -> KVTier:
-    """``host:SIZE``, ``disk:PATH:SIZE`` or ``redis://HOST:PORT[/DB]`` (SIZE like 512MiB, 4GiB)."""
+def tier_parts(spec: str) -> tuple[str, str, int]:
+    """``(kind, path, size)`` of a tier spec, checked without building the tier: kind ``host`` (path ``""``),
+    ``disk``, or ``redis`` (path the URL, size 0). ``InvalidInputError`` naming the spec otherwise."""
     def size(text: str) -> int:
         try:
             value = parse_bytes(text)
@@ -36,13 +37,24 @@ def parse_tier(spec: str) -> KVTier:
         return value
 
     if spec.startswith(("redis://", "rediss://")):
-        return RedisTier(spec)
+        return "redis", spec, 0
     kind, _, rest = spec.partition(":")
     if kind == "host" and rest:
-        return HostTier(size(rest))
+        return kind, "", size(rest)
     if kind == "disk" and ":" in rest:
         path, _, budget = rest.rpartition(":")
-        return DiskTier(path, size(budget))
+        if path:
+            return kind, path, size(budget)
     raise InvalidInputError(f"KV tier {spec!r}: expected host:SIZE, disk:PATH:SIZE or redis://HOST:PORT[/DB]")
+
+
+def parse_tier(spec: str) -> KVTier:
+    """``host:SIZE``, ``disk:PATH:SIZE`` or ``redis://HOST:PORT[/DB]`` (SIZE like 512MiB, 4GiB)."""
+    kind, path, size = tier_parts(spec)
+    if kind == "redis":
+        return RedisTier(spec)
+    if kind == "host":
+        return HostTier(size)
+    return DiskTier(path, size)
 
 

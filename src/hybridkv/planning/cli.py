@@ -46,6 +46,11 @@ def plan(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization, reserve_bytes=args.reserve,
         block_size=args.block_size, num_params=args.num_params, recurrent_pages=args.recurrent_pages,
     ))
+    beyond = [n for n in args.request_len or () if n > result.max_model_len]
+    if beyond:
+        limit = (f"--max-model-len {args.max_model_len}" if args.max_model_len
+                 else f"the model's max context of {result.max_model_len} (--max-model-len)")
+        raise InvalidInputError(f"--request-len {beyond[0]} is beyond {limit}: no request that long is admitted")
     doc = json.dumps(result.to_json(), indent=2)
     if args.json == "-":
         print(doc)

@@ -152,6 +152,12 @@ def make_plan(inp: PlanInput) -> Plan:
     if kv_bytes <= 0:
         need = num_params * _dtype(inp.weights_dtype, "weights dtype")
         per_gpu = gpu_mem * inp.gpu_memory_utilization - inp.reserve_bytes
+        if per_gpu <= 0:
+            raise InvalidInputError(
+                f"{name}: the {inp.reserve_bytes / GiB:.1f} GiB reserve takes all of the "
+                f"{gpu_mem * inp.gpu_memory_utilization / GiB:.1f} GiB the engine may use ({gpu_mem / GiB:.1f} GiB "
+                f"GPU x utilisation {inp.gpu_memory_utilization}): nothing is left for weights and KV cache; give a "
+                f"smaller reserve (--reserve) or more GPU memory")
         min_tp = next((t for t in (1, 2, 4, 8, 16, 32, 64) if need / t < per_gpu), None)
         raise InvalidInputError(
             f"{name}: weights take {weights / GiB:.1f} GiB per GPU, more than the "
