@@ -27,13 +27,26 @@ def chunked(chunk: int, bs: int = 16) -> ChunkedLocalAttentionSpec:
                                      attention_chunk_size=chunk)
 
 
-def mamba(bs: int = 16, mode: str = "align", **kw: int) -> MambaSpec:
-    return MambaSpec(block_size=bs, state_bytes=65536, mode=mode, **kw)  # type: ignore[arg-type]
+def mamba(bs: int = 16, mode: str = "align", state_bytes: int = 65536, **kw: int) -> MambaSpec:
+    # 65536: one page of ``full(16)`` (a layout with a state needs one page size).
+    return MambaSpec(block_size=bs, state_bytes=state_bytes, mode=mode, **kw)  # type: ignore[arg-type]
+
+
+def split_state(parts: int, bs: int = 16, mode: str = "align") -> tuple[MambaSpec, ...]:
+    """A recurrent state of ``parts`` pages of ``full(16)``'s size, one spec per page (as ``plan_layout``
+    spreads a state larger than a page)."""
+    return tuple(MambaSpec(block_size=bs, state_bytes=65536 * parts, mode=mode, state_part=j,  # type: ignore[arg-type]
+                           state_parts=parts) for j in range(parts))
 
 
 def layout(num_blocks: int, *specs: object) -> KVCacheLayout:
+    """One group per spec, one layer each; the pages of a split state (``split_state``) share their layer."""
+    names: list[str] = []
+    for i, s in enumerate(specs):
+        part = s.state_part if isinstance(s, MambaSpec) else 0
+        names.append(names[-1] if part else f"layers.{i}")
     return KVCacheLayout(num_blocks=num_blocks,
-                         groups=tuple(KVCacheGroup(s, (f"layers.{i}",)) for i, s in enumerate(specs)))  # type: ignore[arg-type]
+                         groups=tuple(KVCacheGroup(s, (n,)) for s, n in zip(specs, names)))  # type: ignore[arg-type]
 
 
 def manager(num_blocks: int, *specs: object, max_model_len: int = 4096, batch: int = 4096,

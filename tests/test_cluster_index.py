@@ -31,7 +31,7 @@ from hybridkv.cluster import (
     make_batch,
 )
 
-from helpers import full, layout, mamba, manager, swa, tokens
+from helpers import full, layout, mamba, manager, split_state, swa, tokens
 
 LAYOUTS = {
     "full": (full(16),),
@@ -39,6 +39,8 @@ LAYOUTS = {
     "full+swa32": (full(16), swa(70, 32)),
     "full+mamba": (full(16), mamba(16)),
     "full+swa+mamba": (full(16), swa(33, 16), mamba(32)),
+    "full+split-state": (full(16), *split_state(3)),
+    "full+swa+split-state": (full(16), swa(33, 16), *split_state(2)),
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from hybridkv import KVCacheManager, Sequence
 
-from helpers import full, mamba, manager, run_prefill, tokens
+from helpers import full, mamba, manager, run_prefill, split_state, tokens
 
 SYSTEM = tokens(0, 1024)  # a shared prefix of 64 blocks
 
@@ -26,8 +26,12 @@ def run(mgr: KVCacheManager, seq: Sequence, chunk: int = 4096) -> int:
     return hit
 
 
-def hybrid(num_blocks: int = 2000, retention: str = "none", **kw: int) -> KVCacheManager:
-    return manager(num_blocks, full(), mamba(**kw), max_model_len=4096, batch=4096, retention=retention)
+def hybrid(num_blocks: int = 2000, retention: str = "none", pages: int = 1, **kw: int) -> KVCacheManager:
+    """Full attention + a recurrent state of ``pages`` pages (``plan_layout``'s split), ``num_blocks``
+    usable blocks besides the state's extra pages (a request holds up to 3 states)."""
+    state = (mamba(**kw),) if pages == 1 else split_state(pages)
+    return manager(num_blocks + 3 * (pages - 1), full(), *state, max_model_len=4096, batch=4096,
+                   retention=retention)
 
 
 def test_the_third_request_of_a_fan_out_resumes_from_the_junction() -> None:
@@ -130,10 +134,11 @@ def serve(mgr: KVCacheManager, seq: Sequence, decode: int = 0) -> int:
     return hit
 
 
-def test_window_retention_keeps_the_junction_state_as_long_as_its_anchor() -> None:
+@pytest.mark.parametrize("pages", [1, 3])
+def test_window_retention_keeps_the_junction_state_as_long_as_its_anchor(pages: int) -> None:
     lost_under_lru = False
     for retention in ("window", "none"):
-        mgr = hybrid(num_blocks=200, retention=retention)
+        mgr = hybrid(num_blocks=200, retention=retention, pages=pages)
         # b writes the junction state, then decodes: the state is dropped long before b's chain is freed.
         serve(mgr, Sequence("a", SYSTEM + tokens(10_000, 100)), decode=20)
         serve(mgr, Sequence("b", SYSTEM + tokens(20_000, 100)), decode=20)
@@ -147,9 +152,10 @@ def test_window_retention_keeps_the_junction_state_as_long_as_its_anchor() -> No
     assert lost_under_lru
 
 
-def test_a_remembered_junction_is_checkpointed_when_the_prefix_is_recomputed() -> None:
+@pytest.mark.parametrize("pages", [1, 3])
+def test_a_remembered_junction_is_checkpointed_when_the_prefix_is_recomputed(pages: int) -> None:
     for retention, expected in (("window", 1024), ("none", 0)):
-        mgr = hybrid(num_blocks=200, retention=retention)
+        mgr = hybrid(num_blocks=200, retention=retention, pages=pages)
         run(mgr, Sequence("a", SYSTEM + tokens(10_000, 100)))
         run(mgr, Sequence("b", SYSTEM + tokens(20_000, 100)))  # the junction is found here
         for i in range(6):  # pressure evicts the whole system prompt
@@ -157,6 +163,14 @@ def test_a_remembered_junction_is_checkpointed_when_the_prefix_is_recomputed() -
         assert mgr.lookup(Sequence("probe", SYSTEM + tokens(5, 100))).full_hit_tokens == 0
         run(mgr, Sequence("a2", SYSTEM + tokens(50_000, 100)))  # recomputes the prefix
         assert run(mgr, Sequence("b2", SYSTEM + tokens(60_000, 100))) == expected, retention
+
+
+@pytest.mark.parametrize("pages", [1, 3])
+def test_the_junction_fan_out_resumes_with_a_state_of_several_pages(pages: int) -> None:
+    mgr = hybrid(pages=pages)
+    assert run(mgr, Sequence("a", SYSTEM + tokens(10_000, 200))) == 0
+    assert run(mgr, Sequence("b", SYSTEM + tokens(20_000, 200))) == 0  # finds the junction, writes its state
+    assert run(mgr, Sequence("c", SYSTEM + tokens(30_000, 200))) == 1024
 
 
 @pytest.mark.parametrize("checkpoint_blocks", [0, 1, 2])

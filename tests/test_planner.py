@@ -9,6 +9,7 @@ import pytest
 
 from hybridkv import KVCacheLayout, KVCacheManager, Sequence, capacity_report, plan_layout
 from hybridkv.cli import main
+from hybridkv.core import FullAttentionSpec, MambaSpec
 from hybridkv.planning import PRESETS, ConfigError, get_preset, layer_specs, parse_config
 from hybridkv.planning.hardware import HARDWARE, GiB
 from hybridkv.planning.planner import PlanInput, make_plan
@@ -73,6 +74,53 @@ def test_jamba_layout_and_state_size() -> None:
     m = parse_config(cfg)
     assert m.layer_kinds.count("full") == 1 and m.layer_kinds[4] == "full"
     assert m.mamba_state_elements == 8192 * 3 + 8192 * 16
+
+
+def test_mamba2_state_is_conv_plus_ssm_and_tensor_parallel_splits_heads_and_groups() -> None:
+    # Nemotron-H spelling. conv: (d_conv - 1) x (inner + 2 x groups x d_state); SSM: heads x head_dim x d_state.
+    cfg = {"num_hidden_layers": 3, "num_attention_heads": 32, "num_key_value_heads": 8, "attention_head_dim": 128,
+           "hidden_size": 4096, "hybrid_override_pattern": "M*-", "mamba_num_heads": 128, "mamba_head_dim": 64,
+           "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4}
+    m = parse_config(cfg)
+    assert m.layer_kinds == ("mamba", "full", "none")
+    assert m.head_size == 128
+    assert m.mamba_state_elements == 3 * (8192 + 2 * 8 * 128) + 128 * 64 * 128
+    assert parse_config(cfg, tensor_parallel_size=4).mamba_state_elements == (
+        3 * (8192 + 2 * 8 * 128) // 4 + 32 * 64 * 128)
+    assert set(layer_specs(m)) == {"model.layers.0", "model.layers.1"}
+    with pytest.raises(ConfigError, match="'mamba_num_heads'=120 is not divisible"):
+        parse_config({**cfg, "mamba_num_heads": 120}, tensor_parallel_size=16)
+
+
+def test_mamba2_with_one_group_replicates_it_on_every_rank() -> None:
+    # Granite 4.0-H spelling: inner = mamba_expand x hidden_size (vLLM's granitemoehybrid).
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 1536,
+           "layer_types": ["mamba", "attention"], "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128,
+           "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2}
+    m = parse_config(cfg)
+    assert m.layer_kinds == ("mamba", "full")
+    assert m.mamba_state_elements == 3 * (3072 + 2 * 128) + 48 * 64 * 128
+    # vLLM extra_groups_for_head_shards: 1 group on 4 ranks becomes 4 groups, one per rank.
+    assert parse_config(cfg, tensor_parallel_size=4).mamba_state_elements == (
+        3 * (3072 + 2 * 4 * 128) // 4 + 12 * 64 * 128)
+    with pytest.raises(ConfigError, match="do not match"):
+        parse_config({**cfg, "mamba_d_head": 32})
+
+
+def test_falcon_h1_layers_keep_a_kv_cache_and_a_state() -> None:
+    cfg = {"model_type": "falcon_h1", "num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 2,
+           "head_dim": 128, "hidden_size": 3072, "mamba_d_ssm": 3072, "mamba_expand": 2, "mamba_n_heads": 24,
+           "mamba_d_head": 128, "mamba_d_state": 256, "mamba_n_groups": 1, "mamba_d_conv": 4}
+    m = parse_config(cfg)
+    assert m.layer_kinds == ("full+mamba",) * 2
+    assert (m.count("full"), m.count("mamba"), m.num_layers) == (2, 2, 2)
+    assert m.mamba_state_elements == 3 * (3072 + 2 * 256) + 24 * 128 * 256  # mamba_d_ssm, not expand x hidden
+    specs = layer_specs(m, kv_dtype_bytes=1, state_dtype_bytes=2)
+    assert list(specs) == ["model.layers.0.self_attn", "model.layers.0.mamba",
+                           "model.layers.1.self_attn", "model.layers.1.mamba"]
+    assert isinstance(specs["model.layers.1.self_attn"], FullAttentionSpec)
+    assert isinstance(specs["model.layers.1.mamba"], MambaSpec)
+    assert specs["model.layers.1.mamba"].state_bytes == 2 * m.mamba_state_elements
 
 
 # ---------------------------------------------------------------------- presets
@@ -178,6 +226,28 @@ def test_cli_plan_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str
                 "naive_capacity_tokens", "concurrency_at_request_len", "padding_waste_bytes", "memory"):
         assert key in doc
     assert doc["concurrency_at_request_len"]["4096"] >= doc["max_concurrency"]
+
+
+@pytest.mark.parametrize(("preset", "attention", "states"), [
+    ("nemotron-h-8b", 4, 24), ("granite-4.0-h-tiny", 4, 36), ("falcon-h1-7b", 44, 44)])
+def test_cli_plans_the_recurrent_hybrids_on_an_h100(preset: str, attention: int, states: int,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", preset, "--gpu", "h100-80gb", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] and doc["max_concurrency"] >= 1
+    layers = {kind: [name for g in doc["groups"] if g["kind"] == kind and not g.get("state_part")
+                     for name in g["layers"]] for kind in ("full", "mamba_align")}
+    assert (len(layers["full"]), len(layers["mamba_align"])) == (attention, states)
+    # A state spans several pages, one group each; attention keeps its 16-token blocks.
+    assert {g["block_size"] for g in doc["groups"]} == {16}
+    for st in doc["recurrent_states"]:
+        assert st["pages_per_state"] == -(-st["state_bytes"] // doc["groups"][0]["page_size_bytes"]) > 1
+        assert [doc["groups"][g]["state_part"] for g in st["groups"]] == list(range(st["pages_per_state"]))
+    assert all(not g["grows_with_sequence"] for g in doc["groups"] if g["kind"] == "mamba_align")
+    if preset == "falcon-h1-7b":  # both caches of each parallel layer, named apart
+        assert sorted(layers["full"]) == sorted(f"model.layers.{i}.self_attn" for i in range(44))
+        assert sorted(layers["mamba_align"]) == sorted(f"model.layers.{i}.mamba" for i in range(44))
+    assert main(["plan", "--model", preset, "--gpu", "h100-80gb"]) == 0  # the table too
 
 
 def test_cli_plan_reads_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

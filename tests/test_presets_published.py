@@ -3,7 +3,8 @@
 The expected values below are literals copied from the model cards, papers and ``config.json``
 files named in each preset's ``notes``; nothing here is read back from the presets except the
 config being checked. The local/global split is computed from the config fields by the small
-helper ``_layer_kinds`` (independent of ``hybridkv.planning.hf_config``).
+helper ``_layer_kinds`` (independent of ``hybridkv.planning.hf_config``); the recurrent state sizes
+of the Mamba-2 presets are checked against literals computed by hand from the published shapes.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from hybridkv.core import FullAttentionSpec, MambaSpec
+from hybridkv.planning import layer_specs, parse_config
 from hybridkv.planning.presets import PRESETS, ModelPreset
 
 
 class Published(NamedTuple):
     layers: int
     local: int
-    """Sliding-window, chunked-local, linear-attention or Mamba layers."""
+    """Sliding-window, chunked-local, linear-attention or Mamba layers (a parallel hybrid layer
+    counts here and in ``global_``)."""
     global_: int
     """Full-attention (or MLA) layers."""
     first_global: int | None
@@ -67,6 +71,17 @@ PUBLISHED: dict[str, Published] = {
     # Jamba 1.5 paper (arXiv:2408.12570): 1 attention : 7 Mamba layers, 8 KV heads, 256K context,
     # 52B total.
     "jamba-mini": Published(32, 28, 4, 4, None, 8, 128, 262_144, 52e9, 1e9),
+    # Nemotron-H (arXiv:2504.03624; NVIDIA's Megatron-Bridge docs and Nemotron-H blog): the 8B has 52
+    # layers, 24 Mamba-2 + 24 MLP + 4 self-attention (8 KV heads, KV channels 128), 8K context, 8B.
+    "nemotron-h-8b": Published(52, 24, 4, 7, None, 8, 128, 8192, 8e9, 1e9),
+    # Granite 4.0-H-Tiny card and IBM's Granite 4.0 announcement: 4 attention + 36 Mamba-2 layers
+    # (IBM: 9 Mamba-2 blocks per attention block), 12 query / 4 KV heads of 128, 128K context, 7B total
+    # (1B active).
+    "granite-4.0-h-tiny": Published(40, 36, 4, 5, None, 4, 128, 131_072, 7e9, 1e9),
+    # Falcon-H1 (transformers FalconH1 docs table; report arXiv:2507.22448): 7B = 44 layers, each with
+    # attention (2 KV heads of 128) and Mamba-2 heads in parallel, 256K context. Its size is only
+    # published as "7B" (a size class: the shapes give 7.59B), so the count is checked to within 1B.
+    "falcon-h1-7b": Published(44, 44, 44, 0, None, 2, 128, 262_144, 7e9, 2e9),
     # DeepSeek-V3 report (arXiv:2412.19437): 61 MLA layers caching a 512 + 64 = 576-wide latent, 671B
     # total; config max_position_embeddings 163840 (the card advertises 128K).
     "deepseek-v3": Published(61, 0, 61, 0, None, 1, 576, 163_840, 671e9, 1e9),
@@ -77,7 +92,8 @@ PUBLISHED: dict[str, Published] = {
 EXPECTED_IDS = (
     "gemma-3-270m", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b", "gemma-3-27b", "gemma-2-9b", "gemma-2-27b",
     "gpt-oss-20b", "gpt-oss-120b", "mistral-7b-v0.1", "llama-3.1-8b", "llama-3.1-70b", "llama-4-scout",
-    "qwen3-next-80b-a3b", "jamba-mini", "deepseek-v3", "phi-3-mini",
+    "qwen3-next-80b-a3b", "jamba-mini", "nemotron-h-8b", "granite-4.0-h-tiny", "falcon-h1-7b", "deepseek-v3",
+    "phi-3-mini",
 )
 
 
@@ -89,10 +105,15 @@ def _text(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _layer_kinds(cfg: Mapping[str, Any]) -> list[str]:
-    """'local' or 'global' per layer, as the config's fields imply."""
+    """'local', 'global', 'both' (attention and Mamba in parallel) or 'none' (no cache) per layer, as
+    the config's fields imply."""
     n = cfg["num_hidden_layers"]
-    if "layer_types" in cfg:
-        return ["global" if t == "full_attention" else "local" for t in cfg["layer_types"]]
+    if "layer_types" in cfg:  # Granite 4.0-H spells full attention "attention" and its Mamba-2 layers "mamba"
+        return ["global" if t in ("full_attention", "attention") else "local" for t in cfg["layer_types"]]
+    if "hybrid_override_pattern" in cfg:  # Nemotron-H: M = Mamba-2, * = attention, - = MLP only
+        return [{"M": "local", "*": "global"}.get(c, "none") for c in cfg["hybrid_override_pattern"]]
+    if cfg["model_type"] == "falcon_h1":  # every layer runs attention and a Mamba-2 mixer side by side
+        return ["both"] * n
     if "attn_layer_period" in cfg:  # Jamba: attention where i % period == offset, Mamba elsewhere
         return ["global" if i % cfg["attn_layer_period"] == cfg["attn_layer_offset"] else "local" for i in range(n)]
     if "full_attention_interval" in cfg:  # Qwen3-Next: every interval-th layer is full attention
@@ -114,7 +135,7 @@ def _kv_cache_shape(cfg: Mapping[str, Any]) -> tuple[int, int]:
     if cfg.get("kv_lora_rank"):  # MLA: one compressed latent plus the decoupled RoPE key
         return 1, int(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
     kv_heads = int(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
-    head_dim = cfg.get("head_dim")
+    head_dim = cfg.get("head_dim", cfg.get("attention_head_dim"))  # Nemotron-H: attention_head_dim
     if head_dim is None:
         assert cfg["hidden_size"] % cfg["num_attention_heads"] == 0
         head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -147,9 +168,10 @@ def test_preset_matches_published_numbers(preset_id: str) -> None:
     kinds = _layer_kinds(cfg)
     assert cfg["num_hidden_layers"] == pub.layers
     assert len(kinds) == pub.layers
-    assert kinds.count("local") == pub.local
-    assert kinds.count("global") == pub.global_
-    assert (kinds.index("global") if "global" in kinds else None) == pub.first_global
+    assert sum(k in ("local", "both") for k in kinds) == pub.local
+    assert sum(k in ("global", "both") for k in kinds) == pub.global_
+    globals_ = [i for i, k in enumerate(kinds) if k in ("global", "both")]
+    assert (globals_[0] if globals_ else None) == pub.first_global
     assert _window(cfg) == pub.window
     assert _kv_cache_shape(cfg) == (pub.kv_heads, pub.head_dim)
     assert cfg["max_position_embeddings"] == pub.max_context
@@ -200,6 +222,85 @@ def test_qwen3_next_linear_attention_shapes() -> None:
     assert cfg["full_attention_interval"] == 4
     assert (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]) == (16, 32)
     assert (cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]) == (128, 128, 4)
+
+
+class Mamba2(NamedTuple):
+    """A Mamba-2 layer's published shape and its recurrent state, from the config and model card."""
+
+    heads: int
+    head_dim: int
+    d_state: int
+    groups: int
+    d_conv: int
+    state_bytes: int
+    """bf16 bytes of one layer's state on one GPU: 2 x ((d_conv - 1) x (heads x head_dim + 2 x groups x
+    d_state) + heads x head_dim x d_state), worked out by hand."""
+    state_bytes_tp2: int
+    """The same on each of two tensor-parallel ranks (heads and groups split; one group is replicated)."""
+
+
+MAMBA2: dict[str, Mamba2] = {
+    # 2 x (3 x (8192 + 2048) + 128 x 64 x 128) = 2 x (30,720 + 1,048,576); TP 2: 2 x (15,360 + 524,288).
+    "nemotron-h-8b": Mamba2(128, 64, 128, 8, 4, 2_158_592, 1_079_296),
+    # 2 x (3 x (3072 + 256) + 48 x 64 x 128) = 2 x (9,984 + 393,216); TP 2: the single group is kept on both
+    # ranks, 2 x (3 x (3072 + 512) / 2 + 24 x 64 x 128) = 2 x (5,376 + 196,608).
+    "granite-4.0-h-tiny": Mamba2(48, 64, 128, 1, 4, 806_400, 403_968),
+    # 2 x (3 x (3072 + 512) + 24 x 128 x 256) = 2 x (10,752 + 786,432); TP 2, the group on both ranks:
+    # 2 x (3 x (3072 + 1024) / 2 + 12 x 128 x 256) = 2 x (6,144 + 393,216).
+    "falcon-h1-7b": Mamba2(24, 128, 256, 1, 4, 1_594_368, 798_720),
+}
+
+
+def _mamba2_shape(cfg: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
+    if "mamba_num_heads" in cfg:  # Nemotron-H spelling
+        return (cfg["mamba_num_heads"], cfg["mamba_head_dim"], cfg["ssm_state_size"], cfg["n_groups"],
+                cfg["conv_kernel"])
+    return cfg["mamba_n_heads"], cfg["mamba_d_head"], cfg["mamba_d_state"], cfg["mamba_n_groups"], cfg["mamba_d_conv"]
+
+
+@pytest.mark.parametrize("preset_id", sorted(MAMBA2))
+def test_mamba2_presets_state_and_caches(preset_id: str) -> None:
+    preset = PRESETS[preset_id]
+    pub = MAMBA2[preset_id]
+    cfg = _text(preset.config)
+    assert _mamba2_shape(cfg) == (pub.heads, pub.head_dim, pub.d_state, pub.groups, pub.d_conv)
+    model = parse_config(preset.config)
+    assert model.mamba_state_elements * 2 == pub.state_bytes
+    assert parse_config(preset.config, tensor_parallel_size=2).mamba_state_elements * 2 == pub.state_bytes_tp2
+    # One cache per attention layer and one state per Mamba layer; a layer with neither (Nemotron-H's
+    # MLP-only layers) keeps nothing.
+    specs = layer_specs(model)
+    attention = [n for n, s in specs.items() if isinstance(s, FullAttentionSpec)]
+    states = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
+    published = PUBLISHED[preset_id]
+    assert (len(attention), len(states), len(specs)) == (
+        published.global_, published.local, published.global_ + published.local)
+    assert all(s.state_bytes == pub.state_bytes for s in specs.values() if isinstance(s, MambaSpec))
+    assert all((s.num_kv_heads, s.head_size) == (published.kv_heads, published.head_dim)
+               for s in specs.values() if isinstance(s, FullAttentionSpec))
+
+
+def test_nemotron_h_pattern_places_four_attention_layers() -> None:
+    cfg = _text(PRESETS["nemotron-h-8b"].config)
+    kinds = _layer_kinds(cfg)
+    assert [i for i, k in enumerate(kinds) if k == "global"] == [7, 18, 29, 40]
+    assert kinds.count("none") == 24  # MLP-only layers
+    assert cfg["mamba_num_heads"] * cfg["mamba_head_dim"] == cfg["expand"] * cfg["hidden_size"] == 8192
+
+
+def test_granite_h_tiny_attention_layers_and_inner_size() -> None:
+    cfg = _text(PRESETS["granite-4.0-h-tiny"].config)
+    assert [i for i, k in enumerate(_layer_kinds(cfg)) if k == "global"] == [5, 15, 25, 35]
+    assert cfg["mamba_n_heads"] * cfg["mamba_d_head"] == cfg["mamba_expand"] * cfg["hidden_size"] == 3072
+
+
+def test_falcon_h1_every_layer_keeps_a_kv_cache_and_a_state() -> None:
+    cfg = _text(PRESETS["falcon-h1-7b"].config)
+    assert cfg["mamba_n_heads"] * cfg["mamba_d_head"] == cfg["mamba_d_ssm"] == 3072  # not expand x hidden
+    names = list(layer_specs(parse_config(PRESETS["falcon-h1-7b"].config)))
+    assert names[:4] == ["model.layers.0.self_attn", "model.layers.0.mamba",
+                         "model.layers.1.self_attn", "model.layers.1.mamba"]
+    assert len(names) == 2 * 44
 
 
 def test_deepseek_v3_mla_latent_is_576_wide() -> None:

@@ -79,6 +79,7 @@ def workdir(tmp_path: Path) -> Path:
     config = tmp_path / "path" / "to" / "config.json"
     config.parent.mkdir(parents=True)
     config.write_text(json.dumps(dict(get_preset("mistral-7b-v0.1").config)))
+    (tmp_path / "examples").symlink_to(README.parent / "examples")  # the README's input files, as in a clone
     return tmp_path
 
 
@@ -124,6 +125,18 @@ def test_the_examples_that_need_the_model(workdir: Path) -> None:
         done = run_example(example, workdir, timeout=600)
         assert done.returncode == 0, f"{example.id} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         assert "Traceback" not in done.stderr
+        if "examples/tiers/" in example.code:  # the external-tier example reproduces what the README says of it
+            tiers, total = re.findall(r"\*\*(\d+) of its (\d+) from the tiers\*\*",
+                                       " ".join(README.read_text().split()))[0]
+            assert f"[p3: {total} prompt tokens (0 from the prefix cache, {tiers} from KV tiers)" in done.stderr, \
+                done.stderr
+
+
+def test_the_external_tier_example_is_self_contained() -> None:
+    (example,) = [e for e in RUNNABLE if "--kv-tier" in e.code and e.code.startswith("hybridkv generate")]
+    assert example.mark == "model" and "--dtype float32" in example.code
+    for path in re.findall(r"--prompt-file (\S+)", example.code):
+        assert (README.parent / path).is_file(), path
 
 
 def test_the_example_trace_simulates(workdir: Path) -> None:
@@ -143,3 +156,26 @@ def test_the_readme_links_nothing_outside_the_repository() -> None:
     for target in re.findall(r"\]\(([^)]+)\)", text):
         if not target.startswith(("http://", "https://", "#")):
             assert (README.parent / target).exists(), target
+
+
+def test_the_commands_after_make_demo_say_to_activate_the_virtual_environment_first() -> None:
+    """`make demo` installs `hybridkv` into .venv without activating it: the README says so where its
+    `hybridkv` commands start, and every example then calls the command the same way."""
+    lines = README.read_text().splitlines()
+    make = next(i for i, line in enumerate(lines) if line.startswith("make demo"))
+    first = min(e.line for e in RUNNABLE if e.lang == "bash" and e.line > make
+                and re.search(r"^hybridkv ", e.code, re.MULTILINE))
+    between = "\n".join(lines[make:first])
+    assert ". .venv/bin/activate" in between and "`.venv/bin/hybridkv`" in between, between
+    assert "command not found" in between
+    assert not any(".venv/bin/hybridkv" in e.code for e in RUNNABLE)  # one way throughout
+
+
+def test_the_readme_says_what_a_first_make_demo_takes() -> None:
+    """A fresh machine's `make demo` first installs torch and the weights package: minutes, not the demos' 2-3."""
+    text = " ".join(README.read_text().split())
+    start = text.index("make demo #")
+    said = text[start:text.index("Then try the planner", start)]
+    assert "~2-3 minutes" not in said.split("make test")[0]  # the old claim, true only once .venv exists
+    assert "The first `make demo` on a fresh machine" in said and "installs torch" in said
+    assert "several minutes" in said

@@ -15,6 +15,7 @@ import random
 import pytest
 
 from hybridkv import (
+    BlockStored,
     DoesNotFitError,
     FullAttentionSpec,
     InvalidInputError,
@@ -195,3 +196,46 @@ def test_bad_recurrent_layouts_are_one_clear_error() -> None:
         mgr.state_steps("s", 0, 40)
     with pytest.raises(InvalidInputError, match="at least one token"):
         mgr.state_steps("s", 16, 16)
+
+
+def test_a_tier_stores_a_split_state_only_at_checkpoints_and_a_hit_needs_every_page() -> None:
+    from hybridkv.connectors import HostTier, KVConnector
+
+    from helpers import layout, split_state
+
+    def connector(host: HostTier) -> KVConnector:
+        mgr = KVCacheManager(layout(400, full(16), *split_state(3)), 1024, 1024, retention="none")
+        return KVConnector([host], mgr, namespace="split/bf16")
+
+    host = HostTier(1 << 28)
+    producer = connector(host)
+    tokens = list(range(100))
+    seq = Sequence("p", tokens)
+    assert producer.manager.allocate(seq, 100) is not None  # one step: the prompt-end checkpoint at 96
+    seq.num_computed_tokens = 100
+    producer.store(seq, 100, producer.manager.block_table("p"), lambda g, b: bytes(65536))
+    producer.manager.free(seq)
+    state_keys = [producer.keys(seq, g) for g in (1, 2, 3)]
+    # Each page of the state is stored at the checkpoint (block 5, after 96 tokens), nowhere else.
+    for keys in state_keys:
+        assert host.exists_many(keys) == [i == 5 for i in range(len(keys))]
+    assert connector(host).num_external_tokens(Sequence("c", tokens), 0) == 96
+    host.delete(state_keys[2][5])  # one page of three gone: the state is gone
+    assert connector(host).num_external_tokens(Sequence("c", tokens), 0) == 0
+
+
+def test_kv_events_name_every_page_of_a_state() -> None:
+    from helpers import manager, split_state
+
+    mgr = manager(400, full(16), *split_state(3), max_model_len=1024, batch=1024, enable_events=True)
+    seq = Sequence("s", list(range(40)))
+    assert mgr.allocate(seq, 40, hit=mgr.lookup(seq)) is not None
+    seq.num_computed_tokens = 40
+    mgr.free(seq)  # the checkpoint at 32 enters the cache once computed
+    stored = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+    by_group = {g: [e for e in stored if e.group == g] for g in (1, 2, 3)}
+    checkpoint = mgr.block_hashes(seq, 1)[1]
+    for events in by_group.values():
+        # One state (after 32 tokens), announced on each of its pages, each under its own block id.
+        assert [(e.block_hashes, e.block_size) for e in events] == [((checkpoint,), 16)]
+    assert len({e.block_ids for events in by_group.values() for e in events}) == 3

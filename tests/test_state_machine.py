@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -66,6 +66,9 @@ class GroupCfg:
     window: int = 0
     chunk: int = 0
     max_encoder_len: int = 0
+    part: int = 0
+    parts: int = 1
+    """A recurrent state spread over ``parts`` pages: this group holds page ``part``."""
 
     def spec(self) -> KVCacheSpec:
         attn: dict[str, Any] = {"block_size": self.block_size, "num_kv_heads": 1, "head_size": 8}
@@ -78,7 +81,8 @@ class GroupCfg:
         if self.kind == "cross":
             return CrossAttentionSpec(**attn, max_encoder_len=self.max_encoder_len)
         mode = "align" if self.kind == "mamba_align" else "none"
-        return MambaSpec(block_size=self.block_size, state_bytes=64, mode=mode)
+        return MambaSpec(block_size=self.block_size, state_bytes=64 * self.parts, mode=mode,
+                         state_part=self.part, state_parts=self.parts)
 
     @property
     def constrains_hits(self) -> bool:
@@ -121,9 +125,12 @@ class ManagerCfg:
     caching: bool
 
     def build(self) -> KVCacheManager:
+        names: list[str] = []
+        for i, g in enumerate(self.groups):
+            names.append(names[-1] if g.part else f"layers.{i}")  # a state's pages share its layer
         layout = KVCacheLayout(
             num_blocks=self.num_blocks,
-            groups=tuple(KVCacheGroup(g.spec(), (f"layers.{i}",)) for i, g in enumerate(self.groups)),
+            groups=tuple(KVCacheGroup(g.spec(), (n,)) for g, n in zip(self.groups, names)),
         )
         return KVCacheManager(layout, self.max_model_len, self.max_num_batched_tokens, self.caching,
                               retention=self.retention)
@@ -150,7 +157,11 @@ def group_cfgs(draw: st.DrawFn, kinds: tuple[str, ...] = KIND_CHOICES) -> GroupC
 def manager_cfgs(draw: st.DrawFn) -> ManagerCfg:
     # Mostly a full-attention group first (the anchor of retention), then up to three of any kind.
     first = draw(group_cfgs(kinds=("full", "full", "full", "sliding", "chunked", "mamba_align")))
-    groups = [first, *draw(st.lists(group_cfgs(), max_size=3))]
+    groups = []
+    for g in [first, *draw(st.lists(group_cfgs(), max_size=3))]:
+        # A recurrent state sometimes spans several pages, one group each (plan_layout's split).
+        parts = draw(st.sampled_from((1, 1, 2, 3))) if g.kind == "mamba_align" else 1
+        groups += [replace(g, part=j, parts=parts) for j in range(parts)]
     max_model_len = draw(st.integers(48, 128))
     return ManagerCfg(
         groups=tuple(groups),

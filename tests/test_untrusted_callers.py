@@ -99,7 +99,7 @@ class UntrustedCallerMachine(RuleBasedStateMachine):
     @initialize(kinds=st.sampled_from(["swa", "mamba", "both"]))
     def build(self, kinds: str) -> None:
         specs = [full(8)] + ([swa(20, 8)] if kinds in ("swa", "both") else []) + (
-            [mamba(8)] if kinds in ("mamba", "both") else [])
+            [mamba(8, state_bytes=32768)] if kinds in ("mamba", "both") else [])
         self.mgr = manager(60, *specs, max_model_len=96, batch=64)
         self.other = manager(60, *specs, max_model_len=96, batch=64)
         self.sched = Scheduler(manager(60, *specs, max_model_len=96, batch=64),
@@ -229,8 +229,8 @@ def test_the_manager_rejects_junk_arguments_with_its_own_errors() -> None:
 LAYOUTS = {
     "window first": (swa(20, 8), full(8)),
     "chunked first": (chunked(16, 8), full(8)),
-    "mamba first": (mamba(8), full(8), swa(12, 8)),
-    "all": (swa(12, 8), chunked(16, 8), full(8), mamba(8)),
+    "mamba first": (mamba(8, state_bytes=32768), full(8), swa(12, 8)),
+    "all": (swa(12, 8), chunked(16, 8), full(8), mamba(8, state_bytes=32768)),
 }
 
 

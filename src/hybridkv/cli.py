@@ -25,7 +25,7 @@ from hybridkv import (
     __version__,
     capacity_report,
 )
-from hybridkv.cli_args import Parser, positive_int_arg
+from hybridkv.cli_args import Parser, positive_int_arg, with_flag_names
 
 
 def _table(ids: SequenceABC[int], limit: int = 24) -> str:
@@ -103,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="hybridkv", description="Paged KV-cache manager for hybrid-attention language models")
     parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("demo", help="walk through the library on a small hybrid layout")
+    p = sub.add_parser("demo", help="walk through the library on a small hybrid layout",
+                       description="Walk through the KV-cache manager on a Gemma-3-like layout (full attention plus "
+                                   "a sliding window): a shared-prefix hit, window drops, the admission bound and "
+                                   "the capacity report. No model, no GPU.")
     p.add_argument("--num-blocks", type=positive_int_arg, default=512, help="blocks in the pool")
     p.add_argument("--window", type=positive_int_arg, default=512, help="sliding window of the local layers (tokens)")
     p.add_argument("--retention", choices=("none", "window"), default="window",
@@ -126,17 +129,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    found: argparse.ArgumentParser = sub.choices[command]
+    return found
+
+
 def main(argv: SequenceABC[str] | None = None) -> int:
     """Entry point of the ``hybridkv`` command: the exit status (2 for a user's mistake, 130 for Ctrl-C)."""
     command = "hybridkv"
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
         command = f"hybridkv {args.command}"
         result: int = args.func(args)
     except KeyboardInterrupt:
         return 130
     except InvalidInputError as exc:
-        print(f"{command}: {exc}", file=sys.stderr)
+        message = str(exc)
+        if command != "hybridkv":  # the library's field names, as the options the user typed
+            message = with_flag_names(message, _subparser(parser, command.split()[1]))
+        print(f"{command}: {message}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
         extra = EXTRAS.get((exc.name or "").split(".")[0])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+from pathlib import Path
 from typing import NoReturn
 
 from hybridkv.errors import InvalidInputError
@@ -41,6 +43,30 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+FIELD_FLAGS = {"tensor_parallel_size": "--tp", "long_prefill_token_threshold": "--long-prefill-threshold",
+               "tier_load_timeout_s": "--tier-load-timeout", "gpu_memory_bytes": "--gpu-memory",
+               "reserve_bytes": "--reserve", "enable_prefix_caching": "--no-prefix-caching"}
+"""Library fields whose option is not their name with dashes."""
+
+
+def with_flag_names(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` with the library's field names (``max_num_batched_tokens``, ``EngineConfig.max_model_len``)
+    written as the options of ``parser`` that set them (``--max-num-batched-tokens``): an error names what the
+    user typed. Field names after ``--compare`` (which takes them), or already followed by their option in
+    parentheses, stay; a one-word field only as the subject that opens the message ("temperature must ...")."""
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    fields = {flag[2:].replace("-", "_"): flag for flag in flags if flag.startswith("--") and "-" in flag[2:]}
+    fields |= {name: flag for name, flag in FIELD_FLAGS.items() if flag in flags}
+    for name, flag in fields.items():
+        message = re.sub(rf"(?<![\w.-])(?<!--compare )(?:[A-Z]\w*\.)?{name}\b(?! \(--)", flag, message)
+    # A one-word field (temperature, device) is an ordinary word too: only as the subject that opens a message.
+    words = {flag[2:]: flag for flag in flags if flag.startswith("--") and re.fullmatch(r"--[a-z]+", flag)}
+    subject = re.match(r"(?:[A-Z]\w*\.)?([a-z]+) must\b", message)
+    if subject and subject.group(1) in words:
+        message = words[subject.group(1)] + message[subject.end(1):]
+    return message
+
+
 def _int(text: str, minimum: int) -> int:
     try:
         value = int(text.replace("_", ""))
@@ -59,6 +85,14 @@ def positive_int_arg(text: str) -> int:
 def non_negative_int_arg(text: str) -> int:
     """An integer >= 0."""
     return _int(text, 0)
+
+
+def port_arg(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: the system picks a free one)."""
+    value = _int(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
+    return value
 
 
 def positive_float_arg(text: str) -> float:
@@ -133,6 +167,11 @@ def input_file_arg(text: str) -> str:
     return text
 
 
+def input_path_arg(text: str) -> Path:
+    """A file that exists and can be read, as a ``Path``."""
+    return Path(input_file_arg(text))
+
+
 def write_output(path: str, text: str) -> None:
     """Write ``text`` to ``path``; an ``OSError`` becomes an ``InvalidInputError`` naming the path."""
     try:
@@ -140,3 +179,11 @@ def write_output(path: str, text: str) -> None:
             f.write(text)
     except OSError as exc:
         raise InvalidInputError(f"cannot write {path!r}: {exc.strerror}") from None
+
+
+def add_recurrent_pages_arg(parser: argparse.ArgumentParser) -> None:
+    """``--recurrent-pages``: how a recurrent state shares the pool's pages (``plan`` and ``simulate``)."""
+    parser.add_argument("--recurrent-pages", default="split", choices=("split", "unified"),
+                        help="recurrent hybrids: 'split' keeps attention blocks of --block-size and spreads a "
+                             "state over as many pages as it needs (hits at attention granularity); 'unified' "
+                             "grows attention blocks until one page holds a state (the reference engine's layout)")

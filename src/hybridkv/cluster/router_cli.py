@@ -16,6 +16,7 @@ import logging
 import sys
 from typing import Any
 
+from hybridkv.cli_args import Parser, port_arg
 from hybridkv.errors import InvalidInputError
 
 _BACKEND_HELP = (
@@ -77,7 +78,7 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--backend", action="append", required=True, metavar="SPEC", help=_BACKEND_HELP)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=port_arg, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--policy", default="hybrid_exact", choices=POLICIES,
                         help="how to choose a backend (default: %(default)s)")
     parser.add_argument("--hash", default="vllm", help="the backends' block-hash scheme unless a --backend "
@@ -103,7 +104,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_parser(sub: Any) -> None:
     """The ``route`` subcommand of ``hybridkv``."""
-    p = sub.add_parser("route", help="a KV-aware OpenAI-compatible router in front of several backends")
+    p = sub.add_parser("route", help="a KV-aware OpenAI-compatible router in front of several backends",
+                       description="Route OpenAI-compatible requests to the backend that holds most of their "
+                                   "prompt in its KV cache (learned from the backends' KV events), against load.")
     add_route_arguments(p)
     p.set_defaults(func=route_main)
 
@@ -116,6 +119,7 @@ def route_main(args: argparse.Namespace) -> int:
         from hybridkv.cluster.hashes import scheme_named
         from hybridkv.cluster.router import ClusterRouter, RouterConfig, build_app
         from hybridkv.cluster.routing import Policy
+        from hybridkv.server.cli import _bind
     except ImportError as exc:
         print(f"hybridkv route: needs the cluster extra (pip install 'hybridkv[cluster]'): {exc}", file=sys.stderr)
         return 2
@@ -130,30 +134,38 @@ def route_main(args: argparse.Namespace) -> int:
         Policy(args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight, medium_weights=weights)
         if args.metrics_interval <= 0:
             raise InvalidInputError(f"--metrics-interval must be positive, got {args.metrics_interval}")
-        if not 0 <= args.port <= 65535:
-            raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
         config = RouterConfig(backends, policy=args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight,
                               metrics_interval=args.metrics_interval, shared_media=args.shared_medium,
                               medium_weights=weights)
+        sock = _bind(args.host, args.port)  # a busy port fails here, before "listening" is printed
+    except InvalidInputError as exc:
+        print(f"hybridkv route: {exc}", file=sys.stderr)
+        return 2
+    try:
         router = ClusterRouter(config)
     except InvalidInputError as exc:
+        sock.close()
         print(f"hybridkv route: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("hybridkv").setLevel(args.log_level.upper())  # not the HTTP clients' debug chatter
+    host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"hybridkv route: {len(backends)} backends, policy {args.policy}, listening on "
-          f"http://{args.host}:{args.port}/v1", flush=True)
+          f"http://{host}:{sock.getsockname()[1]}/v1", flush=True)
     try:
-        uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning")
+        server = uvicorn.Config(build_app(router), host=args.host, port=sock.getsockname()[1], log_level="warning")
+        uvicorn.Server(server).run(sockets=[sock])
     except KeyboardInterrupt:
         return 130
+    finally:
+        sock.close()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``hybridkv route`` as a program of its own."""
-    parser = argparse.ArgumentParser(prog="hybridkv route", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="hybridkv route", description=__doc__.split("\n\n")[0])
     add_route_arguments(parser)
     try:
         args = parser.parse_args(argv)

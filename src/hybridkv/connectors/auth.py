@@ -35,6 +35,24 @@ def _checked(key: bytes, source: str) -> bytes:
     return key
 
 
+def environment_key(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The tier key from ``HYBRIDKV_TIER_KEY`` or ``HYBRIDKV_TIER_KEY_FILE`` (None: neither is set).
+
+    Raises ``InvalidInputError`` for a key that is too short or an unreadable key file."""
+    env = os.environ if environ is None else environ
+    if env.get(KEY_ENV):
+        return _checked(env[KEY_ENV].encode(), KEY_ENV)
+    if env.get(KEY_FILE_ENV):
+        path = env[KEY_FILE_ENV]
+        try:
+            with open(path, "rb") as f:
+                key = f.read().rstrip()
+        except OSError as exc:
+            raise InvalidInputError(f"{KEY_FILE_ENV}={path!r}: cannot read the tier key: {exc.strerror}") from None
+        return _checked(key, f"{KEY_FILE_ENV}={path!r}")
+    return None
+
+
 def resolve_auth_key(auth_key: bytes | None, tiers: Sequence[KVTier], *, allow_unauthenticated: bool = False,
                      environ: Mapping[str, str] | None = None) -> bytes | None:
     """The frame secret for a connector over ``tiers``; None only where unauthenticated frames are allowed.
@@ -50,16 +68,9 @@ def resolve_auth_key(auth_key: bytes | None, tiers: Sequence[KVTier], *, allow_u
     shared = [t.name for t in tiers if t.shared]
     if not shared:
         return None
-    if env.get(KEY_ENV):
-        return _checked(env[KEY_ENV].encode(), KEY_ENV)
-    if env.get(KEY_FILE_ENV):
-        path = env[KEY_FILE_ENV]
-        try:
-            with open(path, "rb") as f:
-                key = f.read().rstrip()
-        except OSError as exc:
-            raise InvalidInputError(f"{KEY_FILE_ENV}={path!r}: cannot read the tier key: {exc.strerror}") from None
-        return _checked(key, f"{KEY_FILE_ENV}={path!r}")
+    key = environment_key(env)
+    if key is not None:
+        return key
     if not allow_unauthenticated:
         raise InvalidInputError(
             f"tier {', '.join(shared)} is shared between instances but no tier key is set: set {KEY_ENV} (or "

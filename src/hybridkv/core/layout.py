@@ -77,9 +77,9 @@ class KVCacheLayout:
         self.recurrent_states  # noqa: B018  (validates the parts of every state)
 
     def _check_state_pages(self) -> None:
-        """A recurrent state's pages are the pool's pages. A hand-built layout of attention groups
-        alone may mix page sizes (the pool's page is the largest); one with a state may not: a state
-        page larger than the attention pages would silently make every attention page that large."""
+        """A recurrent state's pages are the pool's pages. A hand-built layout may mix page sizes (the
+        pool's page is the largest), but not with a state page larger than every attention page: that
+        would silently make every attention page that large (coarse blocks in disguise)."""
         states = [g.spec for g in self.groups if isinstance(g.spec, MambaSpec)]
         pages = {g.spec.page_size_bytes for g in self.groups} - {0}
         if not states or len(pages) < 2:
@@ -87,7 +87,7 @@ class KVCacheLayout:
         largest = max(s.page_size_bytes for s in states)
         attention = max((g.spec.page_size_bytes for g in self.groups if not isinstance(g.spec, MambaSpec)),
                         default=0)
-        if largest > attention or any(s.state_parts > 1 for s in states):
+        if largest > attention:
             raise LayoutError(
                 f"a recurrent state page of {largest} bytes in a pool whose attention pages are "
                 f"{attention} bytes: every group needs the one page size ({', '.join(map(str, sorted(pages)))} "
@@ -219,6 +219,11 @@ def _group_layers(layer_specs: Mapping[str, tuple[KVCacheSpec, ...]]
     for spec, names in by_spec.items():
         for start in range(0, len(names), group_size):
             groups.append(KVCacheGroup(spec, tuple(names[start : start + group_size])))
+    # The pages of one state in consecutive groups, in part order.
+    first: dict[tuple[str, ...], int] = {}
+    for i, g in enumerate(groups):
+        first.setdefault(g.layer_names, i)
+    groups.sort(key=lambda g: (first[g.layer_names], g.spec.state_part if isinstance(g.spec, MambaSpec) else 0))
     return groups, tuple(uncached)
 
 

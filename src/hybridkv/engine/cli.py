@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybridkv.cli_args import positive_int_arg
 from hybridkv.errors import InvalidInputError
 from hybridkv.sizes import size_arg
 
@@ -27,10 +28,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=size_arg, default=None, metavar="BYTES",
                    help="KV-cache budget the block pool is planned for: bytes, or e.g. 512MiB, 1GiB (default 256MiB)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--max-model-len", type=positive_int_arg, default=None, metavar="TOKENS",
                    help="longest prompt plus completion, in tokens (default 8192)")
-    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="most sequences per step (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--max-num-seqs", type=positive_int_arg, default=None, metavar="N",
+                   help="most sequences per step (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int_arg, default=None, metavar="TOKENS",
                    help="most tokens per step (default 1024)")
     p.add_argument("--retention", choices=("none", "window"), default=None,
                    help="prefix-cache retention under memory pressure (default window)")
@@ -69,13 +71,16 @@ def add_parser(sub: Any) -> None:
                                    "ones; --batch runs them together.")
     p.add_argument("prompts", nargs="*", help="prompt text(s)")
     p.add_argument("--prompt-file", action="append", default=[], type=Path, help="read a prompt from a file")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=positive_int_arg, default=64, help="most tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                            "whose probabilities add up to this (1 = all)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=None, help="random seed of the sampling (default: none, a fresh "
+                                                          "draw each run; greedy needs none)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token, up to "
+                                                             "--max-tokens")
     p.add_argument("--batch", action="store_true", help="run all prompts in one batch")
     add_engine_arguments(p)
     p.set_defaults(func=generate)
@@ -83,6 +88,7 @@ def add_parser(sub: Any) -> None:
 
 def generate(args: argparse.Namespace) -> int:
     from hybridkv.engine.engine import LLMEngine
+    from hybridkv.engine.preflight import checked_engine_config
     from hybridkv.engine.sampling import SamplingParams
 
     prompts: list[str] = list(args.prompts)
@@ -95,7 +101,7 @@ def generate(args: argparse.Namespace) -> int:
         raise InvalidInputError("give a prompt (text argument or --prompt-file)")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    config = engine_config(args)
+    config = checked_engine_config(args)  # what the options alone reveal, before the model loads
     start = time.perf_counter()
     engine = LLMEngine.from_package(config)
     print(f"[loaded {config.model} in {time.perf_counter() - start:.1f} s: {config.dtype} on {config.device}, "

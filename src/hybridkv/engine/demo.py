@@ -31,10 +31,12 @@ QUESTIONS = [
 def add_parser(sub: Any) -> None:
     from hybridkv.engine.cli import add_engine_arguments
 
-    p = sub.add_parser("engine-demo", help="the embedded model on a shared-prefix batch, without and with caching")
+    p = sub.add_parser("engine-demo", help="the embedded model on a shared-prefix batch, without and with caching",
+                       description="Run Gemma 3 270M on a batch of questions about one shared document, without "
+                                   "and with prefix caching: the answers, TTFT, cached tokens and the speed-up.")
     p.add_argument("--requests", type=int, default=6, help=f"at most {len(QUESTIONS)}")
     p.add_argument("--repeat-document", type=int, default=8, help="copies of the shared document (~70 tokens)")
-    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--max-tokens", type=int, default=12, help="most tokens generated per answer")
     p.add_argument("--runs", type=int, default=3, help="timed runs per side; the best counts (default: %(default)s)")
     add_engine_arguments(p)
     p.set_defaults(func=engine_demo)
@@ -43,8 +45,8 @@ def add_parser(sub: Any) -> None:
 def engine_demo(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from hybridkv.engine.cli import engine_config
     from hybridkv.engine.engine import LLMEngine, RequestOutput
+    from hybridkv.engine.preflight import checked_engine_config
     from hybridkv.engine.sampling import SamplingParams
     from hybridkv.errors import InvalidInputError
 
@@ -52,8 +54,9 @@ def engine_demo(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--requests must be in 1..{len(QUESTIONS)}")
     if args.runs < 1:
         raise InvalidInputError("--runs must be at least 1")
+    config = checked_engine_config(args)  # what the options alone reveal, before the model loads
     t0 = time.perf_counter()
-    cached_engine = LLMEngine.from_package(engine_config(args))
+    cached_engine = LLMEngine.from_package(config)
     print(f"Loaded {cached_engine.config.model} ({args.dtype}) in {time.perf_counter() - t0:.1f} s; KV pool "
           f"{cached_engine.pool_summary()}")
     plain_engine = LLMEngine(cached_engine.weights, cached_engine.tokenizer,

@@ -28,8 +28,9 @@ NAMESPACES = {"gemma-3-270m": "gemma-3-270m-q4_k_m"}
 """A model's name in tier keys where it is not ``EngineConfig.model`` (Gemma's, as tiers already hold it)."""
 
 
-def parse_tier(spec: str) -> KVTier:
-    """``host:SIZE``, ``disk:PATH:SIZE`` or ``redis://HOST:PORT[/DB]`` (SIZE like 512MiB, 4GiB)."""
+def tier_parts(spec: str) -> tuple[str, str, int]:
+    """``(kind, path, size)`` of a tier spec, checked without building the tier: kind ``host`` (path ``""``),
+    ``disk``, or ``redis`` (path the URL, size 0). ``InvalidInputError`` naming the spec otherwise."""
     def size(text: str) -> int:
         try:
             value = parse_bytes(text)
@@ -40,13 +41,24 @@ def parse_tier(spec: str) -> KVTier:
         return value
 
     if spec.startswith(("redis://", "rediss://")):
-        return RedisTier(spec)
+        return "redis", spec, 0
     kind, _, rest = spec.partition(":")
     if kind == "host" and rest:
-        return HostTier(size(rest))
+        return kind, "", size(rest)
     if kind == "disk" and ":" in rest:
         path, _, budget = rest.rpartition(":")
-        return DiskTier(path, size(budget))
+        if path:
+            return kind, path, size(budget)
     raise InvalidInputError(f"KV tier {spec!r}: expected host:SIZE, disk:PATH:SIZE or redis://HOST:PORT[/DB]")
+
+
+def parse_tier(spec: str) -> KVTier:
+    """``host:SIZE``, ``disk:PATH:SIZE`` or ``redis://HOST:PORT[/DB]`` (SIZE like 512MiB, 4GiB)."""
+    kind, path, size = tier_parts(spec)
+    if kind == "redis":
+        return RedisTier(spec)
+    if kind == "host":
+        return HostTier(size)
+    return DiskTier(path, size)
 
 

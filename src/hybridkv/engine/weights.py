@@ -119,6 +119,13 @@ class Gemma3Config:
     def attn_scale(self) -> float:
         return 1.0 / math.sqrt(self.query_pre_attn_scalar)
 
+    def layer_specs(self, config: EngineConfig) -> dict[str, KVCacheSpec]:
+        """Each layer's KV-cache spec (``layers.<i>``) for the engine config's block size and KV dtype."""
+        from hybridkv.planning.hf_config import layer_specs, parse_config
+
+        kv_bytes = torch.tensor([], dtype=parse_dtype(config.dtype)).element_size()
+        return dict(layer_specs(parse_config(self.hf_config()), block_size=config.block_size, kv_dtype_bytes=kv_bytes))
+
     def hf_config(self) -> dict[str, Any]:
         """The equivalent Hugging Face ``config.json`` fields (what hybridkv's planner reads)."""
         return {
@@ -201,12 +208,7 @@ class Gemma3Weights:
         return replace(config, weights=self.format)
 
     def layer_specs(self, config: EngineConfig) -> dict[str, KVCacheSpec]:
-        """Each layer's KV-cache spec (``layers.<i>``), from the model's Hugging Face config."""
-        from hybridkv.planning.hf_config import layer_specs, parse_config
-
-        kv_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        return dict(layer_specs(parse_config(self.config.hf_config()), block_size=config.block_size,
-                                kv_dtype_bytes=kv_bytes))
+        return self.config.layer_specs(config)
 
     def build_model(self, kv: PagedKVCache, layout: KVCacheLayout, group_windows: list[int | None]) -> Gemma3Model:
         """The forward pass over ``kv``, laid out as ``layout``."""

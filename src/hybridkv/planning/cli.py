@@ -9,7 +9,14 @@ import argparse
 import json
 from typing import Any
 
-from hybridkv.cli_args import count_arg, fraction_arg, output_path_arg, positive_int_arg, write_output
+from hybridkv.cli_args import (
+    add_recurrent_pages_arg,
+    count_arg,
+    fraction_arg,
+    output_path_arg,
+    positive_int_arg,
+    write_output,
+)
 from hybridkv.errors import InvalidInputError
 from hybridkv.sizes import size_arg
 from hybridkv.tables import print_table, print_text
@@ -37,8 +44,13 @@ def plan(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, request_lens=tuple(args.request_len or ()),
         tensor_parallel_size=args.tp, weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, reserve_bytes=args.reserve,
-        block_size=args.block_size, num_params=args.num_params,
+        block_size=args.block_size, num_params=args.num_params, recurrent_pages=args.recurrent_pages,
     ))
+    beyond = [n for n in args.request_len or () if n > result.max_model_len]
+    if beyond:
+        limit = (f"--max-model-len {args.max_model_len}" if args.max_model_len
+                 else f"the model's max context of {result.max_model_len} (--max-model-len)")
+        raise InvalidInputError(f"--request-len {beyond[0]} is beyond {limit}: no request that long is admitted")
     doc = json.dumps(result.to_json(), indent=2)
     if args.json == "-":
         print(doc)
@@ -50,7 +62,7 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def _print_plan(result: object) -> None:
-    from hybridkv.planning.planner import Plan
+    from hybridkv.planning.planner import Plan, group_rows
 
     assert isinstance(result, Plan)
     r = result.report
@@ -66,12 +78,13 @@ def _print_plan(result: object) -> None:
         print_text(f"does not fit: {r['error']}")
         return
     rows = []
-    for i, g in enumerate(r["groups"]):
-        shown = ", ".join(x.rsplit(".", 1)[-1] for x in g["layers"])
-        rows.append((str(i), g["kind"], f"{g['num_layers']} ({shown})", str(g["block_size"]),
+    for label, kind, g, blocks, bound in group_rows(r):
+        shown = ", ".join(x.removeprefix("model.layers.") for x in g["layers"])  # "7", or "7.mamba"
+        rows.append((label, kind, f"{g['num_layers']} ({shown})", str(g["block_size"]),
                      str(g["page_size_bytes"]), "yes" if g["grows_with_sequence"] else "no",
-                     str(g["blocks_per_request"]), str(g["max_blocks_per_request"]), str(g["slot_address_space"])))
-    print_table("KV-cache groups (one block table per group per request)",
+                     str(blocks), str(bound), str(g["slot_address_space"])))
+    print_table("KV-cache groups (one block table per group per request; a recurrent state spans "
+                "several pages, one group each)",
                 ("group", "kind", "layers", "block size", "page bytes", "grows", "blocks/request",
                  "admission bound", "slot address space"), rows)
     cap = [
@@ -114,6 +127,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--reserve", type=size_arg, default="2GiB", metavar="SIZE",
                    help="activation/workspace reserve per GPU")
     p.add_argument("--block-size", type=positive_int_arg, default=16, metavar="TOKENS", help="tokens per KV block")
+    add_recurrent_pages_arg(p)
     p.add_argument("--num-params", type=count_arg, default=None, metavar="COUNT",
                    help="parameter count, e.g. 27e9 or 27B (needed for a config.json; presets know theirs)")
     p.add_argument("--json", type=output_path_arg, default=None, metavar="PATH",

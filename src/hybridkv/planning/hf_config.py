@@ -8,10 +8,20 @@ Reads the fields that decide each layer's kind of KV memory:
 * ``attention_chunk_size`` + ``no_rope_layers`` (Llama 4: RoPE layers are chunked-local, NoPE
   layers global);
 * linear attention (Qwen3-Next ``linear_*`` fields), Jamba (``attn_layer_period`` /
-  ``attn_layer_offset`` / ``mamba_*``), Nemotron-H (``hybrid_override_pattern``);
+  ``attn_layer_offset`` / ``mamba_*``), Nemotron-H (``hybrid_override_pattern``), Granite 4.0-H
+  (``layer_types`` of ``mamba`` / ``attention``);
+* parallel hybrids (Falcon-H1, ``model_type`` ``falcon_h1``): every decoder layer runs attention
+  and a Mamba-2 mixer side by side, so it keeps a KV cache *and* a recurrent state (kind
+  ``full+mamba``; ``layer_specs`` names the two ``model.layers.N.self_attn`` and
+  ``model.layers.N.mamba``);
+* recurrent state sizes: Mamba-1 (Jamba), Mamba-2 (Nemotron-H ``mamba_num_heads`` /
+  ``mamba_head_dim`` / ``ssm_state_size`` / ``n_groups`` / ``conv_kernel``; Granite 4.0-H and
+  Falcon-H1 ``mamba_n_heads`` / ``mamba_d_head`` / ``mamba_d_state`` / ``mamba_n_groups`` /
+  ``mamba_d_conv`` / ``mamba_expand`` or ``mamba_d_ssm``), Gated DeltaNet (Qwen3-Next);
 * MLA latent sizes (``kv_lora_rank`` + ``qk_rope_head_dim``, DeepSeek-V2/V3);
-* ``head_dim`` (else ``hidden_size / num_attention_heads``), ``num_key_value_heads``, and a
-  nested ``text_config`` for multimodal wrappers.
+* ``head_dim`` (else ``attention_head_dim``, Nemotron-H's spelling, else ``hidden_size /
+  num_attention_heads``), ``num_key_value_heads``, and a nested ``text_config`` for multimodal
+  wrappers.
 
 Unknown or inconsistent configs raise ``ConfigError`` naming the field.
 """
@@ -44,6 +54,9 @@ _FULL = ("full_attention", "attention", "global", "global_attention", "full")
 _SLIDING = ("sliding_attention", "sliding_window", "local", "local_attention", "swa")
 _CHUNKED = ("chunked_attention", "chunked_local", "chunked")
 _LINEAR = ("linear_attention", "mamba", "mamba2", "gated_delta_net", "linear")
+PARALLEL_HYBRID = "full+mamba"
+"""Layer kind of a parallel hybrid layer (Falcon-H1): full attention and a Mamba-2 mixer side by side."""
+_RECURRENT = ("mamba", PARALLEL_HYBRID)
 
 
 @dataclass(frozen=True)
@@ -51,19 +64,26 @@ class ModelKVConfig:
     """What the KV cache needs to know about one model, per tensor-parallel rank."""
 
     layer_kinds: tuple[str, ...]
-    """Per layer: ``full``, ``sliding``, ``chunked``, ``mla`` or ``mamba``."""
+    """Per decoder layer: ``full``, ``sliding``, ``chunked``, ``mla``, ``mamba``, ``full+mamba``
+    (a parallel hybrid layer: a KV cache and a recurrent state) or ``none`` (no cache: an MLP-only
+    Nemotron-H layer)."""
     num_kv_heads: int
     head_size: int
     sliding_window: int | None
     attention_chunk_size: int | None
     mamba_state_elements: int
-    """Elements of one layer's recurrent state (conv + SSM), 0 without recurrent layers."""
+    """Elements of one layer's recurrent state (conv + SSM) on one rank, 0 without recurrent layers."""
     mla_latent: int
     """``kv_lora_rank + qk_rope_head_dim`` for MLA models, else 0."""
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
+
+    def count(self, kind: str) -> int:
+        """Layers that keep a cache of ``kind`` (``full``, ``mamba``, ...); a parallel hybrid layer
+        counts as one ``full`` and one ``mamba``."""
+        return sum(k == kind or (k == PARALLEL_HYBRID and kind in ("full", "mamba")) for k in self.layer_kinds)
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -130,6 +150,8 @@ def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
             raise ConfigError(f"config field 'hybrid_override_pattern' has {len(pattern)} entries for "
                               f"{num_layers} layers")
         return [{"M": "mamba", "*": "full"}.get(c, "none") for c in pattern]
+    if _is_parallel_hybrid(cfg):  # Falcon-H1: attention and a Mamba-2 mixer in every layer
+        return [PARALLEL_HYBRID] * num_layers
     if "attn_layer_period" in cfg:  # Jamba
         period = _int(cfg, "attn_layer_period")
         offset = cfg.get("attn_layer_offset", 0)
@@ -158,6 +180,12 @@ def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
     return ["full"] * num_layers
 
 
+def _is_parallel_hybrid(cfg: Mapping[str, Any]) -> bool:
+    architectures = cfg.get("architectures")
+    return str(cfg.get("model_type", "")) == "falcon_h1" or (
+        isinstance(architectures, list) and "FalconH1ForCausalLM" in architectures)
+
+
 def parse_config(config: Mapping[str, Any], *, tensor_parallel_size: int = 1) -> ModelKVConfig:
     """Layer kinds and per-rank head counts of a Hugging Face config."""
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size <= 0:
@@ -171,6 +199,8 @@ def parse_config(config: Mapping[str, Any], *, tensor_parallel_size: int = 1) ->
     if kv_heads > num_heads:
         raise ConfigError(f"config field 'num_key_value_heads'={kv_heads} exceeds num_attention_heads={num_heads}")
     head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        head_dim = cfg.get("attention_head_dim")  # Nemotron-H
     if head_dim is None:
         hidden = _int(cfg, "hidden_size")
         if hidden % num_heads:
@@ -191,7 +221,7 @@ def parse_config(config: Mapping[str, Any], *, tensor_parallel_size: int = 1) ->
     if "sliding" in kinds:
         window = _int(cfg, "sliding_window")
     chunk = _int(cfg, "attention_chunk_size") if "chunked" in kinds else None
-    state = _mamba_state_elements(cfg, tp) if "mamba" in kinds else 0
+    state = _mamba_state_elements(cfg, tp) if any(k in _RECURRENT for k in kinds) else 0
     return ModelKVConfig(tuple(kinds), kv_per_rank, head_size, window, chunk, state, mla_latent)
 
 
@@ -205,18 +235,55 @@ def _mamba_state_elements(cfg: Mapping[str, Any], tp: int) -> int:
         kernel = _int(cfg, "linear_conv_kernel_dim")
         conv = (2 * nk * dk + nv * dv) * (kernel - 1)
         return conv + nv * dk * dv
+    if "mamba_n_heads" in cfg:  # Mamba-2, Granite 4.0-H / Falcon-H1 spelling
+        heads = _int(cfg, "mamba_n_heads")
+        d_ssm = cfg.get("mamba_d_ssm")  # Falcon-H1; else expand x hidden (vLLM falcon_h1 / granitemoehybrid)
+        inner = (_int(cfg, "mamba_d_ssm") if d_ssm is not None
+                 else _int(cfg, "mamba_expand") * _int(cfg, "hidden_size"))
+        head_dim = cfg.get("mamba_d_head")
+        if head_dim is None or head_dim == "auto":  # the transformers default: inner / heads
+            head_dim = inner // heads
+        return _mamba2_state_elements(
+            inner=inner, heads=heads, head_dim=_int({"mamba_d_head": head_dim}, "mamba_d_head"),
+            d_state=_int(cfg, "mamba_d_state"), groups=_int(cfg, "mamba_n_groups", 1),
+            kernel=_int(cfg, "mamba_d_conv"), tp=tp,
+            fields=("mamba_n_heads", "mamba_d_head", "mamba_d_ssm or mamba_expand x hidden_size"))
+    if "mamba_num_heads" in cfg:  # Mamba-2, Nemotron-H / Zamba2 spelling
+        heads = _int(cfg, "mamba_num_heads")
+        head_dim = _int(cfg, "mamba_head_dim")
+        return _mamba2_state_elements(
+            inner=heads * head_dim, heads=heads, head_dim=head_dim, d_state=_int(cfg, "ssm_state_size"),
+            groups=_int(cfg, "n_groups", 1), kernel=_int(cfg, "conv_kernel"), tp=tp,
+            fields=("mamba_num_heads", "mamba_head_dim", "mamba_num_heads x mamba_head_dim"))
     if "mamba_d_state" in cfg or "mamba_expand" in cfg:  # Jamba (Mamba-1)
         d_inner = _int(cfg, "mamba_expand") * _int(cfg, "hidden_size") // tp
         return d_inner * (_int(cfg, "mamba_d_conv") - 1) + d_inner * _int(cfg, "mamba_d_state")
-    if "mamba_num_heads" in cfg:  # Mamba-2 (Nemotron-H, Zamba2)
-        heads = _int(cfg, "mamba_num_heads") // tp or 1
-        head_dim = _int(cfg, "mamba_head_dim")
-        d_state = _int(cfg, "ssm_state_size")
-        groups = _int(cfg, "n_groups", 1)
-        conv_dim = heads * head_dim + 2 * groups * d_state
-        return conv_dim * (_int(cfg, "conv_kernel") - 1) + heads * head_dim * d_state
     raise ConfigError("recurrent layers found but no state shape: expected linear_* (Qwen3-Next), "
-                      "mamba_d_state/mamba_expand (Jamba) or mamba_num_heads (Mamba-2) fields")
+                      "mamba_n_heads or mamba_num_heads (Mamba-2) or mamba_d_state/mamba_expand (Jamba, "
+                      "Mamba-1) fields")
+
+
+def _mamba2_state_elements(*, inner: int, heads: int, head_dim: int, d_state: int, groups: int, kernel: int,
+                           tp: int, fields: tuple[str, str, str]) -> int:
+    """One Mamba-2 layer's state on one of ``tp`` ranks, as vLLM sizes it
+    (``MambaStateShapeCalculator.mamba2_state_shape``).
+
+    The conv state holds the last ``kernel - 1`` inputs of the causal conv over x, B and C:
+    ``(kernel - 1) x (inner + 2 x groups x d_state)``; the SSM state is ``heads x head_dim x
+    d_state``. Tensor parallelism splits the heads and the groups; with fewer groups than ranks
+    each rank keeps a copy of the group its heads read (vLLM ``extra_groups_for_head_shards``).
+    """
+    if heads * head_dim != inner:
+        raise ConfigError(f"config fields {fields[0]!r} x {fields[1]!r} = {heads} x {head_dim} do not match "
+                          f"the Mamba-2 inner size {fields[2]} = {inner}")
+    if heads % tp:
+        raise ConfigError(f"config field {fields[0]!r}={heads} is not divisible by tensor parallel size {tp}")
+    if groups % tp:
+        if tp % groups:
+            raise ConfigError(f"Mamba-2 groups ({groups}) and tensor parallel size {tp}: neither divides the other")
+        groups = tp  # every rank keeps a replica of its heads' group
+    conv_dim = inner + 2 * groups * d_state
+    return (kernel - 1) * conv_dim // tp + heads // tp * head_dim * d_state
 
 
 def layer_specs(
@@ -229,6 +296,8 @@ def layer_specs(
 ) -> dict[str, KVCacheSpec]:
     """``{layer_name: spec}`` for the planner (layers without a KV cache are left out).
 
+    Layer ``i`` is ``model.layers.i``; a parallel hybrid layer (``full+mamba``) has two entries,
+    ``model.layers.i.self_attn`` (its KV cache) and ``model.layers.i.mamba`` (its recurrent state).
     Recurrent states keep ``state_dtype_bytes`` (the model dtype) even when the KV cache is fp8.
     """
     out: dict[str, KVCacheSpec] = {}
@@ -236,8 +305,7 @@ def layer_specs(
         name = f"model.layers.{i}"
         spec: KVCacheSpec
         if kind == "full":
-            spec = FullAttentionSpec(block_size=block_size, num_kv_heads=model.num_kv_heads,
-                                     head_size=model.head_size, dtype_bytes=kv_dtype_bytes)
+            spec = _full_spec(model, block_size, kv_dtype_bytes)
         elif kind == "mla":
             spec = MLAAttentionSpec(block_size=block_size, head_size=model.mla_latent, dtype_bytes=kv_dtype_bytes)
         elif kind == "sliding":
@@ -251,9 +319,22 @@ def layer_specs(
                                              head_size=model.head_size, dtype_bytes=kv_dtype_bytes,
                                              attention_chunk_size=model.attention_chunk_size)
         elif kind == "mamba":
-            spec = MambaSpec(block_size=block_size, state_bytes=model.mamba_state_elements * state_dtype_bytes,
-                             mode=mamba_mode)
+            spec = _mamba_spec(model, block_size, state_dtype_bytes, mamba_mode)
+        elif kind == PARALLEL_HYBRID:  # two caches in one layer: its attention's and its mixer's
+            out[f"{name}.self_attn"] = _full_spec(model, block_size, kv_dtype_bytes)
+            out[f"{name}.mamba"] = _mamba_spec(model, block_size, state_dtype_bytes, mamba_mode)
+            continue
         else:
             continue
         out[name] = spec
     return out
+
+
+def _full_spec(model: ModelKVConfig, block_size: int, kv_dtype_bytes: int) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=model.num_kv_heads, head_size=model.head_size,
+                             dtype_bytes=kv_dtype_bytes)
+
+
+def _mamba_spec(model: ModelKVConfig, block_size: int, state_dtype_bytes: int, mamba_mode: MambaMode) -> MambaSpec:
+    return MambaSpec(block_size=block_size, state_bytes=model.mamba_state_elements * state_dtype_bytes,
+                     mode=mamba_mode)

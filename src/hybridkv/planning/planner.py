@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.core import KVCacheLayout, MambaMode, capacity_report, plan_layout
+from hybridkv.core import KVCacheLayout, MambaMode, MambaSpec, RecurrentPages, capacity_report, plan_layout
 from hybridkv.errors import DoesNotFitError, InvalidInputError
 from hybridkv.planning import get_preset
 from hybridkv.planning.hardware import GiB, Hardware, get_hardware
@@ -40,6 +40,8 @@ class PlanInput:
     """Activations, CUDA graphs and workspace, per GPU."""
     block_size: int = 16
     mamba_mode: MambaMode = "align"
+    recurrent_pages: RecurrentPages = "split"
+    """How a recurrent state shares the pool's pages (``hybridkv.core.layout.RecurrentPages``)."""
     num_params: int | None = None
     """Parameter count; required for a config path, taken from the preset otherwise."""
 
@@ -150,6 +152,12 @@ def make_plan(inp: PlanInput) -> Plan:
     if kv_bytes <= 0:
         need = num_params * _dtype(inp.weights_dtype, "weights dtype")
         per_gpu = gpu_mem * inp.gpu_memory_utilization - inp.reserve_bytes
+        if per_gpu <= 0:
+            raise InvalidInputError(
+                f"{name}: the {inp.reserve_bytes / GiB:.1f} GiB reserve takes all of the "
+                f"{gpu_mem * inp.gpu_memory_utilization / GiB:.1f} GiB the engine may use ({gpu_mem / GiB:.1f} GiB "
+                f"GPU x utilisation {inp.gpu_memory_utilization}): nothing is left for weights and KV cache; give a "
+                f"smaller reserve (--reserve) or more GPU memory")
         min_tp = next((t for t in (1, 2, 4, 8, 16, 32, 64) if need / t < per_gpu), None)
         raise InvalidInputError(
             f"{name}: weights take {weights / GiB:.1f} GiB per GPU, more than the "
@@ -166,7 +174,8 @@ def make_plan(inp: PlanInput) -> Plan:
     batch = min(inp.max_num_batched_tokens, max_model_len)
     plan = Plan(inp, name, hw, gpu_mem, weights, kv_bytes, max_model_len, None, True, max_model_len)
     try:
-        layout = plan_layout(specs, kv_bytes, max_model_len=max_model_len, max_num_batched_tokens=batch)
+        layout = plan_layout(specs, kv_bytes, max_model_len=max_model_len, max_num_batched_tokens=batch,
+                             recurrent_pages=inp.recurrent_pages)
     except DoesNotFitError as exc:
         plan.fits = False
         plan.max_model_len_that_fits = exc.max_model_len_that_fits
@@ -220,6 +229,8 @@ def _full_report(plan: Plan, layout: KVCacheLayout, batch: int, num_layers: int)
             **({"sliding_window": spec.sliding_window} if hasattr(spec, "sliding_window") else {}),
             **({"attention_chunk_size": spec.attention_chunk_size}
                if hasattr(spec, "attention_chunk_size") else {}),
+            **({"state_part": spec.state_part, "state_parts": spec.state_parts}
+               if isinstance(spec, MambaSpec) else {}),
         })
     per_request = sum(rep.blocks_per_request)
     bounded = sum(n for g, n in zip(layout.groups, rep.blocks_per_request) if not g.spec.grows_with_sequence)
@@ -239,8 +250,25 @@ def _full_report(plan: Plan, layout: KVCacheLayout, batch: int, num_layers: int)
         "blocks_per_request": per_request,
         "bounded_groups_share": bounded / per_request if per_request else 0.0,
         "padding_waste_bytes": layout.padding_bytes,
+        "recurrent_states": [{"layers": list(st.layer_names), "groups": list(st.groups),
+                              "state_bytes": st.state_bytes, "pages_per_state": len(st.groups),
+                              "part_bytes": st.part_bytes} for st in layout.recurrent_states],
         "uncached_layers": list(layout.uncached_layers),
     }
+
+
+def group_rows(report: Mapping[str, Any]) -> list[tuple[str, str, dict[str, Any], int, int]]:
+    """The report's groups for a table: ``(label, kind, group, blocks per request, admission
+    bound)``, one row per recurrent state however many pages (groups) it spans, counted in pages."""
+    rows = []
+    for i, g in enumerate(report["groups"]):
+        parts = g.get("state_parts", 1)
+        if g.get("state_part", 0):
+            continue  # the other pages of a state: the same layers and counts as its first
+        rows.append((str(i) if parts == 1 else f"{i}-{i + parts - 1}",
+                     g["kind"] if parts == 1 else f"{g['kind']} ({parts} pages)", g,
+                     g["blocks_per_request"] * parts, g["max_blocks_per_request"] * parts))
+    return rows
 
 
 def render_text(plan: Plan) -> str:
@@ -259,10 +287,10 @@ def render_text(plan: Plan) -> str:
         return "\n".join(lines)
     lines.append(f"{'group':>5} {'kind':<15} {'layers':>6} {'block':>6} {'page B':>9} {'grows':>5} "
                  f"{'blocks/req':>10} {'bound':>7} {'slots':>12}")
-    for i, g in enumerate(r["groups"]):
-        lines.append(f"{i:>5} {g['kind']:<15} {g['num_layers']:>6} {g['block_size']:>6} {g['page_size_bytes']:>9} "
-                     f"{'yes' if g['grows_with_sequence'] else 'no':>5} {g['blocks_per_request']:>10} "
-                     f"{g['max_blocks_per_request']:>7} {g['slot_address_space']:>12}")
+    for label, kind, g, blocks, bound in group_rows(r):
+        lines.append(f"{label:>5} {kind:<15} {g['num_layers']:>6} {g['block_size']:>6} {g['page_size_bytes']:>9} "
+                     f"{'yes' if g['grows_with_sequence'] else 'no':>5} {blocks:>10} "
+                     f"{bound:>7} {g['slot_address_space']:>12}")
     lines += [
         f"blocks: {r['num_blocks']} of {r['bytes_per_block']} bytes = KV memory {r['kv_memory_bytes'] / GiB:.2f} GiB "
         f"(padding waste {r['padding_waste_bytes'] / GiB:.2f} GiB)",
@@ -273,4 +301,8 @@ def render_text(plan: Plan) -> str:
     ]
     for n, c in r["concurrency_at_request_len"].items():
         lines.append(f"max concurrency at {n} tokens: {c}")
+    for st in r["recurrent_states"]:
+        if st["pages_per_state"] > 1:
+            lines.append(f"recurrent state of {st['state_bytes']} bytes per layer: {st['pages_per_state']} pages "
+                         f"(groups {st['groups'][0]}-{st['groups'][-1]}, one per page)")
     return "\n".join(lines)

@@ -472,6 +472,138 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "paper: 12B active / 52B total; 51,570,323,328 recomputed (HF: 51.6B)."
         ),
     ),
+    # ---------------------------------------------------------------- Nemotron-H
+    ModelPreset(
+        id="nemotron-h-8b",
+        hf_name="nvidia/Nemotron-H-8B-Base-8K",
+        num_params=8_100_852_736,
+        max_model_len=8192,
+        config={
+            "architectures": ["NemotronHForCausalLM"],
+            "model_type": "nemotron_h",
+            "attention_head_dim": 128,
+            "chunk_size": 128,
+            "conv_kernel": 4,
+            "expand": 2,
+            "hidden_size": 4096,
+            "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+            "intermediate_size": 21504,
+            "mamba_head_dim": 64,
+            "mamba_num_heads": 128,
+            "max_position_embeddings": 8192,
+            "n_groups": 8,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 52,
+            "num_key_value_heads": 8,
+            "ssm_state_size": 128,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "vocab_size": 131072,
+        },
+        notes=(
+            "https://huggingface.co/nvidia/Nemotron-H-8B-Base-8K/blob/main/config.json (not reachable from "
+            "here; read from the full copy in NVIDIA-NeMo/Megatron-Bridge "
+            "tests/unit_tests/models/nemotronh/test_nemotron_h_bridge.py, and checked against NVIDIA's "
+            "Megatron-Bridge docs, docs.nvidia.com/nemo/megatron-bridge/latest/models/llm/nemotronh.html: 52 "
+            "layers, this pattern, hidden 4096, FFN 21504, 32 query / 8 KV heads, KV channels 128, 128 Mamba "
+            "heads of 64, state 128). hybrid_override_pattern: M = Mamba-2 (24 layers), * = attention (4: "
+            "layers 7, 18, 29, 40; 8 KV heads of attention_head_dim 128), - = MLP only, no cache (24). "
+            "Mamba-2 state per layer: conv 3 x (128 x 64 + 2 x 8 x 128) + SSM 128 x 64 x 128 elements. 8K "
+            "context. Card and paper (arXiv:2504.03624): 8B; 8,100,852,736 recomputed (untied 131072-token "
+            "embedding and output, squared-ReLU MLP without a gate)."
+        ),
+    ),
+    # ---------------------------------------------------------------- Granite 4.0-H
+    ModelPreset(
+        id="granite-4.0-h-tiny",
+        hf_name="ibm-granite/granite-4.0-h-tiny",
+        num_params=6_939_037_248,
+        max_model_len=131_072,
+        config={
+            "architectures": ["GraniteMoeHybridForCausalLM"],
+            "model_type": "granitemoehybrid",
+            "hidden_size": 1536,
+            "intermediate_size": 512,
+            "layer_types": (["mamba"] * 5 + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 9
+                            + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 4),
+            "mamba_chunk_size": 256,
+            "mamba_conv_bias": True,
+            "mamba_d_conv": 4,
+            "mamba_d_head": 64,
+            "mamba_d_state": 128,
+            "mamba_expand": 2,
+            "mamba_n_groups": 1,
+            "mamba_n_heads": 48,
+            "mamba_proj_bias": False,
+            "max_position_embeddings": 131_072,
+            "num_attention_heads": 12,
+            "num_experts_per_tok": 6,
+            "num_hidden_layers": 40,
+            "num_key_value_heads": 4,
+            "num_local_experts": 64,
+            "shared_intermediate_size": 1024,
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+            "vocab_size": 100_352,
+        },
+        notes=(
+            "https://huggingface.co/ibm-granite/granite-4.0-h-tiny/blob/main/config.json (not reachable from "
+            "here; its values are taken from copies quoted in public code: a full transcription in an HF-config "
+            "importer's test fixtures, and the Mamba-2 shape, 48 heads of 64 / d_state 128 / 1 group / chunk "
+            "256, again in a vLLM kernel benchmark and an mlx_lm parameter test). 40 layers: 36 Mamba-2 and 4 "
+            "attention (12 query / 4 KV heads, head size 1536 / 12 = 128, no head_dim field); the "
+            "attention positions 5, 15, 25, 35 come from that one transcription (the 4 + 36 split is confirmed "
+            "by several sources, the positions are not, and do not change the cache). Every layer has a MoE "
+            "(64 experts of 512, 6 active, plus a shared expert of 1024). Mamba-2 inner size mamba_expand x "
+            "hidden = 3072 = 48 x 64. Card: 7B total / 1B active, 128K context; 6,939,037,248 recomputed "
+            "(tied embeddings)."
+        ),
+    ),
+    # ---------------------------------------------------------------- Falcon-H1
+    ModelPreset(
+        id="falcon-h1-7b",
+        hf_name="tiiuae/Falcon-H1-7B-Instruct",
+        num_params=7_585_648_736,
+        max_model_len=262_144,
+        config={
+            "architectures": ["FalconH1ForCausalLM"],
+            "model_type": "falcon_h1",
+            "head_dim": 128,
+            "hidden_size": 3072,
+            "intermediate_size": 12288,
+            "mamba_conv_bias": True,
+            "mamba_d_conv": 4,
+            "mamba_d_head": 128,
+            "mamba_d_ssm": 3072,
+            "mamba_d_state": 256,
+            "mamba_expand": 2,
+            "mamba_n_groups": 1,
+            "mamba_n_heads": 24,
+            "mamba_proj_bias": False,
+            "mamba_rms_norm": True,
+            "max_position_embeddings": 262_144,
+            "num_attention_heads": 12,
+            "num_hidden_layers": 44,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "vocab_size": 130_048,
+        },
+        notes=(
+            "https://huggingface.co/tiiuae/Falcon-H1-7B-Instruct/blob/main/config.json (not reachable from "
+            "here). The transformers FalconH1 docs table gives the 7B's shape: 44 layers, width 3072, 12 "
+            "attention heads, 2 KV heads, 24 Mamba heads, head dims 128 / 128, d_state 256, 256K context; the "
+            "other fields (head_dim 128, intermediate_size 12288, mamba_d_ssm 3072, mamba_n_groups 1, "
+            "mamba_d_conv 4, mamba_rms_norm, untied embeddings, vocab_size 130048, max_position_embeddings "
+            "262144) are from copies of the config quoted in public code; one derived (quantized) copy says "
+            "vocab_size 130049, which would add 6144 parameters. Every one of the 44 layers runs attention "
+            "and a Mamba-2 mixer in parallel (no layer pattern in the file), so each keeps a KV cache (2 KV "
+            "heads of 128) and a recurrent state (conv 3 x (3072 + 2 x 256) + SSM 24 x 128 x 256 elements; "
+            "the inner size is mamba_d_ssm, not mamba_expand x hidden). Technical report arXiv:2507.22448 and "
+            "card: 7B; 7,585,648,736 recomputed (7.59B: SwiGLU MLP 3072 -> 12288 in every layer, gated RMS "
+            "norm in the mixer)."
+        ),
+    ),
     # ---------------------------------------------------------------- DeepSeek-V3
     ModelPreset(
         id="deepseek-v3",

@@ -17,10 +17,10 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from hybridkv.engine.cli import add_engine_arguments, engine_config
+from hybridkv.cli_args import input_path_arg, port_arg
+from hybridkv.engine.cli import add_engine_arguments
 from hybridkv.sizes import size_arg
 
 logger = logging.getLogger("hybridkv.server")
@@ -29,7 +29,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def add_parser(sub: Any) -> None:
     """The ``serve`` subcommand of ``hybridkv``."""
-    p = sub.add_parser("serve", help="serve the embedded Gemma 3 270M over an OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", help="serve the embedded Gemma 3 270M over an OpenAI-compatible HTTP API",
+                       description="Serve Gemma 3 270M on hybridkv's paged cache over an OpenAI-compatible HTTP API "
+                                   "(/v1/completions, /v1/chat/completions, /v1/models, /metrics, /health).")
     add_serve_arguments(p)
     p.set_defaults(func=serve_main)
 
@@ -37,11 +39,11 @@ def add_parser(sub: Any) -> None:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``hybridkv serve`` options to ``parser``; unset engine options keep ``EngineConfig``'s defaults."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one "
+    parser.add_argument("--port", type=port_arg, default=8000, help="port to listen on; 0 picks a free one "
                                                                "(default: %(default)s)")
     parser.add_argument("--model-name", default=None,
                         help="the model id clients send and /v1/models lists (default: the --model name)")
-    parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+    parser.add_argument("--chat-template", type=input_path_arg, default=None, metavar="FILE",
                         help="Jinja chat template for /v1/chat/completions (default: the GGUF's own, else "
                              "Gemma's <start_of_turn>/<end_of_turn> turns)")
     parser.add_argument("--max-request-bytes", type=size_arg, default=8 << 20, metavar="BYTES",
@@ -122,11 +124,12 @@ def _serve(args: argparse.Namespace, sock: socket.socket, start: float) -> int:
     import uvicorn
 
     from hybridkv.engine.engine import LLMEngine
+    from hybridkv.engine.preflight import checked_engine_config
     from hybridkv.server.app import ServerOptions, build_app, build_context
     from hybridkv.server.async_engine import AsyncEngine
 
     logger.info("imported in %.1f s", time.perf_counter() - mark)
-    config = engine_config(args)
+    config = checked_engine_config(args)  # what the options alone reveal, before the model loads
     if args.model_name is None:
         args.model_name = config.model
     engine = LLMEngine.from_package(config)

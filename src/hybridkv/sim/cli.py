@@ -31,6 +31,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from hybridkv.cli_args import (
+    add_recurrent_pages_arg,
     count_arg,
     input_file_arg,
     non_negative_float_arg,
@@ -81,8 +82,9 @@ TIER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("tokens loaded from tiers", lambda s: f"{s['tier_hit_tokens']:,}"),
     ("loaded per tier (GB)", lambda s: ", ".join(f"{k.split(':', 1)[1]} {v['loaded_bytes'] / 1e9:,.1f}"
                                                  for k, v in s["tier_stats"].items()) or "-"),
-    ("tier load time (all loads)", lambda s: f"{s['tier_load_s']:.2f} s ({s['tier_loads']})"),
-    ("tier storage / bytes written", lambda s: f"{s['tier_storage']} / {s['tier_stored_bytes'] / 2**30:,.1f} GiB"),
+    ("tier load time (all loads)", lambda s: f"{s['tier_load_s']:.2f} s ({s['tier_loads']})" if s["tiers"] else "-"),
+    ("tier storage / bytes written",
+     lambda s: f"{s['tier_storage']} / {s['tier_stored_bytes'] / 2**30:,.1f} GiB" if s["tiers"] else "-"),
 ]
 """Rows added to the summary when any variant has tiers."""
 
@@ -143,6 +145,7 @@ def add_parser(sub: Any) -> None:
                         help="dtype of the weights")
     system.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"),
                         help="dtype of the KV cache")
+    add_recurrent_pages_arg(system)
     system.add_argument("--calibration", default=None, metavar="PATH",
                         help="fit the cost model's efficiencies to measured steps in this JSON file")
     system.add_argument("--lm-head", choices=("per_token", "per_sample"), default="per_token",
@@ -209,11 +212,12 @@ def add_parser(sub: Any) -> None:
     work.add_argument("--system-prompt-len", type=positive_int_arg, default=1024, metavar="TOKENS",
                       help="shared system prompt (multi-turn)")
     work.add_argument("--rate", type=positive_float_arg, default=None, metavar="REQ_PER_S",
-                      help="Poisson arrivals at this rate (default: a closed loop of --concurrency)")
+                      help="Poisson arrivals at this rate (open loop; default: a closed loop of --concurrency; "
+                           "not with --concurrency)")
     work.add_argument("--burstiness", type=positive_float_arg, default=None,
                       help="with --rate: bursty (gamma) arrivals, < 1 burstier than Poisson")
     work.add_argument("--concurrency", type=positive_int_arg, default=None,
-                      help="requests in flight in the closed loop (without --rate; default 64); with a trace: "
+                      help="requests in flight in the closed loop (not with --rate; default 64); with a trace: "
                            "replay it as a closed loop of this many, ignoring its arrival times")
     work.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     out = p.add_argument_group("output")
@@ -228,6 +232,11 @@ def add_parser(sub: Any) -> None:
 
 
 def _arrivals(args: argparse.Namespace) -> Arrivals:
+    if args.rate is not None and args.concurrency is not None:
+        raise InvalidInputError(f"give --rate {args.rate:g} (open loop: arrivals at that rate) or --concurrency "
+                                f"{args.concurrency} (closed loop: that many requests in flight), not both")
+    if args.burstiness is not None and args.rate is None:
+        raise InvalidInputError("--burstiness shapes the arrivals of --rate: give --rate REQ_PER_S with it")
     if args.rate is None:
         return ClosedLoop(args.concurrency or 64)
     if args.burstiness is not None:
@@ -288,7 +297,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
                      lm_head=args.lm_head, tiers=tuple(args.tier or ()), num_params=args.num_params,
                      tier_storage=args.tier_storage, tier_checkpoint_interval=args.tier_checkpoint_interval,
                      tier_end_align=args.tier_end_align, tier_loads=args.tier_loads,
-                     tier_load_timeout_s=args.tier_load_timeout)
+                     tier_load_timeout_s=args.tier_load_timeout, recurrent_pages=args.recurrent_pages)
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -387,6 +396,9 @@ def run(args: argparse.Namespace) -> int:
 
         require_matplotlib()  # before the simulation, not after it
     workload = build_workload(args)
+    if not workload.requests:
+        raise InvalidInputError(f"--trace {args.trace}: the trace holds no requests" if args.workload == "trace"
+                                else f"--workload {args.workload}: no requests to simulate")
     configs = _variants(args)
     results: list[tuple[str, SimResult]] = []
     show = not args.no_progress
@@ -397,6 +409,9 @@ def run(args: argparse.Namespace) -> int:
                else simulate_cluster(workload, cfg, cluster, progress=report))
         res.summary["wall_s"] = time.perf_counter() - t0
         results.append((label, res))
+    idle = [(label, _why_none_finished(res)) for label, res in results if not res.summary["finished"]]
+    if len(idle) == len(results):
+        raise InvalidInputError(idle[0][1])
     if args.json:
         doc: Any = results[0][1].summary if len(results) == 1 else {lbl: r.summary for lbl, r in results}
         text = json.dumps(doc, indent=2)
@@ -414,7 +429,21 @@ def run(args: argparse.Namespace) -> int:
         plot_results(results, args.plot)
         if args.json != "-":
             print(f"plot written to {args.plot}")
-    return 0
+    for label, why in idle:  # some variants finished requests, these none
+        print(f"hybridkv simulate: {label}: {why}", file=sys.stderr)
+    return 1 if idle else 0
+
+
+def _why_none_finished(result: SimResult) -> str:
+    """One line on why a run finished no request: every one was rejected, and for what."""
+    summary, max_len = result.summary, result.config.max_model_len
+    limit = f"--max-model-len {max_len}" if max_len else "the model's context (--max-model-len)"
+    rejected, too_long, blocks = summary["rejected"], summary["rejected_too_long"], summary["num_blocks"] - 1
+    if too_long == rejected:
+        return f"every request ({rejected}) was rejected: each prompt is longer than {limit}"
+    return (f"every request ({rejected}) was rejected: {too_long} longer than {limit}, the others do not fit in the "
+            f"KV cache ({blocks:,} block{'s' if blocks != 1 else ''}) at their full length; give more KV memory "
+            f"(--kv-cache-memory, --kv-cache-tokens, --gpu) or shorter requests")
 
 
 def print_summary(workload: Workload, results: list[tuple[str, SimResult]]) -> None:

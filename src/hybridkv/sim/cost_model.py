@@ -98,6 +98,8 @@ ACTIVE_PARAMS: dict[str, float] = {
     "jamba-mini": 12e9,
     # DeepSeek-V3 technical report (arXiv:2412.19437): 671B total, 37B activated per token.
     "deepseek-v3": 37e9,
+    # IBM Granite 4.0 announcement / granite-4.0-h-tiny card: 7B total, 1B active (6 of 64 experts).
+    "granite-4.0-h-tiny": 1e9,
 }
 """Parameters one token runs through, for the MoE presets; dense presets use ``num_params``."""
 
@@ -210,7 +212,8 @@ class LayerCosts:
         v_dim = int(cfg.get("v_head_dim") or 0) or model.head_size
         mla_flops = 2.0 * heads_per_rank * (qk_dim + v_dim)
         mla_bytes = float(model.mla_latent * kv_dtype_bytes)
-        counts = {kind: model.layer_kinds.count(kind) for kind in ("full", "mla", "sliding", "chunked", "mamba")}
+        # A parallel hybrid layer (Falcon-H1) counts once as attention and once as recurrent.
+        counts = {kind: model.count(kind) for kind in ("full", "mla", "sliding", "chunked", "mamba")}
         return cls(
             global_flops_per_pair=counts["full"] * gqa_flops + counts["mla"] * mla_flops,
             global_kv_bytes_per_token=counts["full"] * gqa_bytes + counts["mla"] * mla_bytes,

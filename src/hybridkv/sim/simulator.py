@@ -49,7 +49,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridkv.connectors.storage import StoragePolicy, StoreAll, StoreHitSpans, StoreSpansSpill
-from hybridkv.core import KVCacheLayout, KVCacheManager, RetentionPolicy, Sequence, capacity_report, plan_layout
+from hybridkv.core import (
+    KVCacheLayout,
+    KVCacheManager,
+    RecurrentPages,
+    RetentionPolicy,
+    Sequence,
+    capacity_report,
+    plan_layout,
+)
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
 from hybridkv.planning.hardware import get_hardware
 from hybridkv.planning.hf_config import layer_specs, parse_config
@@ -86,6 +94,8 @@ class SimConfig:
     weights_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     block_size: int = 16
+    recurrent_pages: RecurrentPages = "split"
+    """How a recurrent state shares the pool's pages (``hybridkv.core.layout.RecurrentPages``)."""
     samples: int = 400
     """Points of the KV-usage / hit-rate time series."""
     calibration: Efficiency | str | None = None
@@ -150,7 +160,8 @@ def layout_for_memory(cfg: SimConfig) -> tuple[KVCacheLayout, int]:
     specs = layer_specs(parse_config(source.config, tensor_parallel_size=cfg.tensor_parallel_size),
                         block_size=cfg.block_size, kv_dtype_bytes=int(kv_bytes))
     layout = plan_layout(specs, memory, max_model_len=max_model_len,
-                         max_num_batched_tokens=min(cfg.max_num_batched_tokens, max_model_len))
+                         max_num_batched_tokens=min(cfg.max_num_batched_tokens, max_model_len),
+                         recurrent_pages=cfg.recurrent_pages)
     return layout, max_model_len
 
 
@@ -170,7 +181,7 @@ def build_manager(cfg: SimConfig) -> tuple[KVCacheManager, dict[str, Any]]:
                     max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                     tensor_parallel_size=cfg.tensor_parallel_size, weights_dtype=cfg.weights_dtype,
                     kv_dtype=cfg.kv_dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    block_size=cfg.block_size, num_params=cfg.num_params)
+                    block_size=cfg.block_size, num_params=cfg.num_params, recurrent_pages=cfg.recurrent_pages)
     plan = make_plan(inp)
     if not plan.fits or plan.layout is None:
         raise InvalidInputError(f"{cfg.model}: {plan.report.get('error')}")
