@@ -159,6 +159,22 @@ def test_prefix_caching_restores_states_exactly(weights: HybridWeights, prompts:
     assert hits[5] >= 160
 
 
+def test_float32_pages_hold_a_state_in_three_parts(weights: HybridWeights, prompts: list[list[int]]) -> None:
+    """With float32 KV a page is 4 KiB: a state is 3 parts of 3,243 bytes (not whole floats), and
+    restoring them is as exact as with bfloat16's 5 parts."""
+    alone = engine(weights, dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=256)
+    expected = [generate(alone, [p])[0] for p in prompts]
+    eng = engine(weights, dtype="float32", max_num_batched_tokens=24)
+    assert [len(s.groups) for s in eng.layout.recurrent_states] == [3, 3, 3]
+    assert {s.part_bytes for s in eng.layout.recurrent_states} == {3243}
+    hits = []
+    for i in (0, 1, 2, 0, 3):
+        out, cached, _ = run(eng, prompts[i])
+        assert out == expected[i], i
+        hits.append(cached)
+    assert min(hits[2:]) >= 160, hits
+
+
 def test_batched_requests_with_shared_prefixes(weights: HybridWeights, prompts: list[list[int]],
                                                reference: list[Output]) -> None:
     eng = engine(weights, max_num_batched_tokens=48)
