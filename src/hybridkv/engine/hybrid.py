@@ -243,8 +243,9 @@ def _moved(obj: Any, device: torch.device) -> Any:
 class StatePages:
     """Recurrent states in the pool's pages: the state at a table index is one page per part."""
 
-    def __init__(self, kv: PagedKVCache, states: Seq[RecurrentState], state_bytes: int) -> None:
-        self.state_bytes = state_bytes
+    def __init__(self, kv: PagedKVCache, states: Seq[RecurrentState], config: HybridConfig) -> None:
+        self.shapes = config.state_shapes
+        self.state_bytes = state_bytes = config.state_bytes
         self.part_bytes = [s.part_bytes for s in states]
         self.kv = kv
         half = kv.keys[0][:kv.block_size].numel() * kv.keys[0].element_size()
@@ -258,12 +259,12 @@ class StatePages:
         n = self.kv.num_blocks
         return self.kv.keys[slot].view(torch.uint8).view(n, -1), self.kv.values[slot].view(torch.uint8).view(n, -1)
 
-    def read(self, state: int, slot: int, pages: tuple[int, ...] | None,
-             shapes: tuple[tuple[int, int], tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The state in ``pages`` (None: zeros) of layer ``slot`` of recurrent state ``state``: a copy."""
+    def read(self, state: int, slot: int, pages: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv and SSM state in ``pages`` (None: zeros) of layer ``slot`` of recurrent state ``state``."""
+        shapes = self.shapes
         if pages is None:
-            return torch.zeros(shapes[0], device=self.kv.keys[0].device), torch.zeros(shapes[1],
-                                                                                      device=self.kv.keys[0].device)
+            device = self.kv.keys[0].device
+            return torch.zeros(shapes[0], device=device), torch.zeros(shapes[1], device=device)
         k, v = self._pages(slot)
         ids = torch.tensor(pages, device=k.device)
         raw = torch.cat([k[ids], v[ids]], dim=1)[:, :self.part_bytes[state]].reshape(-1)[:self.state_bytes]
@@ -299,7 +300,7 @@ class HybridModel:
         for s, state in enumerate(layout.recurrent_states):
             for m, name in enumerate(state.layer_names):
                 self.state_slots[int(name.rsplit(".", 1)[1])] = (s, m)
-        self.pages = StatePages(kv, layout.recurrent_states, self.cfg.state_bytes)
+        self.pages = StatePages(kv, layout.recurrent_states, self.cfg)
 
     @property
     def vocab_size(self) -> int:
@@ -366,7 +367,7 @@ class HybridModel:
         the state stored after each position ``plan`` writes. Outputs ``[tokens, d_inner]``."""
         cfg = self.cfg
         k, n, di, ns = cfg.conv_kernel, len(xbc), cfg.d_inner, cfg.state_size
-        conv_state, s = self.pages.read(state, slot, plan.read, cfg.state_shapes)
+        conv_state, s = self.pages.read(state, slot, plan.read)
         inputs = torch.cat([conv_state, xbc])  # row r holds position start - (k - 1) + r
         u = inputs[0:n] * w.conv[0]
         for j in range(1, k):
