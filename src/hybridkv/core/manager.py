@@ -26,9 +26,9 @@ from hybridkv.core._util import gather, gcd_all, lcm_all, page_by_page
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
 from hybridkv.core.hashing import BlockHasher, HashAlgorithm
 from hybridkv.core.hits import LOSS_CAUSES, CacheHit, HitRules, agreed_hit, hit_losses, verify_group_hit
-from hybridkv.core.kinds import KindManager, MambaManager, kind_manager_for
+from hybridkv.core.kinds import KindManager, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
-from hybridkv.core.retention import Retainer, RetentionPolicy, make_policy
+from hybridkv.core.retention import RetentionPolicy, make_policy
 from hybridkv.core.sequence import Sequence
 from hybridkv.core.specs import ChunkedLocalAttentionSpec
 from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequenceError
@@ -152,13 +152,13 @@ class KVCacheManager:
         }
         followers = {g.group for pages in self._pages.values() for g in pages}
         self._droppers = [g for g in self.groups
-                          if type(g).skipped_tokens is not KindManager.skipped_tokens and g.group not in followers]
+                          if g.drops_blocks and g.group not in followers]
         self._limiters = [g for g in self.groups if g.group not in followers]
         self.retainer.pages = {first: tuple(g.group for g in pages) for first, pages in self._pages.items()}
         self._deferred = [g for g in caching if g.registers_when_computed]
-        self._checkpointing = [g for g in self._deferred if isinstance(g, MambaManager) and g.align]
-        self._preparing = [g for g in self.groups if type(g).prepare is not KindManager.prepare]
-        self._tracks_admissions = type(self.retainer).on_admit is not Retainer.on_admit
+        self._checkpointing = [g for g in self._deferred if g.checkpoints]
+        self._preparing = [g for g in self.groups if g.prepares]
+        self._tracks_admissions = self.retainer.tracks_admissions
         self._seqs: dict[str, Sequence] = {}
         # Per running Sequence object (keyed by identity): the slot count up to which a step has
         # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
@@ -535,7 +535,6 @@ class KVCacheManager:
         junctions = self.retainer.junctions(seq, start, end)
         if start < hit.full_hit_tokens <= end:
             junctions.append(hit.full_hit_tokens)
-        assert isinstance(group, MambaManager)
         return group.plan(start, end, junctions, align)
 
     def _idle_limit(self, sid: str) -> int:

@@ -238,6 +238,8 @@ class Retainer:
     """The runtime of ``NoRetention``: released blocks go to the pool's ordinary tiers."""
 
     __slots__ = ("pool", "groups", "pages")
+    tracks_admissions: ClassVar[bool] = False
+    """Does ``on_admit`` do anything (the manager skips the call otherwise)?"""
 
     def __init__(self, pool: BlockPool, groups: list[KindManager]) -> None:
         self.pool = pool
@@ -301,6 +303,7 @@ class WindowRetainer(Retainer):
 
     __slots__ = ("policy", "kept", "hashes", "alignment", "anchor", "window_groups", "_junctions", "_ends",
                  "_counters")
+    tracks_admissions = True
 
     def __init__(self, policy: WindowRetention, pool: BlockPool, kept: KeptBlocks, groups: list[KindManager],
                  hashes: HashesOf, alignment: int) -> None:
