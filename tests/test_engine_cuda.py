@@ -13,7 +13,7 @@ from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"), pytest.mark.model]
 
 SHARED = "The history of the printing press begins in the fifteenth century, when " * 6
 PROMPTS = [SHARED + "a goldsmith in Mainz", SHARED + "paper mills in Italy", "Water boils at"]

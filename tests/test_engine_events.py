@@ -22,6 +22,8 @@ gemma.require_model()
 from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 
+pytestmark = pytest.mark.model  # loads the embedded Gemma 3 270M
+
 SHARED = ("The harbour board met on Tuesday to review the spring dredging schedule, the lighting "
           "contract and the new ferry pier. ") * 12
 

@@ -26,6 +26,8 @@ from test_engine import LOREM, TOPICS  # noqa: E402
 
 import gemma  # noqa: E402
 
+pytestmark = pytest.mark.model  # loads the embedded Gemma 3 270M
+
 Output = list[tuple[int, float]]
 """Greedy tokens, each with its log-probability."""
 

@@ -20,6 +20,8 @@ from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybridkv.engine.sampling import SamplingParamError, SamplingParams  # noqa: E402
 from hybridkv.errors import InvalidInputError  # noqa: E402
 
+pytestmark = pytest.mark.model  # loads the embedded Gemma 3 270M
+
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 DOC = "The committee met on Thursday to review the harbour budget and the new ferry pier. " * 4
 

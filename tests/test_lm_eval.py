@@ -14,6 +14,8 @@ import pytest
 
 import gemma
 
+pytestmark = pytest.mark.model  # loads the embedded Gemma 3 270M
+
 gemma.require_model()
 pytest.importorskip("fastapi")
 lm_eval = pytest.importorskip("lm_eval")

@@ -117,6 +117,7 @@ def test_an_example_runs(example: Example, workdir: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.model
 def test_the_examples_that_need_the_model(workdir: Path) -> None:
     pytest.importorskip("torch")
     model = [e for e in RUNNABLE if e.mark == "model"]

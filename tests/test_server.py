@@ -45,6 +45,8 @@ from hybridkv.server.async_engine import AsyncEngine, EngineClosedError
 
 import gemma
 
+pytestmark = pytest.mark.model  # loads the embedded Gemma 3 270M
+
 MODEL = "gemma-3-270m"
 MAX_MODEL_LEN = 2048
 GREEDY: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,

@@ -18,6 +18,8 @@ import pytest
 
 import gemma
 
+pytestmark = pytest.mark.model  # loads the embedded Gemma 3 270M
+
 gemma.require_model()
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")

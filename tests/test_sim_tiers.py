@@ -18,8 +18,9 @@ from hybridkv.errors import InvalidInputError
 from hybridkv.sim import simulator
 from hybridkv.sim.cli import variants
 from hybridkv.sim.cost_model import CostModel, SeqWork
+from hybridkv.sim.sim_tier import SimTier
 from hybridkv.sim.simulator import SimConfig, build_manager, simulate
-from hybridkv.sim.tiers import SimConnector, SimTier, SimTiers, TierSpec, group_block_bytes, parse_tiers
+from hybridkv.sim.tiers import SimConnector, SimTiers, TierSpec, group_block_bytes, parse_tiers
 from hybridkv.sim.workloads import ClosedLoop, Workload, shared_prefix
 
 # Gemma 3 1B (sliding window 512 + full attention) with a 30k-token pool; 10 prefixes of 4,000

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from hybridkv import _moved
 from hybridkv.core import (
     NULL_BLOCK,
     AllBlocksCleared,
@@ -48,7 +47,6 @@ from hybridkv.scheduling import Scheduler, SchedulerConfig
 
 __version__ = "0.1.0"
 
-_moved.install()
 
 __all__ = [
     "NULL_BLOCK",

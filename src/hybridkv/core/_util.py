@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import chain
 from operator import itemgetter
 from typing import TypeVar
 
@@ -37,3 +38,11 @@ def gather(values: Sequence[_T], indices: Sequence[int]) -> tuple[_T, ...]:
     if len(indices) == 1:
         return (values[indices[0]],)
     return itemgetter(*indices)(values) if indices else ()
+
+
+def page_by_page(first: list[tuple[int, int]], others: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """The ``(index, block)`` lists of a recurrent state's pages (each last index first) as one list,
+    last index first, each index's pages together in page order."""
+    if all(len(o) == len(first) for o in others):
+        return [entry for entries in zip(first, *others) for entry in entries]
+    return sorted(chain(first, *others), key=lambda e: -e[0])  # stable: page order within an index

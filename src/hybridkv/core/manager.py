@@ -22,13 +22,13 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 
-from hybridkv.core._util import gather, gcd_all, lcm_all
+from hybridkv.core._util import gather, gcd_all, lcm_all, page_by_page
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
 from hybridkv.core.hashing import BlockHasher, HashAlgorithm
 from hybridkv.core.hits import LOSS_CAUSES, CacheHit, HitRules, agreed_hit, hit_losses, verify_group_hit
-from hybridkv.core.kinds import KindManager, MambaManager, kind_manager_for
+from hybridkv.core.kinds import KindManager, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
-from hybridkv.core.retention import Retainer, RetentionPolicy, make_policy
+from hybridkv.core.retention import RetentionPolicy, make_policy
 from hybridkv.core.sequence import Sequence
 from hybridkv.core.specs import ChunkedLocalAttentionSpec
 from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequenceError
@@ -143,11 +143,22 @@ class KVCacheManager:
                               enable_prefix_caching=self.enable_prefix_caching, hash_algorithm=hash_algorithm)
         """The layout's hit rules without the pool (what another cache holding given hashes could serve)."""
         self._caching = caching
-        self._droppers = [g for g in self.groups if type(g).skipped_tokens is not KindManager.skipped_tokens]
+        # The pages of a recurrent state after its first: groups with the first's rules and table shape.
+        # Their dropped blocks go to retention with the first's, in one call, index by index (a state's
+        # pages then also leave the cache together); their idle limits are the first's.
+        self._pages: dict[int, list[KindManager]] = {
+            st.groups[0]: [self.groups[g] for g in st.groups[1:]]
+            for st in layout.recurrent_states if len(st.groups) > 1
+        }
+        followers = {g.group for pages in self._pages.values() for g in pages}
+        self._droppers = [g for g in self.groups
+                          if g.drops_blocks and g.group not in followers]
+        self._limiters = [g for g in self.groups if g.group not in followers]
+        self.retainer.pages = {first: tuple(g.group for g in pages) for first, pages in self._pages.items()}
         self._deferred = [g for g in caching if g.registers_when_computed]
-        self._checkpointing = [g for g in self._deferred if isinstance(g, MambaManager) and g.align]
-        self._preparing = [g for g in self.groups if type(g).prepare is not KindManager.prepare]
-        self._tracks_admissions = type(self.retainer).on_admit is not Retainer.on_admit
+        self._checkpointing = [g for g in self._deferred if g.checkpoints]
+        self._preparing = [g for g in self.groups if g.prepares]
+        self._tracks_admissions = self.retainer.tracks_admissions
         self._seqs: dict[str, Sequence] = {}
         # Per running Sequence object (keyed by identity): the slot count up to which a step has
         # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
@@ -430,6 +441,9 @@ class KVCacheManager:
                 self._register_computed(seq, computed)
             for g in self._droppers:
                 freed = g.remove_skipped(sid, computed)
+                pages = self._pages.get(g.group) if self._pages else None
+                if pages:
+                    freed = page_by_page(freed, [p.remove_skipped(sid, computed) for p in pages])
                 if freed:
                     self.retainer.release_dropped(g, seq, freed)
             plans = [g.plan_indices(sid, (), computed, 0, total if g.holds_lookahead else known) for g in groups]
@@ -473,7 +487,7 @@ class KVCacheManager:
             new_blocks = tuple([g.grow(sid, indices, allow_reserved=False) for g, indices in zip(groups, plans)])
         self._register(seq, computed, num_external_tokens, known)
         limit = self.max_model_len  # the slot count up to which the next steps have nothing to do
-        for g in groups:
+        for g in self._limiters:
             group_limit = g.idle_limit(sid)
             if group_limit < limit:
                 limit = group_limit
@@ -521,7 +535,6 @@ class KVCacheManager:
         junctions = self.retainer.junctions(seq, start, end)
         if start < hit.full_hit_tokens <= end:
             junctions.append(hit.full_hit_tokens)
-        assert isinstance(group, MambaManager)
         return group.plan(start, end, junctions, align)
 
     def _idle_limit(self, sid: str) -> int:

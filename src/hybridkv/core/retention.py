@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hybridkv.core._util import page_by_page
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.hits import CacheHit
 from hybridkv.core.kinds import KindManager
@@ -228,14 +229,24 @@ def make_policy(retention: str | RetentionPolicy) -> RetentionPolicy:
 
 
 # ---------------------------------------------------------------------- runtimes
+def _last_first(offset: int, entries: list[int]) -> list[tuple[int, int]]:
+    """``(index, block)`` of a table's non-null entries from ``offset`` on, last index first."""
+    return [(offset + i, entries[i]) for i in range(len(entries) - 1, -1, -1) if entries[i]]
+
+
 class Retainer:
     """The runtime of ``NoRetention``: released blocks go to the pool's ordinary tiers."""
 
-    __slots__ = ("pool", "groups")
+    __slots__ = ("pool", "groups", "pages")
+    tracks_admissions: ClassVar[bool] = False
+    """Does ``on_admit`` do anything (the manager skips the call otherwise)?"""
 
     def __init__(self, pool: BlockPool, groups: list[KindManager]) -> None:
         self.pool = pool
         self.groups = groups
+        self.pages: dict[int, tuple[int, ...]] = {}
+        """Per recurrent state spread over several pages, its first page's group: the groups of the
+        others (same rules, same table shape; released with the first, index by index)."""
 
     def on_admit(self, seq: Sequence, hit: CacheHit) -> None:
         """A new sequence adopted ``hit``."""
@@ -292,6 +303,7 @@ class WindowRetainer(Retainer):
 
     __slots__ = ("policy", "kept", "hashes", "alignment", "anchor", "window_groups", "_junctions", "_ends",
                  "_counters")
+    tracks_admissions = True
 
     def __init__(self, policy: WindowRetention, pool: BlockPool, kept: KeptBlocks, groups: list[KindManager],
                  hashes: HashesOf, alignment: int) -> None:
@@ -461,11 +473,17 @@ class WindowRetainer(Retainer):
         # them); anchors after.
         groups = self.groups
         order = sorted(range(len(tables)), key=lambda k: groups[k].downward_closed)
+        later_pages = {k for pages in self.pages.values() for k in pages}
         for k in order:
             g = groups[k]
             offset, entries = tables[k]
             if g.caching and not g.downward_closed:
-                freed = [(offset + i, entries[i]) for i in range(len(entries) - 1, -1, -1) if entries[i]]
+                if k in later_pages:
+                    continue  # released with its state's first page
+                freed = _last_first(offset, entries)
+                pages = self.pages.get(k)
+                if pages:
+                    freed = page_by_page(freed, [_last_first(*tables[p]) for p in pages])
                 # The sequence's own anchor table is gone already: blocks are looked up by hash.
                 self._classify(g, seq, freed, dropped=False, end=end)
             else:

@@ -145,6 +145,9 @@ def add_parser(sub: Any) -> None:
                         help="dtype of the weights")
     system.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8"),
                         help="dtype of the KV cache")
+    system.add_argument("--block-size", type=positive_int_arg, default=16, metavar="TOKENS",
+                        help="tokens per attention KV block (hits end at multiples of it; on a recurrent hybrid a "
+                             "larger block also means fewer pages per state and less manager work per step)")
     add_recurrent_pages_arg(system)
     system.add_argument("--calibration", default=None, metavar="PATH",
                         help="fit the cost model's efficiencies to measured steps in this JSON file")
@@ -297,7 +300,8 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
                      lm_head=args.lm_head, tiers=tuple(args.tier or ()), num_params=args.num_params,
                      tier_storage=args.tier_storage, tier_checkpoint_interval=args.tier_checkpoint_interval,
                      tier_end_align=args.tier_end_align, tier_loads=args.tier_loads,
-                     tier_load_timeout_s=args.tier_load_timeout, recurrent_pages=args.recurrent_pages)
+                     tier_load_timeout_s=args.tier_load_timeout, recurrent_pages=args.recurrent_pages,
+                     block_size=args.block_size)
 
 
 _TRUE = ("1", "true", "yes", "on")

@@ -64,7 +64,7 @@ from hybridkv.connectors.storage import StoragePolicy
 from hybridkv.core import NULL_BLOCK, KVCacheManager
 from hybridkv.core import Sequence as KVSequence
 from hybridkv.errors import InvalidInputError
-from hybridkv.sim.sim_tier import SimTier as SimTier  # re-exported: it was defined here
+from hybridkv.sim.sim_tier import SimTier
 from hybridkv.sizes import parse_bytes, split_number
 
 KINDS = ("host", "disk", "net")

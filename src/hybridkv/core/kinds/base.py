@@ -58,6 +58,12 @@ class KindManager:
     """Do lookahead (speculative) tokens get slots in this group? Recurrent state does not: the
     state is written at the step's end, and draft tokens that are rejected would corrupt it."""
 
+    drops_blocks = False
+    """Does the kind stop reading leading blocks as a sequence grows (a window, a chunk, a superseded
+    state), so that allocations release them (``skipped_tokens``)?"""
+    prepares = False
+    """Does the kind note something about a sequence before its first allocation (``prepare``)?"""
+
     __slots__ = ("spec", "group", "pool", "block_size", "bound", "caching", "tables", "num_cached", "num_dropped")
 
     def __init__(self, spec: KVCacheSpec, group: int, pool: BlockPool | None, *, bound: int,
@@ -101,6 +107,16 @@ class KindManager:
     def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
         """Note what the kind needs before a sequence's first allocation: its encoder tokens, and
         the ``(token position, rank)`` where a recurrent group should leave a state checkpoint."""
+
+    @property
+    def checkpoints(self) -> bool:
+        """Does the kind write state checkpoints inside a prefill where the manager plans them (``plan``)?"""
+        return False
+
+    def plan(self, start: int, end: int, junctions: list[int], alignment: int) -> list[tuple[int, int]]:
+        """``(position, rank)`` of the checkpoints a prefill from ``start`` to the prompt's last aligned
+        boundary ``end`` should write (kinds that ``checkpoints``)."""
+        return []
 
     def state_entries(self, seq_id: str, num_computed: int, num_tokens: int
                       ) -> tuple[int | None, list[tuple[int, int]]]:

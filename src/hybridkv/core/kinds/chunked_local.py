@@ -13,6 +13,8 @@ from hybridkv.core.specs import ChunkedLocalAttentionSpec
 class ChunkedLocalAttentionManager(KindManager):
     """Blocks before the current chunk are null in a hit; the chunk's blocks must be cached."""
 
+    drops_blocks = True
+
     __slots__ = ("chunk",)
 
     def __init__(self, spec: ChunkedLocalAttentionSpec, group: int, pool: BlockPool | None, *, bound: int,

@@ -18,6 +18,8 @@ class CrossAttentionManager(KindManager):
     It does not constrain decoder-side hits: its KV comes from the encoder pass.
     """
 
+    prepares = True
+
     constrains_hits = False
     __slots__ = ("encoder_tokens",)
 

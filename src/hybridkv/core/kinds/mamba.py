@@ -52,6 +52,8 @@ class MambaManager(KindManager):
 
     registers_when_computed = True
     holds_lookahead = False
+    drops_blocks = True
+    prepares = True
     __slots__ = ("align", "checkpoint_blocks", "plans", "pending")
 
     def __init__(self, spec: MambaSpec, group: int, pool: BlockPool | None, *, bound: int,
@@ -86,6 +88,10 @@ class MambaManager(KindManager):
         return (index + 1) * self.block_size + 1 if self.align else NEVER
 
     # ------------------------------------------------------------------ allocation
+    @property
+    def checkpoints(self) -> bool:
+        return self.align
+
     def plan(self, start: int, end: int, junctions: list[int], alignment: int) -> list[tuple[int, int]]:
         """``(position, rank)`` of the checkpoints a prefill from ``start`` to the prompt's last
         aligned boundary ``end`` should write: ``junctions`` (rank 0), ``end`` itself (1), every

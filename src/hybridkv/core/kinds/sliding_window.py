@@ -13,6 +13,8 @@ from hybridkv.core.specs import SlidingWindowSpec
 class SlidingWindowManager(KindManager):
     """A hit at L needs only the ``cdiv(W - 1, block_size)`` blocks before L (the window)."""
 
+    drops_blocks = True
+
     __slots__ = ("window", "contiguous")
 
     def __init__(self, spec: SlidingWindowSpec, group: int, pool: BlockPool | None, *, bound: int,
