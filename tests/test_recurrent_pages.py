@@ -239,3 +239,19 @@ def test_kv_events_name_every_page_of_a_state() -> None:
         # One state (after 32 tokens), announced on each of its pages, each under its own block id.
         assert [(e.block_hashes, e.block_size) for e in events] == [((checkpoint,), 16)]
     assert len({e.block_ids for events in by_group.values() for e in events}) == 3
+
+
+def test_offering_a_steps_blocks_to_a_tier_vouches_that_its_checkpoints_were_computed() -> None:
+    mgr = hybrid_manager(400)
+    (state,) = mgr.layout.recurrent_states
+    seq = Sequence("s", list(range(40)))
+    assert mgr.allocate(seq, 40, hit=mgr.lookup(seq)) is not None
+    g = state.groups[0]
+    # Before the step is reported or offered, its checkpoint (after 32 tokens) is no one's to store.
+    assert mgr.registered_blocks(seq, g, 0, 0) == []
+    # Offering tokens beyond the slots the step was given vouches for nothing.
+    assert mgr.registered_blocks(seq, g, 0, 48) == []
+    # Offering the step's own tokens does: the checkpoint enters the cache, on every page.
+    assert [i for i, _, _ in mgr.registered_blocks(seq, g, 0, 40)] == [1]
+    assert all(mgr.registered_blocks(seq, p, 0, 40) for p in state.groups)
+    mgr.check_invariants()

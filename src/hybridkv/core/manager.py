@@ -297,9 +297,14 @@ class KVCacheManager:
         """``(index, block id, hash)`` of the sequence's blocks in ``group`` whose tokens end in
         ``(start_token, end_token]`` and that the prefix cache holds under the sequence's own hash
         (what an external tier may store: superseded or never-computed blocks are excluded).
-        Recurrent checkpoints whose tokens the sequence reports computed are registered first."""
+        Recurrent checkpoints whose tokens are computed are registered first: the sequence's count,
+        or ``end_token`` when the step that gave it slots reaches it (offering a step's blocks to a
+        tier, as ``KVConnector.store`` does right after the forward pass, vouches that it ran)."""
         if self._deferred and self._seqs.get(seq.seq_id) is seq:
-            self._register_computed(seq, self._computed_tokens(seq))
+            computed = self._computed_tokens(seq)
+            base, _, ceiling = self._progress[seq.seq_id]
+            self._register_computed(seq, end_token if computed < end_token <= ceiling and base <= end_token
+                                    else computed)
         g = self.groups[group]
         table = g.tables.get(seq.seq_id, [])
         hashes = self.block_hashes(seq, g)

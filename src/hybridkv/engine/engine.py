@@ -365,14 +365,9 @@ class LLMEngine:
             for sid, n in scheduled.items():
                 seq = self._tracked[sid].seq
                 first = seq.num_computed_tokens
-                # The step's tokens are computed: reported so while its blocks are offered, the
-                # recurrent checkpoints it wrote register in the prefix cache and are offered too
-                # (the scheduler advances the count for good after sampling).
-                seq.num_computed_tokens = first + n
-                try:
-                    self.connector.store(seq, first + n, self.manager.block_table(sid), self.kv.read_block, first)
-                finally:
-                    seq.num_computed_tokens = first
+                # Offering the step's blocks vouches that it ran: the recurrent checkpoints it wrote
+                # register and are offered too (the scheduler advances the count after sampling).
+                self.connector.store(seq, first + n, self.manager.block_table(sid), self.kv.read_block, first)
         if not spans:
             self._consume(batch, 0, hidden_or_logits, sampled, failed)
             return
