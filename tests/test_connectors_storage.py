@@ -119,19 +119,19 @@ def test_a_chunked_local_group_keeps_the_current_chunk_at_a_checkpoint() -> None
     assert connector(fresh(400, full(), chunked(64)), host).num_external_tokens(Sequence("c", prompt + [1]), 0) == 288
 
 
-def test_a_recurrent_state_is_stored_once_its_step_is_reported_computed() -> None:
-    # A state enters the cache when its step is reported computed; the sequence drops it at its next
-    # allocation. So only a store after the step is reported computed can keep it.
+def test_a_recurrent_state_is_stored_when_the_step_that_computed_it_is_offered() -> None:
+    # A state enters the cache once its step ran: reported computed, or its blocks offered to a tier
+    # (the offer vouches that the step ran). An offer that stops short of the state stores none.
     prompt = tokens(0, 300)
-    for report_first, expected in ((False, []), (True, [17])):  # 17: the state at 288, the prompt's last boundary
-        host = HostTier(1 << 20)
+    for report_first, offered, expected in ((False, 200, []), (False, 300, [17]), (True, 300, [17])):
+        host = HostTier(1 << 20)  # 17: the state at 288, the prompt's last boundary
         mgr = fresh(400, full(), mamba())
         conn = connector(mgr, host)
         seq = Sequence("m", prompt)
         assert mgr.allocate(seq, 300) is not None
         if report_first:
             seq.num_computed_tokens = 300
-        conn.store(seq, 300, mgr.block_table("m"), lambda g, b: b"k" * PAYLOAD, 0)
+        conn.store(seq, offered, mgr.block_table("m"), lambda g, b: b"k" * PAYLOAD, 0)
         assert stored(conn, host, prompt, 1) == expected
         mgr.free(seq)
 
