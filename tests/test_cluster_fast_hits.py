@@ -7,9 +7,9 @@ import random
 import pytest
 
 from hybridkv import FullAttentionSpec, KVCacheGroup, KVCacheLayout, MambaSpec, SlidingWindowSpec
-from hybridkv.cluster.fast_hits import FastHits
 from hybridkv.core import HitRules
 from hybridkv.core import Sequence as KVSequence
+from hybridkv.core.hits import FastHits
 from hybridkv.core.specs import ChunkedLocalAttentionSpec
 
 

@@ -22,7 +22,8 @@ from hybridkv.cluster import (
     make_batch,
 )
 from hybridkv.cluster.events import ExternalHash
-from hybridkv.cluster.inverted import SLOTS, chain_ends, chain_reach, last_window, settle_together
+from hybridkv.cluster.inverted import SLOTS
+from hybridkv.core.hits import chain_ends, chain_reach, last_window, settle_together
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
 SWA = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, sliding_window=48)

@@ -95,6 +95,15 @@ class KindManager:
         """Block indices ``[first, end)`` whose content a hit ending at token ``boundary`` reads."""
         return 0, boundary // self.block_size
 
+    @property
+    def hit_reads(self) -> int | None:
+        """How many blocks before a hit point decide a hit there, when nothing else does: a hit at
+        block boundary ``e`` is one exactly when blocks ``[max(0, e - hit_reads), e)`` are all held
+        (``NEVER``: every block from the first, full attention's chain). None when the kind's hit
+        has another shape (a chunk) or is none. The fast and bitmask forms of the hit rule
+        (``hybridkv.core.hits``) mirror only kinds that say."""
+        return None
+
     def skipped_tokens(self, num_computed: int) -> int:
         """Leading tokens the attention of the next token no longer reads."""
         return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hybridkv.core.kinds.base import KindManager, scan_left_to_right
+from hybridkv.core.kinds.base import NEVER, KindManager, scan_left_to_right
 
 
 class FullAttentionManager(KindManager):
@@ -17,3 +17,7 @@ class FullAttentionManager(KindManager):
                                max_tokens: int) -> tuple[int, list[int]]:
         blocks = scan_left_to_right(cached, hashes, 0, min(max_tokens // self.block_size, len(hashes)))
         return len(blocks) * self.block_size, blocks
+
+    @property
+    def hit_reads(self) -> int | None:
+        return NEVER

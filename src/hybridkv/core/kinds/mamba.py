@@ -81,6 +81,10 @@ class MambaManager(KindManager):
         end = boundary // self.block_size
         return max(0, end - 1), end
 
+    @property
+    def hit_reads(self) -> int | None:
+        return 1 if self.align else None
+
     def skipped_tokens(self, num_computed: int) -> int:
         return max(0, num_computed - 1) if self.align else 0
 

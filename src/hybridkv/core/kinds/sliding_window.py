@@ -48,6 +48,10 @@ class SlidingWindowManager(KindManager):
         end = boundary // self.block_size
         return max(0, end - self.contiguous), end
 
+    @property
+    def hit_reads(self) -> int | None:
+        return max(1, self.contiguous)  # a window of one token still needs the block it ends in
+
     def skipped_tokens(self, num_computed: int) -> int:
         return max(0, num_computed - self.window + 1)
 

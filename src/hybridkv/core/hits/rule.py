@@ -1,4 +1,4 @@
-"""The prefix hit every group agrees on.
+"""The hit rule: the prefix hit every group agrees on (``agreed_hit``), with block ids.
 
 Hits of different kinds are not alike: full attention's hit is downward-closed (a hit at L is a
 hit at every shorter length), a sliding window's or a recurrent state's is not (a hit at L says
@@ -7,10 +7,10 @@ upper bound once, then the other groups are re-queried whenever the bound shrink
 pass changes nothing. Every length is rounded to the *hit alignment*, a boundary every group's
 block size divides.
 
-``agreed_hit`` is the one implementation of that rule. The manager runs it against the device
-pool's index; external tiers and cluster indexes run it against what they hold, so a hit means
-the same everywhere. ``verify_group_hit`` checks a hit the manager did not just find (from another
-manager, hand-built, stale) against the pool, group by group, before anything is adopted.
+The manager runs ``agreed_hit`` against the device pool's index; external tiers and cluster
+indexes run it (or its fast forms, ``fast.py`` and ``masks.py``) against what they hold, so a hit
+means the same everywhere. ``verify_group_hit`` checks a hit the manager did not just find (from
+another manager, hand-built, stale) against the pool, group by group, before anything is adopted.
 """
 
 from __future__ import annotations
