@@ -177,12 +177,14 @@ class HitRules:
         self.hits_possible = bool(caching) and all(g.caching for g in self.groups if g.constrains_hits)
 
     def block_hashes(self, seq: KVSequence, group: int) -> list[bytes]:
-        """The sequence's full-block hashes at ``group``'s block size (empty without a cache)."""
+        """The sequence's full-block hashes at ``group``'s block size (empty without a cache). The list
+        is cached on the sequence: do not mutate it."""
         g = self.groups[group]
         if not g.caching:
             return []
         base = seq.block_hashes(self.hasher, self.hash_block_size)
         k = g.block_size // self.hash_block_size
+        # Chained hashes: the hash at the last sub-block fingerprints the whole larger block.
         return base if k == 1 else base[k - 1 :: k]
 
     def hit_span(self, group: int, num_tokens: int) -> range:
