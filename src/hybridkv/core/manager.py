@@ -26,7 +26,7 @@ from hybridkv.core._util import gather, page_by_page
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
 from hybridkv.core.hashing import HashAlgorithm
 from hybridkv.core.hits import LOSS_CAUSES, CacheHit, HitRules, agreed_hit, hit_losses, verify_group_hit
-from hybridkv.core.kinds import KindManager, kind_manager_for
+from hybridkv.core.kinds import KindManager, KindRule, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
 from hybridkv.core.retention import RetentionPolicy, make_policy
 from hybridkv.core.sequence import Sequence
@@ -133,9 +133,9 @@ class KVCacheManager:
         self.pool = BlockPool(layout.num_blocks, len(layout.groups), enable_caching=self.enable_prefix_caching,
                               enable_events=enable_events, kept_tier=self.policy.kept_tier)
         self.groups: list[KindManager] = [
-            kind_manager_for(g.spec, i, self.pool, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, enable_caching=self.enable_prefix_caching)
-            for i, g in enumerate(layout.groups)
+            kind_manager_for(rule, self.pool, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len)
+            for rule in self.rules.groups
         ]
         caching = [g for g in self.groups if g.caching]
         self.hash_block_size = self.rules.hash_block_size
@@ -274,10 +274,10 @@ class KVCacheManager:
         """Non-null blocks the sequence holds, over all groups (0 for one that holds none)."""
         return sum(g.held_blocks(seq_id) for g in self.groups) if seq_id in self._seqs else 0
 
-    def block_hashes(self, seq: Sequence, group: KindManager | int) -> list[bytes]:
+    def block_hashes(self, seq: Sequence, group: KindManager | KindRule | int) -> list[bytes]:
         """The sequence's full-block hashes at ``group``'s block size (empty for a group that keeps
         no prefix cache). The list is cached on the sequence: do not mutate it."""
-        return self.rules.block_hashes(seq, group.group if isinstance(group, KindManager) else group)
+        return self.rules.block_hashes(seq, group if isinstance(group, int) else group.group)
 
     def hit_span(self, group: int, num_tokens: int) -> range:
         """Table indices of ``group`` a hit ending at token ``num_tokens`` must hold: all of them for
@@ -338,7 +338,7 @@ class KVCacheManager:
         max_hit = (seq.num_tokens - 1) // align * align
         index = self.pool.index
         tokens, full_hit, blocks = agreed_hit(
-            self.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group], max_hit, align
+            self.rules.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group], max_hit, align
         )
         return CacheHit(seq.seq_id, tokens, tuple(map(tuple, blocks)), full_hit, max_hit, self.pool.evictions,
                         self._token, self._content(seq, tokens))
@@ -348,7 +348,7 @@ class KVCacheManager:
         per cause (``hybridkv.core.hits.LOSS_CAUSES``)."""
         index = self.pool.index
         was_evicted = self.pool.was_evicted
-        return hit_losses(self.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group],
+        return hit_losses(self.rules.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group],
                           hit.max_hit_tokens, self.hit_alignment,
                           lambda g, hashes: any(was_evicted(g.group, h) for h in hashes))
 
@@ -706,8 +706,8 @@ class KVCacheManager:
         if (hit.owner is self._token and hit.epoch == self.pool.evictions
                 and hit.content == self._content(seq, n)):
             return hit  # found here for this very content, nothing evicted since
-        for g, ids in zip(self.groups, hit.block_ids):
-            verify_group_hit(g, self.pool, self.block_hashes(seq, g), ids, n, f"sequence {sid!r}")
+        for rule, ids in zip(self.rules.groups, hit.block_ids):
+            verify_group_hit(rule, self.pool, self.block_hashes(seq, rule), ids, n, f"sequence {sid!r}")
         max_hit = (seq.num_tokens - 1) // align * align
         full = hit.full_hit_tokens if type(hit.full_hit_tokens) is int and n <= hit.full_hit_tokens <= max_hit else n
         return CacheHit(sid, n, tuple(tuple(ids) for ids in hit.block_ids), full, max_hit, self.pool.evictions,

@@ -4,7 +4,7 @@
   the block ids a pool adopts. ``HitRules`` runs it without a pool (what a cache holding given
   hashes would serve); the manager runs it against its pool.
 * ``FastHits`` (``fast.py``): the same length without block ids, for layouts whose kinds say
-  which blocks decide a hit (``KindManager.hit_reads``): an index's hot path.
+  which blocks decide a hit (``KindRule.hit_reads``): an index's hot path.
 * ``hits_together`` (``masks.py``): ``FastHits`` for many caches at once, one bit per cache.
 
 ``tests/test_hit_rule_forms.py`` checks that the three give the same hit on random layouts and caches.

@@ -37,7 +37,7 @@ class FastHits:
     @classmethod
     def for_rules(cls, rules: HitRules) -> FastHits | None:
         """The fast form of ``rules``, or None when a constraining group's hit is not decided by the
-        blocks before it alone (``KindManager.hit_reads``)."""
+        blocks before it alone (``KindRule.hit_reads``)."""
         if not rules.hits_possible:
             return None
         chains: list[tuple[int, int]] = []

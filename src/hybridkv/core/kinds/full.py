@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hybridkv.core.kinds.base import NEVER, KindManager, scan_left_to_right
+from hybridkv.core.kinds.base import NEVER, KindManager, KindRule, scan_left_to_right
 
 
-class FullAttentionManager(KindManager):
+class FullAttentionRule(KindRule):
     """A hit is the cached chain from the left, up to the first miss (MLA included)."""
 
     downward_closed = True
@@ -21,3 +21,9 @@ class FullAttentionManager(KindManager):
     @property
     def hit_reads(self) -> int | None:
         return NEVER
+
+
+class FullAttentionManager(KindManager):
+    """The tables of a full-attention group: every block stays until the sequence is freed."""
+
+    __slots__ = ()
