@@ -57,7 +57,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
      "if not lowest <= computed <= ceiling:", "if not lowest <= computed:"),
     ("a kept window adopted at a junction costs no admissible block", "retention.py",
      "if anchor is None or ref[anchor] == 0:", "if anchor is None:"),
-    ("a hit's blocks are not checked against their group", "hits.py",
+    ("a hit's blocks are not checked against their group", "hits/rule.py",
      " or any(pool.block_group[b] != g.group for b in span):", ":"),
     ("a chunked-local hit at a chunk boundary reads the chunk before", "kinds/chunked_local.py",
      "chunk_start = (max_tokens // self.chunk) * self.chunk",
@@ -69,7 +69,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ("the salt and adapter are not tagged", "hashing.py",
      'parts.append(tag + len(raw).to_bytes(4, "little") + raw)',
      'parts.append(len(raw).to_bytes(4, "little") + raw)'),
-    ("a state never checkpointed is blamed on eviction", "hits.py",
+    ("a state never checkpointed is blamed on eviction", "hits/rule.py",
      'cause = "state_evicted" if evicted(g, states) else "state_not_checkpointed"', 'cause = "state_evicted"'),
 ]
 

@@ -1,11 +1,10 @@
 """The index's masks (which replicas hold each hash) and the joint lookup over them: every replica's
-prediction equals what its own view predicts, whatever the events did."""
+prediction equals what its own view predicts, whatever the events did. The bitmask form of the hit
+rule itself is tested against ``agreed_hit`` in ``test_hit_rule_forms.py``."""
 
 from __future__ import annotations
 
 import random
-from itertools import accumulate
-from operator import and_
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,7 +21,7 @@ from hybridkv.cluster import (
     make_batch,
 )
 from hybridkv.cluster.events import ExternalHash
-from hybridkv.cluster.inverted import SLOTS, chain_ends, chain_reach, last_window, settle_together
+from hybridkv.cluster.inverted import SLOTS
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
 SWA = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, sliding_window=48)
@@ -50,51 +49,6 @@ def _check_masks(index: ClusterIndex) -> None:
                 for h in group:
                     into[h] = into.get(h, 0) | view.bit << g % SLOTS
     assert {k: v for k, v in index.masks.maps.items() if v} == {k: v for k, v in expect.items() if v}
-
-
-def test_chain_reach_and_ends_group_replicas_by_how_far_they_hold_the_chain() -> None:
-    # Masks of a 6-block chain: replica 1 holds all 6, replica 2 the first 3 and the 5th, replica 4
-    # the 2nd on only.
-    masks = [1 | 2, 1 | 2 | 4, 1 | 2 | 4, 1 | 4, 1 | 2 | 4, 1 | 4]
-    assert chain_reach(masks, 1 | 2 | 4, 1) == [7, 3, 3, 3, 1, 1, 1]
-    assert chain_ends(chain_reach(masks, 1 | 2 | 4, 1)) == {3: 2, 6: 1}
-    assert chain_ends(chain_reach(masks[:4], 1 | 2 | 4, 1)) == {3: 2, 4: 1}
-    # Points of two blocks: replica 2's 3 blocks reach point 1 only.
-    assert chain_ends(chain_reach(masks, 1 | 2 | 4, 2)) == {1: 2, 3: 1}
-    assert chain_ends(chain_reach(masks, 4, 1)) == {}
-
-
-@given(masks=st.lists(st.integers(0, 255), max_size=40), replicas=st.integers(1, 255))
-def test_chain_ends_are_the_last_point_each_replica_reaches(masks: list[int], replicas: int) -> None:
-    reach = list(accumulate(masks, and_, initial=replicas))
-    expect: dict[int, int] = {}
-    for bit in (1 << b for b in range(8) if replicas >> b & 1):
-        last = max(q for q, r in enumerate(reach) if r & bit)
-        if last:
-            expect[last] = expect.get(last, 0) | bit
-    assert chain_ends(reach) == expect
-
-
-@given(held=st.lists(st.booleans(), max_size=60), need=st.integers(1, 8), k=st.integers(1, 3), data=st.data())
-def test_last_window_is_the_highest_aligned_end_with_every_needed_block_held(
-        held: list[bool], need: int, k: int, data: st.DataObject) -> None:
-    top = data.draw(st.integers(0, len(held)))
-    valid = [e for e in range(k, top + 1, k) if all(held[max(0, e - need) : e])]
-    assert last_window(bytes(held), top, need, k) == max(valid, default=0)
-
-
-def test_settle_moves_a_replica_missing_a_window_block_below_the_block_it_lacks() -> None:
-    # Windows of 3 blocks; replicas 1 and 2 start at point 6, replica 4 at point 4. Replica 2 lacks
-    # block 4 (window of point 6: blocks 3-5), so it is checked again at point 4 (blocks 1-3),
-    # where it lacks block 1 and moves to point 1 (block 0), which it holds.
-    masks = [7, 5, 7, 7, 5, 7]
-    assert settle_together({6: 1 | 2, 4: 4}, [(masks, 0, 1, 3)]) == {6: 1, 4: 4, 1: 2}
-    # Points of two blocks: a block missing at 3 moves a replica to point 1 (blocks 0-1).
-    assert settle_together({3: 1 | 2}, [([3, 3, 3, 1, 3, 3], 0, 2, 2)]) == {3: 1 | 2}
-    assert settle_together({3: 1 | 2}, [([3, 3, 3, 1, 1, 3], 0, 2, 2)]) == {3: 1, 1: 2}
-    # The same window group in the second place of each replica's bits (shift 1): replica 1's
-    # bits 2, replica 2's bits 8.
-    assert settle_together({3: 1 | 4}, [([10, 10, 10, 2, 2, 10], 1, 2, 2)]) == {3: 1, 1: 4}
 
 
 @settings(max_examples=60, deadline=None)

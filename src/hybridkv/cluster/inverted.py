@@ -11,30 +11,22 @@ the bit of replica ``b`` and group ``g`` is set for ``h`` exactly while ``b`` ho
 
 ``predict_together`` predicts the hit of replicas that hash and lay out blocks alike (one hash
 scheme, one set of group block sizes, windows and alignment, one medium each; see
-``ReplicaView.joint_key`` and ``JointGroup``). It is ``FastHits.longest_hit`` for each of them,
-every step a mask operation over all of them at once:
-
-* the masks of the request's chain hashes, AND-ed in order (``chain_reach``): replica ``b``'s chain
-  is as long as the run of leading masks with bit ``b``; where each replica's run ends is found by
-  bisection, once per distinct run end (``chain_ends``);
-* the window and checkpoint groups (``settle_together``): the replicas whose chains end at one hit
-  point are checked together, one AND over the masks of the blocks a group needs before it; a
-  replica that lacks one moves to the next point that group accepts (``last_window``, a few byte
-  searches however far down it is) and is checked again there.
+``ReplicaView.joint_key`` and ``JointGroup``): the bitmask form of the hit rule
+(``hybridkv.core.hits.hits_together``) over these masks, ``FastHits.longest_hit`` for each of them.
 
 The predictions themselves are values, shared per replica and hit point (``JointGroup``).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Hashable, Sequence
 from functools import reduce
-from itertools import accumulate, repeat
-from operator import and_, neg, or_
+from itertools import repeat
+from operator import or_
 from typing import TYPE_CHECKING
 
 from hybridkv.cluster.replica import Prediction, RequestKeys
+from hybridkv.core import FastHits, hits_together
 
 if TYPE_CHECKING:
     from hybridkv.cluster.replica import ReplicaView
@@ -107,7 +99,7 @@ class JointGroup:
     """Replicas predicted together: alike views (one ``joint_key``) holding blocks on one medium, and
     what their predictions share (valid while the masks' version is unchanged)."""
 
-    __slots__ = ("medium", "views", "everyone", "no_hits", "hits", "hashing", "alignment", "chains", "spans")
+    __slots__ = ("medium", "views", "everyone", "no_hits", "hits", "hashing", "fast", "where")
 
     def __init__(self, medium: str, views: Sequence[ReplicaView]) -> None:
         first = views[0]
@@ -125,12 +117,11 @@ class JointGroup:
         (predictions are values; a router's requests keep landing on the same hit points)."""
         self.hashing = (first.scheme, rules.hash_block_size, bool(first.short_hashes))
         """How the views hash a request (``RequestKeys.hashes``' first, second and last arguments)."""
-        align = self.alignment = fast.alignment
-        self.chains = [((medium, g // SLOTS), g % SLOTS, size, align // size) for g, size in fast.chains]
-        """Per full-attention group: its map's key in the masks, the shift of its bits there, its block
-        size and its blocks per aligned point."""
-        self.spans = [((medium, g // SLOTS), g % SLOTS, size, align // size, need) for g, size, need in fast.spans]
-        """Per window or checkpoint group: the same, and the blocks it needs before a hit point."""
+        self.fast: FastHits = fast
+        """The views' hit rule (its fast form: the bitmask form's layout)."""
+        self.where = {g: ((medium, g // SLOTS), g % SLOTS, size)
+                      for g, size in [*fast.chains, *((g, size) for g, size, _ in fast.spans)]}
+        """Per group the rule reads: its map's key in the masks, the shift of its bits there, its block size."""
 
     def prediction(self, bit: int, point: int) -> Prediction:
         """The prediction of a ``point``-token hit on the medium for the view of ``bit``, shared."""
@@ -143,120 +134,29 @@ class JointGroup:
         return found
 
 
-def chain_reach(masks: list[int], replicas: int, step: int) -> list[int]:
-    """Per point ``q`` (0, 1, ...), the bits of ``replicas`` set in each of ``masks[:q * step]``: the
-    masks of a request's chain AND-ed in order, one in ``step``. Each is a subset of the one before."""
-    reach = list(accumulate(masks, and_, initial=replicas))
-    return reach if step == 1 else reach[::step]
-
-
-def chain_ends(reach: list[int]) -> dict[int, int]:
-    """Point -> the replicas whose reach (``chain_reach``) ends there, for points above 0.
-
-    A reach is a subset of the one before, so never a larger number: the end of each distinct
-    reach is found by bisection (keys negated to ascend), one per distinct reach."""
-    at: dict[int, int] = {}
-    n, end, bits = len(reach), 0, reach[0]
-    while True:
-        end = bisect_right(reach, -bits, end, key=neg)  # one past the last point ``bits`` reaches
-        after = reach[end] if end < n else 0
-        if end > 1:
-            at[end - 1] = bits & ~after
-        if not after:
-            return at
-        bits = after
-
-
-def settle_together(at: dict[int, int], spans: list[tuple[list[int], int, int, int]]) -> dict[int, int]:
-    """``FastHits.settle`` for the replicas of ``at`` (point -> the bits of the replicas there, points
-    in units of the hit alignment), the window and checkpoint groups read from masks: the bits
-    settled at each point. ``spans``: per span group, the masks of the request's blocks from the
-    first, the shift of the group's bits in them, its blocks per point and the blocks it needs
-    before a hit point.
-
-    A replica's settled hit is the longest point at most its start where every span group holds the
-    blocks it needs. Replicas at one point are checked together (one AND over a window's masks);
-    one that lacks a block moves to the next lower point that group accepts (``last_window``) and
-    is checked again there, in the next round, by every group."""
-    done: dict[int, int] = {}
-    while at:
-        moved: dict[int, int] = {}
-        for q, ok in at.items():
-            for masks, shift, k, need in spans:
-                e = q * k
-                want = ok << shift
-                held = reduce(and_, masks[e - need if e > need else 0 : e], want)
-                if held != want:
-                    lost = want ^ held
-                    while lost:
-                        bit = lost & -lost
-                        lost ^= bit
-                        end = last_window(bytes(map(bool, map(bit.__and__, masks[:e]))), e - 1, need, k)
-                        if end:
-                            moved[end // k] = moved.get(end // k, 0) | bit >> shift
-                    ok = held >> shift
-                    if not ok:
-                        break
-            if ok:
-                done[q] = done.get(q, 0) | ok
-        at = moved
-    return done
-
-
-def last_window(held: bytes, top: int, need: int, k: int) -> int:
-    """The largest end ``e <= top``, a positive multiple of ``k``, with ``held[max(0, e - need) : e]``
-    all ones (0: none). ``held`` has one byte per block, 1 where it is held.
-
-    Valid ends lie in runs of held blocks: in a run ``[start, stop)`` they are ``start + need ..
-    stop`` (``1 .. stop`` when the run starts at the first block). The runs are found from the top
-    down by searching the bytes, so a replica that lacks a long stretch of window blocks moves past
-    it in a few searches, not one block at a time."""
-    window = b"\x01" * need
-    while top > 0:
-        s = held.rfind(window, 0, top)  # the highest full window that ends at or below top
-        if s < 0:  # none: only the windows cut at the first block, within its leading run
-            gap = held.find(b"\x00", 0, top)
-            return (top if gap < 0 else gap) // k * k
-        start = held.rfind(b"\x00", 0, s) + 1
-        end = (s + need) // k * k
-        if end >= (start + need if start else 1):
-            return end
-        top = start - 1
-    return 0
-
-
 def predict_together(keys: RequestKeys, group: JointGroup, masks: ReplicaMasks) -> dict[str, Prediction]:
     """Per view of ``group`` (in its order), the hit its ``predict`` would find."""
     scheme, hbs, short = group.hashing
-    maps, align, everyone = masks.maps, group.alignment, group.everyone
+    maps, fast, everyone = masks.maps, group.fast, group.everyone
+    align = fast.alignment
     top = (keys.sequence.num_tokens - 1) // align  # hit points are 1 .. top alignments
-    found: dict[tuple[tuple[str, int], int], list[int]] = {}  # (map, block size) -> the request's masks
-    reach = [everyone]
-    for i, (key, shift, size, k) in enumerate(group.chains):
-        h = keys.hashes(scheme, hbs, size, short)
-        n = min(top * k, len(h))
-        held = maps.get(key, _NONE)
-        if n <= 0 or not held.get(h[0], 0) >> shift & everyone:
-            reach = [everyone]  # no replica holds the chain's first block: no hit
-            break
-        got = found[(key, size)] = list(map(held.get, h, repeat(0, n)))  # ``repeat`` bounds it to n
-        r = chain_reach(got, everyone << shift, k)
-        if shift:
-            r = [bits >> shift for bits in r]
-        reach = r if i == 0 else list(map(and_, reach, r))
-    at = chain_ends(reach)
-    if at and group.spans:
-        hi = max(at)
-        spans = []
-        for key, shift, size, k, need in group.spans:
-            known = found.get((key, size))  # a chain's masks at this size hold this group's bits too
-            if known is None:
-                known = list(map(maps.get(key, _NONE).get, keys.hashes(scheme, hbs, size, short), repeat(0, hi * k)))
-            spans.append((known, shift, k, need))
-        at = settle_together(at, spans)
     out = group.no_hits.copy()
+    key, shift, size = group.where[fast.chains[0][0]]
+    h = keys.hashes(scheme, hbs, size, short)
+    if top <= 0 or not h or not maps.get(key, _NONE).get(h[0], 0) >> shift & everyone:
+        return out  # no replica holds the chain's first block: no hit
+    found: dict[tuple[tuple[str, int], int], list[int]] = {}  # (map, block size) -> the request's masks
+
+    def held(g: int, n: int) -> tuple[list[int], int]:
+        key, shift, size = group.where[g]
+        got = found.get((key, size))  # a chain's masks at this size hold another group's bits too
+        if got is None:
+            got = found[(key, size)] = list(map(maps.get(key, _NONE).get, keys.hashes(scheme, hbs, size, short),
+                                                repeat(0, n)))  # ``repeat`` bounds it to n
+        return got, shift
+
     hits = group.hits
-    for q, bits in at.items():
+    for q, bits in hits_together(fast, everyone, top, held).items():
         point = q * align
         while bits:
             bit = bits & -bits

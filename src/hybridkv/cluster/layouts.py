@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridkv.cluster.fast_hits import FastHits
 from hybridkv.core import (
+    FastHits,
     FullAttentionSpec,
     HitRules,
     KVCacheGroup,

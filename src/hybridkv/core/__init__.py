@@ -7,7 +7,7 @@ these names are the core's public surface.
 
 from hybridkv.core.block_pool import NULL_BLOCK, AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KVCacheEvent
 from hybridkv.core.hashing import HASH_ALGORITHMS, BlockHasher, HashAlgorithm
-from hybridkv.core.hits import CacheHit, HitRules
+from hybridkv.core.hits import CacheHit, FastHits, HitRules, hits_together
 from hybridkv.core.layout import (
     CapacityReport,
     KVCacheGroup,
@@ -47,6 +47,7 @@ __all__ = [
     "ChunkedLocalAttentionSpec",
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
+    "FastHits",
     "FullAttentionSpec",
     "HashAlgorithm",
     "HitRules",
@@ -68,5 +69,6 @@ __all__ = [
     "StateStep",
     "WindowRetention",
     "capacity_report",
+    "hits_together",
     "plan_layout",
 ]

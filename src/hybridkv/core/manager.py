@@ -22,11 +22,11 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 
-from hybridkv.core._util import gather, gcd_all, lcm_all, page_by_page
+from hybridkv.core._util import gather, page_by_page
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool, KVCacheEvent
-from hybridkv.core.hashing import BlockHasher, HashAlgorithm
+from hybridkv.core.hashing import HashAlgorithm
 from hybridkv.core.hits import LOSS_CAUSES, CacheHit, HitRules, agreed_hit, hit_losses, verify_group_hit
-from hybridkv.core.kinds import KindManager, kind_manager_for
+from hybridkv.core.kinds import KindManager, KindRule, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
 from hybridkv.core.retention import RetentionPolicy, make_policy
 from hybridkv.core.sequence import Sequence
@@ -125,23 +125,24 @@ class KVCacheManager:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.policy = make_policy(retention)
-        self.hasher = BlockHasher(hash_algorithm)
+        self.rules = HitRules(layout, max_model_len, max_num_batched_tokens,
+                              enable_prefix_caching=self.enable_prefix_caching, hash_algorithm=hash_algorithm)
+        """The layout's hit rules without the pool (what another cache holding given hashes could serve):
+        the hashes, the hit alignment and the span of a hit are read there."""
+        self.hasher = self.rules.hasher
         self.pool = BlockPool(layout.num_blocks, len(layout.groups), enable_caching=self.enable_prefix_caching,
                               enable_events=enable_events, kept_tier=self.policy.kept_tier)
         self.groups: list[KindManager] = [
-            kind_manager_for(g.spec, i, self.pool, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, enable_caching=self.enable_prefix_caching)
-            for i, g in enumerate(layout.groups)
+            kind_manager_for(rule, self.pool, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len)
+            for rule in self.rules.groups
         ]
         caching = [g for g in self.groups if g.caching]
-        self.hash_block_size = gcd_all([g.block_size for g in caching]) or 1
+        self.hash_block_size = self.rules.hash_block_size
         """Granularity of the sequence's block hashes (every caching group's block size is a multiple)."""
-        self.hit_alignment = lcm_all([g.block_size for g in self.groups if g.constrains_hits])
+        self.hit_alignment = self.rules.hit_alignment
         """Every hit, local or external, is a multiple of this many tokens."""
         self.retainer = self.policy.build(self.pool, self.groups, self.block_hashes, self.hit_alignment)
-        self.rules = HitRules(layout, max_model_len, max_num_batched_tokens,
-                              enable_prefix_caching=self.enable_prefix_caching, hash_algorithm=hash_algorithm)
-        """The layout's hit rules without the pool (what another cache holding given hashes could serve)."""
         self._caching = caching
         # The pages of a recurrent state after its first: groups with the first's rules and table shape.
         # Their dropped blocks go to retention with the first's, in one call, index by index (a state's
@@ -222,7 +223,7 @@ class KVCacheManager:
     @property
     def caching_groups(self) -> list[int]:
         """Indices of the groups that keep a prefix cache."""
-        return [g.group for g in self._caching]
+        return list(self.rules.caching_groups)
 
     def blocks_needed_when_empty(self, num_tokens: int) -> int:
         """Blocks one sequence of ``num_tokens`` tokens holds at its peak: the admission bound,
@@ -273,24 +274,16 @@ class KVCacheManager:
         """Non-null blocks the sequence holds, over all groups (0 for one that holds none)."""
         return sum(g.held_blocks(seq_id) for g in self.groups) if seq_id in self._seqs else 0
 
-    def block_hashes(self, seq: Sequence, group: KindManager | int) -> list[bytes]:
+    def block_hashes(self, seq: Sequence, group: KindManager | KindRule | int) -> list[bytes]:
         """The sequence's full-block hashes at ``group``'s block size (empty for a group that keeps
         no prefix cache). The list is cached on the sequence: do not mutate it."""
-        g = group if isinstance(group, KindManager) else self.groups[group]
-        if not g.caching:
-            return []
-        base = seq.block_hashes(self.hasher, self.hash_block_size)
-        k = g.block_size // self.hash_block_size
-        # Chained hashes: the hash at the last sub-block fingerprints the whole larger block.
-        return base if k == 1 else base[k - 1 :: k]
+        return self.rules.block_hashes(seq, group if isinstance(group, int) else group.group)
 
     def hit_span(self, group: int, num_tokens: int) -> range:
         """Table indices of ``group`` a hit ending at token ``num_tokens`` must hold: all of them for
         full attention, the window for a sliding window, the current chunk for chunked-local
         attention, the state there for a recurrent group, none for a group that keeps no cache."""
-        g = self.groups[group]
-        first, end = g.hit_span(num_tokens) if g.caching or not g.constrains_hits else (0, 0)
-        return range(first, end)
+        return self.rules.hit_span(group, num_tokens)
 
     def registered_blocks(self, seq: Sequence, group: int, start_token: int, end_token: int
                           ) -> list[tuple[int, int, bytes]]:
@@ -321,7 +314,7 @@ class KVCacheManager:
     def hits_possible(self) -> bool:
         """Whether any hit can be longer than 0 tokens: prefix caching is on and every group that
         bounds hits keeps a cache (a recurrent group without checkpoints never resumes)."""
-        return bool(self._caching) and all(g.caching for g in self.groups if g.constrains_hits)
+        return self.rules.hits_possible
 
     def group_block_size(self, group: int) -> int:
         """Tokens one block of ``group`` covers."""
@@ -350,7 +343,7 @@ class KVCacheManager:
         max_hit = (seq.num_tokens - 1) // align * align
         index = self.pool.index
         tokens, full_hit, blocks = agreed_hit(
-            self.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group], max_hit, align
+            self.rules.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group], max_hit, align
         )
         return CacheHit(seq.seq_id, tokens, tuple(map(tuple, blocks)), full_hit, max_hit, self.pool.evictions,
                         self._token, self._content(seq, tokens))
@@ -360,7 +353,7 @@ class KVCacheManager:
         per cause (``hybridkv.core.hits.LOSS_CAUSES``)."""
         index = self.pool.index
         was_evicted = self.pool.was_evicted
-        return hit_losses(self.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group],
+        return hit_losses(self.rules.groups, lambda g: self.block_hashes(seq, g), lambda g: index[g.group],
                           hit.max_hit_tokens, self.hit_alignment,
                           lambda g, hashes: any(was_evicted(g.group, h) for h in hashes))
 
@@ -718,8 +711,8 @@ class KVCacheManager:
         if (hit.owner is self._token and hit.epoch == self.pool.evictions
                 and hit.content == self._content(seq, n)):
             return hit  # found here for this very content, nothing evicted since
-        for g, ids in zip(self.groups, hit.block_ids):
-            verify_group_hit(g, self.pool, self.block_hashes(seq, g), ids, n, f"sequence {sid!r}")
+        for rule, ids in zip(self.rules.groups, hit.block_ids):
+            verify_group_hit(rule, self.pool, self.block_hashes(seq, rule), ids, n, f"sequence {sid!r}")
         max_hit = (seq.num_tokens - 1) // align * align
         full = hit.full_hit_tokens if type(hit.full_hit_tokens) is int and n <= hit.full_hit_tokens <= max_hit else n
         return CacheHit(sid, n, tuple(tuple(ids) for ids in hit.block_ids), full, max_hit, self.pool.evictions,

@@ -1,12 +1,16 @@
-"""The per-group interface every kind implements, and the table bookkeeping most kinds share.
+"""The per-group interface every kind implements: a stateless rule, and the tables most kinds share.
 
-One ``KindManager`` per KV-cache group. It owns the group's block tables (one per sequence that
-holds blocks) and answers, for its kind of layer:
+One ``KindRule`` per KV-cache group says, for its kind of layer, what a hit is (no state, no pool:
+``HitRules`` holds only these):
 
 * ``find_longest_cache_hit`` -- the longest hit it can serve, given which hashes are cached (the
   device pool's index, or any other mapping: an external tier's contents, a replica's index);
 * ``hit_span`` -- the table indices a hit ending at a token must hold (what the next token reads);
-* ``skipped_tokens`` / ``drop_point`` -- the leading tokens its attention no longer reads;
+* ``skipped_tokens`` / ``drop_point`` -- the leading tokens its attention no longer reads.
+
+One ``KindManager`` per group of a ``KVCacheManager`` owns the group's block tables (one per
+sequence that holds blocks), following its rule:
+
 * ``plan_indices`` -- which table indices an allocation must give a fresh block;
 * ``register`` -- which full blocks enter the prefix cache, and when.
 
@@ -41,8 +45,9 @@ Indices = range | list[int]
 """Table indices, ascending."""
 
 
-class KindManager:
-    """Block tables of one group. Subclasses override the kind-specific rules."""
+class KindRule:
+    """What a hit of one group's kind is, and which leading tokens its attention no longer reads.
+    Stateless; subclasses override the kind-specific rules."""
 
     constrains_hits = True
     """Does the group's hit bound the hit all groups agree on?"""
@@ -54,34 +59,14 @@ class KindManager:
     the same step may resume from it), instead of when the step that computes them is allocated
     (attention: a step writes every layer's KV before any token of the step reads it)?"""
 
-    holds_lookahead = True
-    """Do lookahead (speculative) tokens get slots in this group? Recurrent state does not: the
-    state is written at the step's end, and draft tokens that are rejected would corrupt it."""
+    __slots__ = ("spec", "group", "block_size", "caching")
 
-    drops_blocks = False
-    """Does the kind stop reading leading blocks as a sequence grows (a window, a chunk, a superseded
-    state), so that allocations release them (``skipped_tokens``)?"""
-    prepares = False
-    """Does the kind note something about a sequence before its first allocation (``prepare``)?"""
-
-    __slots__ = ("spec", "group", "pool", "block_size", "bound", "caching", "tables", "num_cached", "num_dropped")
-
-    def __init__(self, spec: KVCacheSpec, group: int, pool: BlockPool | None, *, bound: int,
-                 enable_caching: bool) -> None:
+    def __init__(self, spec: KVCacheSpec, group: int, *, enable_caching: bool) -> None:
         self.spec = spec
         self.group = group
-        self.pool = pool  # None for a rules-only instance (hits against another index)
         self.block_size = spec.block_size
-        self.bound = bound
-        """``spec.max_blocks_per_request``: the most blocks a sequence holds here at once."""
         self.caching = enable_caching and spec.prefix_cacheable
-        self.tables: dict[str, list[int]] = {}
-        self.num_cached: dict[str, int] = {}
-        """Per sequence, the leading table entries whose registration is settled."""
-        self.num_dropped: dict[str, int] = {}
-        """Per sequence, the leading table entries already dropped (all null)."""
 
-    # ------------------------------------------------------------------ hit rules
     def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
                                max_tokens: int) -> tuple[int, list[int]]:
         """Longest hit of at most ``max_tokens`` tokens: (tokens, block ids with 0 for null).
@@ -95,6 +80,15 @@ class KindManager:
         """Block indices ``[first, end)`` whose content a hit ending at token ``boundary`` reads."""
         return 0, boundary // self.block_size
 
+    @property
+    def hit_reads(self) -> int | None:
+        """How many blocks before a hit point decide a hit there, when nothing else does: a hit at
+        block boundary ``e`` is one exactly when blocks ``[max(0, e - hit_reads), e)`` are all held
+        (``NEVER``: every block from the first, full attention's chain). None when the kind's hit
+        has another shape (a chunk) or is none. The fast and bitmask forms of the hit rule
+        (``hybridkv.core.hits``) mirror only kinds that say."""
+        return None
+
     def skipped_tokens(self, num_computed: int) -> int:
         """Leading tokens the attention of the next token no longer reads."""
         return 0
@@ -102,6 +96,57 @@ class KindManager:
     def drop_point(self, index: int) -> int:
         """Fewest computed tokens at which table entry ``index`` is skipped (``NEVER`` if never)."""
         return NEVER
+
+
+class KindManager:
+    """Block tables of one group, following its kind's rule (``rule``). Subclasses override the
+    kind-specific table rules."""
+
+    holds_lookahead = True
+    """Do lookahead (speculative) tokens get slots in this group? Recurrent state does not: the
+    state is written at the step's end, and draft tokens that are rejected would corrupt it."""
+
+    drops_blocks = False
+    """Does the kind stop reading leading blocks as a sequence grows (a window, a chunk, a superseded
+    state), so that allocations release them (``skipped_tokens``)?"""
+    prepares = False
+    """Does the kind note something about a sequence before its first allocation (``prepare``)?"""
+
+    __slots__ = ("rule", "spec", "group", "pool", "block_size", "bound", "caching", "constrains_hits",
+                 "downward_closed", "registers_when_computed", "tables", "num_cached", "num_dropped")
+
+    def __init__(self, rule: KindRule, pool: BlockPool, *, bound: int) -> None:
+        self.rule = rule
+        """The group's hit rule (the manager's ``HitRules`` holds the same one)."""
+        self.spec = rule.spec
+        self.group = rule.group
+        self.pool = pool
+        self.block_size = rule.block_size
+        self.bound = bound
+        """``spec.max_blocks_per_request``: the most blocks a sequence holds here at once."""
+        self.caching = rule.caching
+        self.constrains_hits = rule.constrains_hits
+        self.downward_closed = rule.downward_closed
+        self.registers_when_computed = rule.registers_when_computed
+        """The rule's traits, read where the tables are (``KindRule``)."""
+        self.tables: dict[str, list[int]] = {}
+        self.num_cached: dict[str, int] = {}
+        """Per sequence, the leading table entries whose registration is settled."""
+        self.num_dropped: dict[str, int] = {}
+        """Per sequence, the leading table entries already dropped (all null)."""
+
+    # ------------------------------------------------------------------ the rule
+    def hit_span(self, boundary: int) -> tuple[int, int]:
+        """The rule's ``hit_span``."""
+        return self.rule.hit_span(boundary)
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        """The rule's ``skipped_tokens``."""
+        return self.rule.skipped_tokens(num_computed)
+
+    def drop_point(self, index: int) -> int:
+        """The rule's ``drop_point``."""
+        return self.rule.drop_point(index)
 
     # ------------------------------------------------------------------ tables
     def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
@@ -132,7 +177,7 @@ class KindManager:
 
     def adoptable(self, hit_blocks: list[int], num_computed: int) -> list[int]:
         """The hit blocks a new sequence keeps once ``num_computed`` tokens (hit + external) are in."""
-        skipped = min(self.skipped_tokens(num_computed) // self.block_size, len(hit_blocks))
+        skipped = min(self.rule.skipped_tokens(num_computed) // self.block_size, len(hit_blocks))
         return [NULL_BLOCK] * skipped + hit_blocks[skipped:] if skipped else hit_blocks
 
     def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,
@@ -151,7 +196,7 @@ class KindManager:
 
     def _new_indices(self, length: int, num_computed: int, num_tokens: int) -> Indices:
         """Indices past ``length`` that need a real block to hold ``num_tokens`` slots."""
-        first = max(length, self.skipped_tokens(num_computed) // self.block_size)
+        first = max(length, self.rule.skipped_tokens(num_computed) // self.block_size)
         return range(first, cdiv(num_tokens, self.block_size))
 
     def adopt(self, seq_id: str, blocks: list[int]) -> None:
@@ -166,7 +211,6 @@ class KindManager:
         if not indices:
             return []
         pool = self.pool
-        assert pool is not None
         new = pool.allocate(len(indices), allow_reserved=allow_reserved)
         if isinstance(indices, range):
             table.extend([NULL_BLOCK] * (indices.start - len(table)))
@@ -182,7 +226,7 @@ class KindManager:
 
         The caller releases the returned blocks (through the retention policy).
         """
-        skipped = self.skipped_tokens(num_computed)
+        skipped = self.rule.skipped_tokens(num_computed)
         if not skipped:
             return []
         table = self.tables.get(seq_id)
@@ -206,7 +250,7 @@ class KindManager:
             registered = (self.num_cached[seq_id] + 1) * bs - 1  # past it, a full block to register
             limit = registered if registered < limit else limit
         # A step reaching ``dropped`` slots has computed at most dropped - 1 tokens: nothing to drop yet.
-        dropped = self.drop_point(self.num_dropped.get(seq_id, 0))
+        dropped = self.rule.drop_point(self.num_dropped.get(seq_id, 0))
         return dropped if dropped < limit else limit
 
     def register(self, seq_id: str, hashes: list[bytes], num_computed: int, num_tokens: int,
@@ -222,7 +266,6 @@ class KindManager:
         if end <= start:
             return
         pool = self.pool
-        assert pool is not None
         block_hash = pool.block_hash
         blocks = table[start:end]
         runs: list[Seq[int]]

@@ -5,21 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hybridkv.core._util import cdiv
-from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
-from hybridkv.core.kinds.base import KindManager, scan_left_to_right
+from hybridkv.core.block_pool import NULL_BLOCK
+from hybridkv.core.kinds.base import KindManager, KindRule, scan_left_to_right
 from hybridkv.core.specs import ChunkedLocalAttentionSpec
 
 
-class ChunkedLocalAttentionManager(KindManager):
+class ChunkedLocalAttentionRule(KindRule):
     """Blocks before the current chunk are null in a hit; the chunk's blocks must be cached."""
-
-    drops_blocks = True
 
     __slots__ = ("chunk",)
 
-    def __init__(self, spec: ChunkedLocalAttentionSpec, group: int, pool: BlockPool | None, *, bound: int,
-                 enable_caching: bool) -> None:
-        super().__init__(spec, group, pool, bound=bound, enable_caching=enable_caching)
+    def __init__(self, spec: ChunkedLocalAttentionSpec, group: int, *, enable_caching: bool) -> None:
+        super().__init__(spec, group, enable_caching=enable_caching)
         self.chunk = spec.attention_chunk_size
 
     def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
@@ -38,3 +35,10 @@ class ChunkedLocalAttentionManager(KindManager):
 
     def drop_point(self, index: int) -> int:
         return cdiv((index + 1) * self.block_size, self.chunk) * self.chunk
+
+
+class ChunkedLocalAttentionManager(KindManager):
+    """The tables of a chunked-local group: blocks of finished chunks are dropped."""
+
+    drops_blocks = True
+    __slots__ = ()

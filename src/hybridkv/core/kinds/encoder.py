@@ -7,26 +7,16 @@ from collections.abc import Sequence as Seq
 
 from hybridkv.core._util import cdiv
 from hybridkv.core.block_pool import BlockPool
-from hybridkv.core.kinds.base import NEVER, NOTHING, Indices, KindManager
+from hybridkv.core.kinds.base import NEVER, NOTHING, Indices, KindManager, KindRule
 from hybridkv.core.sequence import Sequence
-from hybridkv.core.specs import KVCacheSpec
 
 
-class CrossAttentionManager(KindManager):
-    """Cross attention: blocks for the encoder tokens, allocated once, never prefix-cached.
-
-    It does not constrain decoder-side hits: its KV comes from the encoder pass.
-    """
-
-    prepares = True
+class EncoderRule(KindRule):
+    """Cross attention and encoder-only attention: their KV comes from the encoder pass (or there is
+    none), so they do not constrain decoder-side hits and a hit reads none of their blocks."""
 
     constrains_hits = False
-    __slots__ = ("encoder_tokens",)
-
-    def __init__(self, spec: KVCacheSpec, group: int, pool: BlockPool | None, *, bound: int,
-                 enable_caching: bool) -> None:
-        super().__init__(spec, group, pool, bound=bound, enable_caching=enable_caching)
-        self.encoder_tokens: dict[str, int] = {}
+    __slots__ = ()
 
     def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
                                max_tokens: int) -> tuple[int, list[int]]:
@@ -34,6 +24,17 @@ class CrossAttentionManager(KindManager):
 
     def hit_span(self, boundary: int) -> tuple[int, int]:
         return 0, 0
+
+
+class CrossAttentionManager(KindManager):
+    """Cross attention: blocks for the encoder tokens, allocated once, never prefix-cached."""
+
+    prepares = True
+    __slots__ = ("encoder_tokens",)
+
+    def __init__(self, rule: KindRule, pool: BlockPool, *, bound: int) -> None:
+        super().__init__(rule, pool, bound=bound)
+        self.encoder_tokens: dict[str, int] = {}
 
     def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
         self.encoder_tokens[seq.seq_id] = seq.num_encoder_tokens
@@ -57,17 +58,9 @@ class CrossAttentionManager(KindManager):
 
 
 class EncoderOnlyManager(KindManager):
-    """Encoder-only attention: no KV cache, no blocks, no constraint on hits."""
+    """Encoder-only attention: no KV cache, no blocks."""
 
-    constrains_hits = False
     __slots__ = ()
-
-    def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
-                               max_tokens: int) -> tuple[int, list[int]]:
-        return max_tokens, []
-
-    def hit_span(self, boundary: int) -> tuple[int, int]:
-        return 0, 0
 
     def _new_indices(self, length: int, num_computed: int, num_tokens: int) -> Indices:
         return NOTHING

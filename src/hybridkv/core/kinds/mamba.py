@@ -41,33 +41,23 @@ from collections.abc import Sequence as Seq
 
 from hybridkv.core._util import cdiv
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
-from hybridkv.core.kinds.base import NEVER, NOTHING, Indices, KindManager
+from hybridkv.core.kinds.base import NEVER, NOTHING, Indices, KindManager, KindRule
 from hybridkv.core.sequence import Sequence
 from hybridkv.core.specs import MambaSpec
 from hybridkv.errors import InvalidInputError
 
 
-class MambaManager(KindManager):
-    """Recurrent state with checkpoints (modes ``align`` and ``all``)."""
+class MambaRule(KindRule):
+    """Recurrent state with checkpoints (modes ``align`` and ``all``): a hit is the latest state cached."""
 
     registers_when_computed = True
-    holds_lookahead = False
-    drops_blocks = True
-    prepares = True
-    __slots__ = ("align", "checkpoint_blocks", "plans", "pending")
+    __slots__ = ("align",)
 
-    def __init__(self, spec: MambaSpec, group: int, pool: BlockPool | None, *, bound: int,
-                 enable_caching: bool) -> None:
-        super().__init__(spec, group, pool, bound=bound, enable_caching=enable_caching)
+    def __init__(self, spec: MambaSpec, group: int, *, enable_caching: bool) -> None:
+        super().__init__(spec, group, enable_caching=enable_caching)
         self.align = spec.mode == "align"
-        self.checkpoint_blocks = spec.checkpoint_blocks
-        self.plans: dict[str, list[tuple[int, int]]] = {}
-        """Per sequence (align mode), ``(position, rank)`` of the checkpoints still ahead, ascending by
-        position; rank 0 is a junction, 1 the prompt's end, 2 an interval checkpoint."""
-        self.pending: dict[str, list[int]] = {}
-        """Per sequence, table indices written by a step and registered once it is computed."""
+        """Mode ``align``: a sequence drops the states it no longer reads (mode ``all`` keeps every one)."""
 
-    # ------------------------------------------------------------------ hit rules
     def find_longest_cache_hit(self, hashes: list[bytes], cached: Mapping[bytes, int],
                                max_tokens: int) -> tuple[int, list[int]]:
         get = cached.get
@@ -81,11 +71,36 @@ class MambaManager(KindManager):
         end = boundary // self.block_size
         return max(0, end - 1), end
 
+    @property
+    def hit_reads(self) -> int | None:
+        return 1 if self.align else None
+
     def skipped_tokens(self, num_computed: int) -> int:
         return max(0, num_computed - 1) if self.align else 0
 
     def drop_point(self, index: int) -> int:
         return (index + 1) * self.block_size + 1 if self.align else NEVER
+
+
+class MambaManager(KindManager):
+    """The tables of a recurrent group with checkpoints (modes ``align`` and ``all``)."""
+
+    holds_lookahead = False
+    drops_blocks = True
+    prepares = True
+    __slots__ = ("align", "checkpoint_blocks", "plans", "pending")
+
+    def __init__(self, rule: MambaRule, pool: BlockPool, *, bound: int) -> None:
+        super().__init__(rule, pool, bound=bound)
+        self.align = rule.align
+        spec = rule.spec
+        assert isinstance(spec, MambaSpec)
+        self.checkpoint_blocks = spec.checkpoint_blocks
+        self.plans: dict[str, list[tuple[int, int]]] = {}
+        """Per sequence (align mode), ``(position, rank)`` of the checkpoints still ahead, ascending by
+        position; rank 0 is a junction, 1 the prompt's end, 2 an interval checkpoint."""
+        self.pending: dict[str, list[int]] = {}
+        """Per sequence, table indices written by a step and registered once it is computed."""
 
     # ------------------------------------------------------------------ allocation
     @property
@@ -173,7 +188,6 @@ class MambaManager(KindManager):
             return
         table = self.tables[seq_id]
         pool = self.pool
-        assert pool is not None
         block_hash = pool.block_hash
         still: list[int] = []
         for i in pending:
@@ -225,8 +239,8 @@ class MambaManager(KindManager):
             assert table[-1] != NULL_BLOCK, f"sequence {seq_id!r} group {self.group}: no running state"
 
 
-class MambaNoCacheManager(KindManager):
-    """Recurrent state without checkpoints (mode ``none``): one block per sequence, no hits."""
+class MambaNoCacheRule(KindRule):
+    """Recurrent state without checkpoints (mode ``none``): no hits."""
 
     __slots__ = ()
 
@@ -236,6 +250,12 @@ class MambaNoCacheManager(KindManager):
 
     def hit_span(self, boundary: int) -> tuple[int, int]:
         return 0, 0
+
+
+class MambaNoCacheManager(KindManager):
+    """Recurrent state without checkpoints (mode ``none``): one block per sequence."""
+
+    __slots__ = ()
 
     def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,
                      num_tokens: int) -> Indices:

@@ -5,21 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hybridkv.core._util import cdiv
-from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
-from hybridkv.core.kinds.base import KindManager
+from hybridkv.core.block_pool import NULL_BLOCK
+from hybridkv.core.kinds.base import KindManager, KindRule
 from hybridkv.core.specs import SlidingWindowSpec
 
 
-class SlidingWindowManager(KindManager):
+class SlidingWindowRule(KindRule):
     """A hit at L needs only the ``cdiv(W - 1, block_size)`` blocks before L (the window)."""
-
-    drops_blocks = True
 
     __slots__ = ("window", "contiguous")
 
-    def __init__(self, spec: SlidingWindowSpec, group: int, pool: BlockPool | None, *, bound: int,
-                 enable_caching: bool) -> None:
-        super().__init__(spec, group, pool, bound=bound, enable_caching=enable_caching)
+    def __init__(self, spec: SlidingWindowSpec, group: int, *, enable_caching: bool) -> None:
+        super().__init__(spec, group, enable_caching=enable_caching)
         self.window = spec.sliding_window
         self.contiguous = cdiv(spec.sliding_window - 1, spec.block_size)
 
@@ -48,8 +45,19 @@ class SlidingWindowManager(KindManager):
         end = boundary // self.block_size
         return max(0, end - self.contiguous), end
 
+    @property
+    def hit_reads(self) -> int | None:
+        return max(1, self.contiguous)  # a window of one token still needs the block it ends in
+
     def skipped_tokens(self, num_computed: int) -> int:
         return max(0, num_computed - self.window + 1)
 
     def drop_point(self, index: int) -> int:
         return (index + 1) * self.block_size + self.window - 1
+
+
+class SlidingWindowManager(KindManager):
+    """The tables of a sliding-window group: blocks behind the window are dropped."""
+
+    drops_blocks = True
+    __slots__ = ()

@@ -1,37 +1,29 @@
-"""The agreed hit of a layout of the stock kinds, as a length only, for an index's hot path.
+"""The fast form of the hit rule: the agreed hit as a length only, for an index's hot path.
 
 ``HitRules.longest_hit`` runs the kinds' ``find_longest_cache_hit``, which also builds the block
 ids of the hit (a pool needs them, an index does not). ``FastHits`` answers the same length for
-layouts whose constraining groups are all stock full attention, sliding window or Mamba (align)
-kinds, with the membership tests done by ``map`` over the request's hashes (no Python frame per
-block). It is the same fixed point as ``agreed_hit``:
+layouts whose constraining groups all decide a hit by the blocks before it alone (``hit_reads``:
+full attention, sliding window, Mamba in align mode), with the membership tests done by ``map``
+over the request's hashes (no Python frame per block). It is the same fixed point as ``agreed_hit``:
 
 * full attention: the first block not held ends the chain;
-* a sliding window (``contiguous`` blocks) ending at block ``e`` needs blocks
-  ``[max(0, e - contiguous), e)``; a Mamba checkpoint at ``e`` needs block ``e - 1`` (one block):
-  the longest such ``e`` within the bound. A block missing at ``j`` rules out every end in
-  ``(j, e]``, so the next candidate end is ``j``.
+* a group that reads ``need`` blocks ending at block ``e`` needs blocks ``[max(0, e - need), e)``
+  (a window: its blocks; a Mamba checkpoint: block ``e - 1``): the longest such ``e`` within the
+  bound. A block missing at ``j`` rules out every end in ``(j, e]``, so the next candidate end is ``j``.
 
 ``FastHits.for_rules`` returns None for any other layout (the caller keeps ``HitRules``).
-``tests/test_cluster_fast_hits.py`` checks both agree on random caches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from hybridkv.core import HitRules
-from hybridkv.core.kinds.full import FullAttentionManager
-from hybridkv.core.kinds.mamba import MambaManager
-from hybridkv.core.kinds.sliding_window import SlidingWindowManager
-
-
-def _stock(g: object, cls: type) -> bool:
-    return type(g).find_longest_cache_hit is cls.find_longest_cache_hit  # type: ignore[attr-defined]
+from hybridkv.core.hits.rule import HitRules
+from hybridkv.core.kinds.base import NEVER
 
 
 class FastHits:
-    """The hit length for a layout of stock kinds (see the module docstring)."""
+    """The hit length for a layout whose kinds say what a hit reads (see the module docstring)."""
 
     __slots__ = ("alignment", "chains", "spans")
 
@@ -44,7 +36,8 @@ class FastHits:
 
     @classmethod
     def for_rules(cls, rules: HitRules) -> FastHits | None:
-        """The fast form of ``rules``, or None when a constraining group is not a stock kind."""
+        """The fast form of ``rules``, or None when a constraining group's hit is not decided by the
+        blocks before it alone (``KindRule.hit_reads``)."""
         if not rules.hits_possible:
             return None
         chains: list[tuple[int, int]] = []
@@ -52,14 +45,13 @@ class FastHits:
         for g in rules.groups:
             if not g.constrains_hits:
                 continue
-            if _stock(g, FullAttentionManager) and g.downward_closed:
-                chains.append((g.group, g.block_size))
-            elif _stock(g, SlidingWindowManager) and not g.downward_closed:
-                spans.append((g.group, g.block_size, max(1, int(g.contiguous))))  # type: ignore[attr-defined]
-            elif _stock(g, MambaManager) and g.align and not g.downward_closed:  # type: ignore[attr-defined]
-                spans.append((g.group, g.block_size, 1))
-            else:
+            need = g.hit_reads
+            if need is None or g.downward_closed != (need == NEVER):
                 return None
+            if g.downward_closed:
+                chains.append((g.group, g.block_size))
+            else:
+                spans.append((g.group, g.block_size, need))
         return cls(rules.hit_alignment, chains, spans)
 
     def longest_hit(self, num_tokens: int, held: Mapping[int, Mapping[bytes, object]],

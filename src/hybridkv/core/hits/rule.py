@@ -1,4 +1,4 @@
-"""The prefix hit every group agrees on.
+"""The hit rule: the prefix hit every group agrees on (``agreed_hit``), with block ids.
 
 Hits of different kinds are not alike: full attention's hit is downward-closed (a hit at L is a
 hit at every shorter length), a sliding window's or a recurrent state's is not (a hit at L says
@@ -7,10 +7,10 @@ upper bound once, then the other groups are re-queried whenever the bound shrink
 pass changes nothing. Every length is rounded to the *hit alignment*, a boundary every group's
 block size divides.
 
-``agreed_hit`` is the one implementation of that rule. The manager runs it against the device
-pool's index; external tiers and cluster indexes run it against what they hold, so a hit means
-the same everywhere. ``verify_group_hit`` checks a hit the manager did not just find (from another
-manager, hand-built, stale) against the pool, group by group, before anything is adopted.
+The manager runs ``agreed_hit`` against the device pool's index; external tiers and cluster
+indexes run it (or its fast forms, ``fast.py`` and ``masks.py``) against what they hold, so a hit
+means the same everywhere. ``verify_group_hit`` checks a hit the manager did not just find (from
+another manager, hand-built, stale) against the pool, group by group, before anything is adopted.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from hybridkv.core._util import gcd_all, lcm_all
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.hashing import BlockHasher, HashAlgorithm
-from hybridkv.core.kinds import KindManager, kind_manager_for
+from hybridkv.core.kinds import KindRule, kind_rule_for
 from hybridkv.core.layout import KVCacheLayout
 from hybridkv.core.sequence import Sequence as KVSequence
 from hybridkv.errors import InvalidInputError
@@ -62,15 +62,15 @@ group lacks blocks the hit reads (dropped, then evicted); a recurrent group lack
 because eviction took it, or because no step ever checkpointed it there."""
 
 
-def hit_losses(groups: Sequence[KindManager], hashes: Callable[[KindManager], list[bytes]],
-               cached: Callable[[KindManager], Mapping[bytes, int]], max_hit: int, alignment: int,
-               evicted: Callable[[KindManager, list[bytes]], bool]) -> dict[str, int]:
+def hit_losses(groups: Sequence[KindRule], hashes: Callable[[KindRule], list[bytes]],
+               cached: Callable[[KindRule], Mapping[bytes, int]], max_hit: int, alignment: int,
+               evicted: Callable[[KindRule, list[bytes]], bool]) -> dict[str, int]:
     """Why the agreed hit stops short of the full-attention match: ``agreed_hit``'s cuts, each
     attributed to its cause (``{cause: tokens}``, summing to the gap). ``evicted(g, hashes)`` says
     whether eviction took any of a recurrent group's states at those block hashes."""
     losses: dict[str, int] = {}
 
-    def record(g: KindManager, bound: int, cut: int) -> None:
+    def record(g: KindRule, bound: int, cut: int) -> None:
         if not g.registers_when_computed:
             cause = "window_evicted"
         else:
@@ -82,9 +82,9 @@ def hit_losses(groups: Sequence[KindManager], hashes: Callable[[KindManager], li
     return losses
 
 
-def agreed_hit(groups: Sequence[KindManager], hashes: Callable[[KindManager], list[bytes]],
-               cached: Callable[[KindManager], Mapping[bytes, int]], max_hit: int, alignment: int,
-               on_cut: Callable[[KindManager, int, int], None] | None = None
+def agreed_hit(groups: Sequence[KindRule], hashes: Callable[[KindRule], list[bytes]],
+               cached: Callable[[KindRule], Mapping[bytes, int]], max_hit: int, alignment: int,
+               on_cut: Callable[[KindRule, int, int], None] | None = None
                ) -> tuple[int, int, list[list[int]]]:
     """The longest prefix of at most ``max_hit`` tokens every group can serve.
 
@@ -96,7 +96,7 @@ def agreed_hit(groups: Sequence[KindManager], hashes: Callable[[KindManager], li
     """
     found: dict[int, list[int]] = {}
     bound = max_hit
-    rest: list[KindManager] = []
+    rest: list[KindRule] = []
     for g in groups:
         if not g.constrains_hits:
             continue
@@ -126,7 +126,7 @@ def agreed_hit(groups: Sequence[KindManager], hashes: Callable[[KindManager], li
     return bound, full_hit, blocks_per_group
 
 
-def verify_group_hit(g: KindManager, pool: BlockPool, hashes: list[bytes], ids: object, num_tokens: int,
+def verify_group_hit(g: KindRule, pool: BlockPool, hashes: list[bytes], ids: object, num_tokens: int,
                      owner: str) -> None:
     """Raise ``InvalidInputError`` unless ``ids`` is what group ``g`` reads for a hit of ``num_tokens``
     tokens (null before the group's span, real blocks in it) and every block in the span holds the
@@ -156,17 +156,18 @@ def verify_group_hit(g: KindManager, pool: BlockPool, hashes: list[bytes], ids: 
 class HitRules:
     """The hit rules of a layout, without a pool: how much of a sequence a cache holding given block
     hashes per group could serve. External tiers and cluster indexes use it to answer "what would
-    this cache hit?" exactly as a ``KVCacheManager`` with the same layout would.
+    this cache hit?" exactly as a ``KVCacheManager`` with the same layout would; the manager holds
+    one (``KVCacheManager.rules``), and its groups' tables follow the same rules.
+
+    The rules of a kind do not depend on ``max_model_len`` or ``max_num_batched_tokens`` (they bound
+    a manager's tables): they are taken so that the rules are built as the manager is.
     """
 
     def __init__(self, layout: KVCacheLayout, max_model_len: int, max_num_batched_tokens: int | None = None, *,
                  enable_prefix_caching: bool = True, hash_algorithm: HashAlgorithm = "sha256") -> None:
-        mnbt = max_num_batched_tokens or max_model_len
         self.layout = layout
-        self.groups: list[KindManager] = [
-            kind_manager_for(g.spec, i, None, max_num_batched_tokens=mnbt, max_model_len=max_model_len,
-                             enable_caching=enable_prefix_caching)
-            for i, g in enumerate(layout.groups)
+        self.groups: list[KindRule] = [
+            kind_rule_for(g.spec, i, enable_caching=enable_prefix_caching) for i, g in enumerate(layout.groups)
         ]
         caching = [g for g in self.groups if g.caching]
         self.caching_groups = [g.group for g in caching]
@@ -177,12 +178,14 @@ class HitRules:
         self.hits_possible = bool(caching) and all(g.caching for g in self.groups if g.constrains_hits)
 
     def block_hashes(self, seq: KVSequence, group: int) -> list[bytes]:
-        """The sequence's full-block hashes at ``group``'s block size (empty without a cache)."""
+        """The sequence's full-block hashes at ``group``'s block size (empty without a cache). The list
+        is cached on the sequence: do not mutate it."""
         g = self.groups[group]
         if not g.caching:
             return []
         base = seq.block_hashes(self.hasher, self.hash_block_size)
         k = g.block_size // self.hash_block_size
+        # Chained hashes: the hash at the last sub-block fingerprints the whole larger block.
         return base if k == 1 else base[k - 1 :: k]
 
     def hit_span(self, group: int, num_tokens: int) -> range:
@@ -206,7 +209,7 @@ class HitRules:
         of = hashes or (lambda group: self.block_hashes(seq, group))
         empty: dict[bytes, Any] = {}
 
-        def held(g: KindManager) -> Mapping[bytes, Any]:
+        def held(g: KindRule) -> Mapping[bytes, Any]:
             have = cached.get(g.group, empty)
             if not start:
                 return have
