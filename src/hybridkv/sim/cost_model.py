@@ -78,7 +78,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from hybridkv.errors import InvalidInputError
 from hybridkv.planning import get_preset
@@ -112,6 +112,7 @@ VOCAB: dict[str, tuple[int, bool]] = {
 """Vocabulary facts for ``lm_head="per_sample"`` when a preset's config lacks ``vocab_size``."""
 
 LMHead = Literal["per_token", "per_sample"]
+WindowKernel = Literal["exact", "masked"]
 
 STATE_DTYPE_BYTES = 2
 """Recurrent states stay in the model dtype (bf16), as in ``layer_specs``."""
@@ -152,13 +153,37 @@ class Efficiency:
     """All-reduce cost per layer per step when tensor_parallel_size > 1, >= 0."""
     sample_overhead_s: float = 0.0
     """Fixed cost per sequence that samples in a step (its logits row, the sampler), >= 0."""
+    attention_compute: float | None = None
+    """Fraction of peak FLOP/s the attention kernels reach, in (0, 1]; ``None``: the one-roofline
+    model (attention shares the matmuls' roof and efficiency; the fields below are then unused)."""
+    gemm_m_half: float = 0.0
+    """Tokens in a step at which the matmuls reach half of ``compute`` (``eff(M) = compute * M / (M
+    + gemm_m_half)``), >= 0; step-shaped model only."""
+    launch_s_per_layer: float = 0.0
+    """GPU time per layer between and around kernels in an eager step (launch gaps), >= 0."""
+    graph_launch_s_per_layer: float = 0.0
+    """The same under a CUDA graph (a decode-only step when ``cuda_graphs``), >= 0."""
+    host_s_per_layer: float = 0.0
+    """Host (Python, dispatch) time per layer of an eager step: an eager step takes at least
+    ``num_layers`` times this (the GPU waits for its launches), >= 0."""
+    cuda_graphs: bool = False
+    """Whether decode-only steps replay a CUDA graph (as vLLM does by default)."""
+
+    @property
+    def step_shaped(self) -> bool:
+        """Whether this is the step-shaped model (``attention_compute`` set) rather than one roofline."""
+        return self.attention_compute is not None
 
     def __post_init__(self) -> None:
         for name in ("compute", "memory"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise InvalidInputError(f"Efficiency.{name} must be in (0, 1], got {value}")
-        for name in ("step_overhead_s", "tp_overhead_s_per_layer", "sample_overhead_s"):
+        if self.attention_compute is not None and not 0 < self.attention_compute <= 1:
+            raise InvalidInputError(f"Efficiency.attention_compute must be in (0, 1] or None, "
+                                    f"got {self.attention_compute}")
+        for name in ("step_overhead_s", "tp_overhead_s_per_layer", "sample_overhead_s", "gemm_m_half",
+                     "launch_s_per_layer", "graph_launch_s_per_layer", "host_s_per_layer"):
             value = getattr(self, name)
             if not value >= 0:
                 raise InvalidInputError(f"Efficiency.{name} must be >= 0, got {value}")
@@ -254,10 +279,19 @@ class CostModel:
     """Output-projection parameters run once per sampled sequence (0: counted per token, the generic roofline)."""
     embedding_params: float = 0.0
     """Input-embedding parameters apart from the head (a lookup: no FLOPs, not read in full)."""
+    window_kernel: WindowKernel = "exact"
+    """How a sliding-window layer's prefill chunk is computed: ``exact`` (each query sees its last
+    ``window`` keys, as a windowed kernel does) or ``masked`` (the window's cached keys plus the
+    whole chunk under a causal mask, as PyTorch SDPA with a causal mask does: what the measuring
+    scripts run)."""
+    efficiency_source: str = "data sheet"
+    """Where ``efficiency`` comes from, for reports: ``data sheet`` (the defaults on the GPU's
+    data-sheet peaks), ``calibrated profile ...`` or ``fitted to ...``."""
 
     # Per-call constants, derived in __post_init__.
     _flops_per_token: float = field(init=False, repr=False, compare=False)
     _seconds_per_flop: float = field(init=False, repr=False, compare=False)
+    _seconds_per_attention_flop: float = field(init=False, repr=False, compare=False)
     _seconds_per_byte: float = field(init=False, repr=False, compare=False)
     _seconds_per_tier_byte: float = field(init=False, repr=False, compare=False)
     _forward_overhead_s: float = field(init=False, repr=False, compare=False)
@@ -282,7 +316,10 @@ class CostModel:
         setattr_ = object.__setattr__
         setattr_(self, "_flops_per_token", 2.0 * (self.active_params - vocab) / tp
                  + self.layers.recurrent_flops_per_token)
+        if self.window_kernel not in ("exact", "masked"):
+            raise InvalidInputError(f"window_kernel must be 'exact' or 'masked', got {self.window_kernel!r}")
         setattr_(self, "_seconds_per_flop", 1.0 / (hw.bf16_flops * eff.compute))
+        setattr_(self, "_seconds_per_attention_flop", 1.0 / (hw.bf16_flops * (eff.attention_compute or eff.compute)))
         setattr_(self, "_seconds_per_byte", 1.0 / (hw.bandwidth * eff.memory))
         setattr_(self, "_seconds_per_tier_byte", 1.0 / self.tier_bandwidth if self.tier_bandwidth else 0.0)
         setattr_(self, "_forward_overhead_s", self.num_layers * eff.tp_overhead_s_per_layer if tp > 1 else 0.0)
@@ -376,48 +413,97 @@ class CostModel:
 
     # ------------------------------------------------------------------ step cost
 
-    def step_time(self, work: Sequence[SeqWork], extra_load_s: float = 0.0) -> float:
+    def step_time(self, work: Sequence[SeqWork], extra_load_s: float = 0.0, *, graph: bool | None = None) -> float:
         """Seconds one engine step takes to run ``work`` (one entry per scheduled sequence), plus
-        ``extra_load_s`` of external-tier loads timed by the caller (not overlapped)."""
-        flops, nbytes, load_bytes, tokens, sampled = self._totals(work)
-        t = self.efficiency.step_overhead_s + load_bytes * self._seconds_per_tier_byte + extra_load_s
-        if tokens:
-            compute = flops * self._seconds_per_flop
-            memory = nbytes * self._seconds_per_byte
-            t += ((compute if compute > memory else memory) + self._forward_overhead_s
-                  + sampled * self.efficiency.sample_overhead_s)
-        return t
+        ``extra_load_s`` of external-tier loads timed by the caller (not overlapped). ``graph``:
+        whether the step replays a CUDA graph (step-shaped model only); ``None``: a decode-only
+        step does when ``efficiency.cuda_graphs``."""
+        return self._time(self._totals(work), extra_load_s, graph)
 
-    def breakdown(self, work: Sequence[SeqWork], extra_load_s: float = 0.0) -> dict[str, float]:
-        """``step_time``'s parts: ``compute_s``, ``memory_s`` (the larger counts), ``overhead_s`` (step
-        and TP), ``sample_s`` (per sampled sequence), ``load_s`` (with ``extra_load_s``), ``total_s``, and
-        the step's ``flops``, ``bytes`` (HBM), ``load_bytes`` (tier, at ``tier_bandwidth``) and ``sampled``
+    def breakdown(self, work: Sequence[SeqWork], extra_load_s: float = 0.0, *,
+                  graph: bool | None = None) -> dict[str, float]:
+        """``step_time``'s parts: ``compute_s``, ``memory_s`` (the matmuls' roofs, with the LM head
+        and, in the one-roofline model, attention; the larger counts), ``attention_s`` (step-shaped
+        model), ``launch_s`` (per-layer launch costs), ``overhead_s`` (step and TP), ``sample_s``
+        (per sampled sequence), ``load_s`` (with ``extra_load_s``), ``total_s``, and the step's
+        ``flops``, ``bytes`` (HBM), ``load_bytes`` (tier, at ``tier_bandwidth``) and ``sampled``
         (sequences that sample)."""
-        flops, nbytes, load_bytes, tokens, sampled = self._totals(work)
-        compute_s = flops * self._seconds_per_flop
-        memory_s = nbytes * self._seconds_per_byte
-        overhead_s = self.efficiency.step_overhead_s + (self._forward_overhead_s if tokens else 0.0)
-        sample_s = sampled * self.efficiency.sample_overhead_s
-        load_s = load_bytes * self._seconds_per_tier_byte + extra_load_s
-        return {
-            "compute_s": compute_s,
-            "memory_s": memory_s,
-            "overhead_s": overhead_s,
-            "sample_s": sample_s,
-            "load_s": load_s,
-            "total_s": max(compute_s, memory_s) + overhead_s + sample_s + load_s,
-            "flops": flops,
-            "bytes": nbytes,
-            "load_bytes": load_bytes,
-            "sampled": float(sampled),
-        }
+        st = self._totals(work)
+        parts = self._parts(st, extra_load_s, graph)
+        flops = st.body_flops + st.head_flops + st.attn_flops
+        nbytes = st.weight_bytes + st.head_bytes + st.kv_bytes
+        return {**parts, "flops": flops, "bytes": nbytes, "load_bytes": st.load_bytes, "sampled": float(st.sampled)}
 
-    def _totals(self, work: Sequence[SeqWork]) -> tuple[float, float, float, int, int]:
-        """(FLOPs, HBM bytes, tier bytes, new tokens, sampling sequences) of one step on one rank."""
+    def _time(self, st: StepTotals, extra_load_s: float, graph: bool | None) -> float:
+        eff = self.efficiency
+        t = eff.step_overhead_s + st.load_bytes * self._seconds_per_tier_byte + extra_load_s
+        if not st.tokens:
+            return t
+        spb = self._seconds_per_byte
+        t += self._forward_overhead_s + st.sampled * eff.sample_overhead_s
+        if eff.attention_compute is None:  # one roofline
+            compute = (st.body_flops + st.head_flops + st.attn_flops) * self._seconds_per_flop
+            memory = (st.weight_bytes + st.head_bytes + st.kv_bytes) * spb
+            return t + (compute if compute > memory else memory)
+        return t + self._gpu_time(st, graph)
+
+    def _gpu_time(self, st: StepTotals, graph: bool | None) -> float:
+        """The step-shaped model's forward pass (tokens > 0)."""
+        eff = self.efficiency
+        spf, spb = self._seconds_per_flop, self._seconds_per_byte
+        half = eff.gemm_m_half
+        compute = st.body_flops * (st.tokens + half) / st.tokens * spf
+        memory = st.weight_bytes * spb
+        gpu = compute if compute > memory else memory
+        if st.sampled and st.head_flops:
+            compute = st.head_flops * (st.sampled + half) / st.sampled * spf
+            memory = st.head_bytes * spb
+            gpu += compute if compute > memory else memory
+        gpu += st.attn_flops * self._seconds_per_attention_flop + st.kv_bytes * spb
+        if graph is None:
+            graph = eff.cuda_graphs and st.decode_only
+        if graph:
+            return gpu + self.num_layers * eff.graph_launch_s_per_layer
+        gpu += self.num_layers * eff.launch_s_per_layer
+        host = self.num_layers * eff.host_s_per_layer
+        return gpu if gpu > host else host
+
+    def _parts(self, st: StepTotals, extra_load_s: float, graph: bool | None) -> dict[str, float]:
+        eff = self.efficiency
+        load_s = st.load_bytes * self._seconds_per_tier_byte + extra_load_s
+        overhead_s = eff.step_overhead_s + (self._forward_overhead_s if st.tokens else 0.0)
+        sample_s = st.sampled * eff.sample_overhead_s
+        spf, spb = self._seconds_per_flop, self._seconds_per_byte
+        compute_s = memory_s = attention_s = launch_s = 0.0
+        if st.tokens and eff.attention_compute is None:
+            compute_s = (st.body_flops + st.head_flops + st.attn_flops) * spf
+            memory_s = (st.weight_bytes + st.head_bytes + st.kv_bytes) * spb
+        elif st.tokens:
+            half = eff.gemm_m_half
+            compute_s = st.body_flops * (st.tokens + half) / st.tokens * spf
+            memory_s = st.weight_bytes * spb
+            if st.sampled and st.head_flops:
+                compute_s += st.head_flops * (st.sampled + half) / st.sampled * spf
+                memory_s += st.head_bytes * spb
+            attention_s = st.attn_flops * self._seconds_per_attention_flop + st.kv_bytes * spb
+            launch_s = self._gpu_time(st, graph) - self._gpu_time_without_launch(st)
+        total = self._time(st, extra_load_s, graph)
+        return {"compute_s": compute_s, "memory_s": memory_s, "attention_s": attention_s, "launch_s": launch_s,
+                "overhead_s": overhead_s, "sample_s": sample_s, "load_s": load_s, "total_s": total}
+
+    def _gpu_time_without_launch(self, st: StepTotals) -> float:
+        saved = self.efficiency
+        bare = replace(saved, launch_s_per_layer=0.0, graph_launch_s_per_layer=0.0, host_s_per_layer=0.0)
+        return CostModel._gpu_time(replace(self, efficiency=bare), st, True)
+
+    def _totals(self, work: Sequence[SeqWork]) -> StepTotals:
+        """One step's FLOPs and bytes by kind, on one rank."""
         lc = self.layers
         window = lc.sliding_window
+        masked = self.window_kernel == "masked"
         chunk = lc.attention_chunk_size
         tokens = seqs = loaded = loaded_seqs = sampled = 0
+        decode_only = True
         global_pairs2 = global_read = 0  # global_pairs2 is twice the (query, key) pairs
         sliding_pairs = sliding_read = chunked_pairs = chunked_read = 0
         for w in work:
@@ -433,6 +519,8 @@ class CostModel:
             tokens += n
             seqs += 1
             sampled += w.sampled
+            if n > 1:
+                decode_only = False
             end = c + n
             global_pairs2 += n * (c + end + 1)
             global_read += c
@@ -441,6 +529,11 @@ class CostModel:
                 if end <= window:
                     sliding_pairs += n * (c + end + 1) // 2
                     sliding_read += c
+                elif masked:
+                    # the window's cached keys, then the chunk under a causal mask
+                    r = c if c < window else window - 1
+                    sliding_pairs += n * r + n * (n + 1) // 2
+                    sliding_read += r
                 elif c >= window:
                     sliding_pairs += n * window
                     sliding_read += window - 1
@@ -458,21 +551,44 @@ class CostModel:
                     chunked_pairs += ((q1 - c // chunk) * chunk * (chunk + 1) + r1 * (r1 + 1) - r * (r + 1)) // 2
         load_bytes = loaded * lc.kv_bytes_per_token + loaded_seqs * lc.recurrent_state_bytes
         if not tokens:
-            return 0.0, 0.0, load_bytes, 0, 0
-        flops = (tokens * self._flops_per_token + global_pairs2 * 0.5 * lc.global_flops_per_pair
-                 + sliding_pairs * lc.sliding_flops_per_pair + chunked_pairs * lc.chunked_flops_per_pair)
+            return StepTotals(load_bytes=load_bytes)
+        attn_flops = (global_pairs2 * 0.5 * lc.global_flops_per_pair + sliding_pairs * lc.sliding_flops_per_pair
+                      + chunked_pairs * lc.chunked_flops_per_pair)
         head = self.lm_head_params
         vocab = head + self.embedding_params
-        weights = min(self.total_params - vocab, (self.active_params - vocab) * tokens)
-        if head:
-            flops += sampled * 2.0 * head / self.tensor_parallel_size
-            if sampled:
-                weights += head
-        weights = weights * self.weight_bytes_per_param / self.tensor_parallel_size
-        nbytes = (weights + 2 * tokens * lc.kv_bytes_per_token + seqs * 2 * lc.recurrent_state_bytes
-                  + global_read * lc.global_kv_bytes_per_token + sliding_read * lc.sliding_kv_bytes_per_token
-                  + chunked_read * lc.chunked_kv_bytes_per_token)
-        return flops, nbytes, load_bytes, tokens, sampled
+        tp = self.tensor_parallel_size
+        bpp = self.weight_bytes_per_param / tp
+        weights = min(self.total_params - vocab, (self.active_params - vocab) * tokens) * bpp
+        kv_bytes = (2 * tokens * lc.kv_bytes_per_token + seqs * 2 * lc.recurrent_state_bytes
+                    + global_read * lc.global_kv_bytes_per_token + sliding_read * lc.sliding_kv_bytes_per_token
+                    + chunked_read * lc.chunked_kv_bytes_per_token)
+        head_flops = sampled * 2.0 * head / tp
+        head_bytes = head * bpp if head and sampled else 0.0
+        return StepTotals(tokens, sampled, tokens * self._flops_per_token, weights, head_flops, head_bytes,
+                          attn_flops, kv_bytes, load_bytes, decode_only)
+
+
+class StepTotals(NamedTuple):
+    """One step's work on one rank, by kind (``CostModel._totals``)."""
+
+    tokens: int = 0
+    """New tokens (M of the step's matmuls)."""
+    sampled: int = 0
+    """Sequences that sample (rows of the LM head)."""
+    body_flops: float = 0.0
+    """Matmul FLOPs of the layers (and recurrent updates), without the LM head and attention."""
+    weight_bytes: float = 0.0
+    """Layer weights read (without the LM head)."""
+    head_flops: float = 0.0
+    head_bytes: float = 0.0
+    attn_flops: float = 0.0
+    """Attention FLOPs of every layer kind."""
+    kv_bytes: float = 0.0
+    """KV read and written, recurrent states read and written."""
+    load_bytes: float = 0.0
+    """External-tier bytes."""
+    decode_only: bool = False
+    """Every sequence computes at most one token."""
 
 
 # ---------------------------------------------------------------------- calibration
