@@ -103,14 +103,6 @@ ACTIVE_PARAMS: dict[str, float] = {
 }
 """Parameters one token runs through, for the MoE presets; dense presets use ``num_params``."""
 
-VOCAB: dict[str, tuple[int, bool]] = {
-    # (vocab size, tied embeddings) of presets whose config omits them. Gemma 3 270M: the GGUF the
-    # engine serves has 262,144 tokenizer tokens and no separate output matrix; the model card's
-    # "170M embedding parameters" is 262,144 * 640.
-    "gemma-3-270m": (262_144, True),
-}
-"""Vocabulary facts for ``lm_head="per_sample"`` when a preset's config lacks ``vocab_size``."""
-
 LMHead = Literal["per_token", "per_sample"]
 WindowKernel = Literal["exact", "masked"]
 
@@ -168,6 +160,10 @@ class Efficiency:
     ``num_layers`` times this (the GPU waits for its launches), >= 0."""
     cuda_graphs: bool = False
     """Whether decode-only steps replay a CUDA graph (as vLLM does by default)."""
+    roofline_norm: float = 2.0
+    """How a matmul's compute and memory times combine in the step-shaped model: their
+    ``roofline_norm``-norm, ``(c**p + m**p) ** (1/p)`` (``math.inf``: the larger, a sharp roofline;
+    2: near the ridge part of each shows), >= 1."""
 
     @property
     def step_shaped(self) -> bool:
@@ -182,6 +178,8 @@ class Efficiency:
         if self.attention_compute is not None and not 0 < self.attention_compute <= 1:
             raise InvalidInputError(f"Efficiency.attention_compute must be in (0, 1] or None, "
                                     f"got {self.attention_compute}")
+        if not self.roofline_norm >= 1:
+            raise InvalidInputError(f"Efficiency.roofline_norm must be >= 1, got {self.roofline_norm}")
         for name in ("step_overhead_s", "tp_overhead_s_per_layer", "sample_overhead_s", "gemm_m_half",
                      "launch_s_per_layer", "graph_launch_s_per_layer", "host_s_per_layer"):
             value = getattr(self, name)
@@ -337,19 +335,22 @@ class CostModel:
         weights_dtype: str = "bf16",
         kv_dtype: str = "bf16",
         active_params: float | None = None,
-        efficiency: Efficiency = DEFAULT_EFFICIENCY,
+        efficiency: Efficiency | None = None,
         tier_bandwidth: float | None = None,
         name: str = "custom",
-        lm_head: LMHead = "per_token",
+        lm_head: LMHead | None = None,
         vocab_size: int | None = None,
         tie_word_embeddings: bool | None = None,
     ) -> CostModel:
         """The cost model of a Hugging Face ``config`` with ``num_params`` parameters (all experts).
 
-        ``active_params`` (per token) defaults to ``num_params``, i.e. a dense model. ``lm_head``
-        picks how the output projection is charged (module docstring); ``"per_sample"`` needs the
-        vocabulary size (``vocab_size`` or the config's) and takes ``tie_word_embeddings`` from the
-        argument, else the config, else True (the Hugging Face default).
+        ``active_params`` (per token) defaults to ``num_params``, i.e. a dense model. ``efficiency``
+        defaults to ``default_efficiency(hardware.id)``: the fit of the GPU's built-in profile
+        (``h100-80gb``), else the data-sheet ``DEFAULT_EFFICIENCY``. ``lm_head`` picks how the output
+        projection is charged (module docstring); ``"per_sample"`` needs the vocabulary size
+        (``vocab_size`` or the config's) and takes ``tie_word_embeddings`` from the argument, else the
+        config, else True (the Hugging Face default). ``None``: ``per_sample`` for a step-shaped
+        efficiency when the vocabulary is known, else ``per_token``.
         """
         if not num_params > 0:
             raise InvalidInputError(f"num_params must be > 0, got {num_params}")
@@ -361,9 +362,15 @@ class CostModel:
         layers = LayerCosts.from_config(config, model, tensor_parallel_size=tensor_parallel_size,
                                         kv_dtype_bytes=kv_bytes)
         head = embedding = 0.0
+        source = "given"
+        if efficiency is None:
+            efficiency, source = default_efficiency(hardware.id)
+        cfg = text_config(config)
+        vocab = vocab_size if vocab_size is not None else cfg.get("vocab_size")
+        if lm_head is None:
+            known = isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0
+            lm_head = "per_sample" if efficiency.step_shaped and known else "per_token"
         if lm_head == "per_sample":
-            cfg = text_config(config)
-            vocab = vocab_size if vocab_size is not None else cfg.get("vocab_size")
             hidden = cfg.get("hidden_size")
             for field_name, value in (("vocab_size", vocab), ("hidden_size", hidden)):
                 if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -379,7 +386,7 @@ class CostModel:
             raise InvalidInputError(f"lm_head must be 'per_token' or 'per_sample', got {lm_head!r}")
         return cls(name, hardware, tensor_parallel_size, model.num_layers, float(num_params),
                    float(num_params if active_params is None else active_params), weight_bytes, layers,
-                   efficiency, tier_bandwidth, head, embedding)
+                   efficiency, tier_bandwidth, head, embedding, efficiency_source=source)
 
     @classmethod
     def from_preset(
@@ -391,25 +398,24 @@ class CostModel:
         weights_dtype: str = "bf16",
         kv_dtype: str = "bf16",
         active_params: float | None = None,
-        efficiency: Efficiency = DEFAULT_EFFICIENCY,
+        efficiency: Efficiency | None = None,
         tier_bandwidth: float | None = None,
-        lm_head: LMHead = "per_token",
+        lm_head: LMHead | None = None,
     ) -> CostModel:
-        """The cost model of a model preset on a hardware preset; MoE presets take ``ACTIVE_PARAMS``,
-        ``lm_head="per_sample"`` takes the vocabulary from the config or ``VOCAB``."""
+        """The cost model of a model preset on a hardware preset (as ``from_config``); MoE presets take
+        ``ACTIVE_PARAMS``."""
         preset = get_preset(model_id)
         hardware = get_hardware(gpu_id)
         if active_params is None:
             active_params = ACTIVE_PARAMS.get(preset.id, preset.num_params)
-        vocab, tied = VOCAB.get(preset.id, (None, None))
         return cls.from_config(preset.config, preset.num_params, hardware, tensor_parallel_size=tensor_parallel_size,
                                weights_dtype=weights_dtype, kv_dtype=kv_dtype, active_params=active_params,
                                efficiency=efficiency, tier_bandwidth=tier_bandwidth, name=preset.id,
-                               lm_head=lm_head, vocab_size=vocab, tie_word_embeddings=tied)
+                               lm_head=lm_head)
 
     def with_efficiency(self, efficiency: Efficiency) -> CostModel:
         """A copy with other efficiencies."""
-        return replace(self, efficiency=efficiency)
+        return replace(self, efficiency=efficiency, efficiency_source="given")
 
     # ------------------------------------------------------------------ step cost
 
@@ -452,13 +458,10 @@ class CostModel:
         eff = self.efficiency
         spf, spb = self._seconds_per_flop, self._seconds_per_byte
         half = eff.gemm_m_half
-        compute = st.body_flops * (st.tokens + half) / st.tokens * spf
-        memory = st.weight_bytes * spb
-        gpu = compute if compute > memory else memory
+        norm = eff.roofline_norm
+        gpu = _roof(st.body_flops * (st.tokens + half) / st.tokens * spf, st.weight_bytes * spb, norm)
         if st.sampled and st.head_flops:
-            compute = st.head_flops * (st.sampled + half) / st.sampled * spf
-            memory = st.head_bytes * spb
-            gpu += compute if compute > memory else memory
+            gpu += _roof(st.head_flops * (st.sampled + half) / st.sampled * spf, st.head_bytes * spb, norm)
         gpu += st.attn_flops * self._seconds_per_attention_flop + st.kv_bytes * spb
         if graph is None:
             graph = eff.cuda_graphs and st.decode_only
@@ -568,6 +571,14 @@ class CostModel:
                           attn_flops, kv_bytes, load_bytes, decode_only)
 
 
+def _roof(compute: float, memory: float, norm: float) -> float:
+    """A kernel's time from its compute and memory times: their ``norm``-norm (inf: the larger)."""
+    hi, lo = (compute, memory) if compute > memory else (memory, compute)
+    if norm == math.inf or not lo:
+        return hi
+    return float(hi * (1.0 + (lo / hi) ** norm) ** (1.0 / norm))
+
+
 class StepTotals(NamedTuple):
     """One step's work on one rank, by kind (``CostModel._totals``)."""
 
@@ -671,23 +682,50 @@ def _around(x: float, ratio: float, steps: int = 4) -> list[float]:
 
 def load_calibration(path: str | Path) -> list[tuple[list[SeqWork], float]]:
     """Measured ``(work, seconds)`` steps from a calibration JSON file (format in the module docstring)."""
+    return [(list(step.work), step.seconds) for step in load_profile(path).steps]
+
+
+def load_profile(path: str | Path) -> Profile:
+    """A calibration profile: the measured steps of a calibration file with their modes and meta
+    (format in the module docstring); any defect is one ``InvalidInputError`` naming the file, the
+    sample and the field."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:
         raise InvalidInputError(f"no calibration file at {p}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"calibration file {p} cannot be read: {exc}") from None
     except json.JSONDecodeError as exc:
         raise InvalidInputError(f"calibration file {p} is not valid JSON: {exc}") from None
+    try:
+        return parse_profile(data, source=str(p))
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"calibration file {p}: {exc}") from None
+
+
+def parse_profile(data: Any, source: str = "") -> Profile:
+    """``load_profile`` of an already decoded JSON document."""
     samples = data.get("samples") if isinstance(data, dict) else None
     if not isinstance(samples, list) or not samples:
-        raise InvalidInputError(f"calibration file {p}: expected an object with a non-empty 'samples' list")
-    out: list[tuple[list[SeqWork], float]] = []
+        raise InvalidInputError("expected an object with a non-empty 'samples' list")
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise InvalidInputError(f"'meta' must be an object, got {meta!r}")
+    kernel = meta.get("window_kernel", "masked")
+    if kernel not in ("exact", "masked"):
+        raise InvalidInputError(f"meta 'window_kernel' must be 'exact' or 'masked', got {kernel!r}")
+    out: list[ProfileStep] = []
     for i, sample in enumerate(samples):
         if not isinstance(sample, dict):
             raise InvalidInputError(f"calibration sample {i}: expected an object with 'work' and 'seconds'")
         seconds = sample.get("seconds")
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
             raise InvalidInputError(f"calibration sample {i}: 'seconds' must be a number > 0, got {seconds!r}")
+        mode = sample.get("mode")
+        if mode is not None and (not isinstance(mode, str) or not mode):
+            raise InvalidInputError(f"calibration sample {i}: 'mode' must be a non-empty string such as "
+                                    f"'decode-graph', got {mode!r}")
         work = sample.get("work")
         if not isinstance(work, list) or not work:
             raise InvalidInputError(f"calibration sample {i}: 'work' must be a non-empty list of "
@@ -704,12 +742,248 @@ def load_calibration(path: str | Path) -> list[tuple[list[SeqWork], float]]:
                 )
             n, c, *rest = entry
             seqs.append(SeqWork(n, c, rest[0] if rest else 0, bool(rest[1]) if len(rest) > 1 else True))
-        out.append((seqs, float(seconds)))
-    return out
+        if not any(w.num_new_tokens for w in seqs):
+            raise InvalidInputError(f"calibration sample {i}: no sequence in 'work' computes a token")
+        out.append(ProfileStep(tuple(seqs), float(seconds), mode))
+    return Profile(tuple(out), kernel, meta, source)
 
 
 def calibrate(model: CostModel, calibration: Efficiency | str | Path) -> CostModel:
-    """``model`` with the given efficiencies, or with those fitted to a calibration file."""
+    """``model`` with the given efficiencies, or with those fitted to a calibration file: the
+    step-shaped fit (``fit_step_model``) when its steps carry a ``mode``, else ``fit_efficiency``."""
     if isinstance(calibration, Efficiency):
-        return model.with_efficiency(calibration)
-    return model.with_efficiency(fit_efficiency(model, load_calibration(calibration)))
+        return replace(model, efficiency=calibration, efficiency_source="given")
+    profile = load_profile(calibration)
+    if any(step.mode is not None for step in profile.steps):
+        eff = fit_step_model(replace(model, window_kernel=profile.window_kernel), profile.steps)
+    else:
+        eff = fit_efficiency(model, [(list(step.work), step.seconds) for step in profile.steps])
+    return replace(model, efficiency=eff, efficiency_source=f"fitted to {calibration}")
+
+
+# ---------------------------------------------------------------------- step-shaped fit
+
+GRAPH_MODES = ("graph",)
+"""A profile step whose ``mode`` ends in ``-graph`` ran under a CUDA graph; any other mode ran eagerly."""
+
+
+@dataclass(frozen=True)
+class ProfileStep:
+    """One measured step of a calibration profile."""
+
+    work: tuple[SeqWork, ...]
+    seconds: float
+    mode: str | None = None
+    """e.g. ``prefill-eager``, ``decode-graph``, ``mixed-eager``; ``None``: not said (eager unless
+    the model's ``cuda_graphs`` makes a decode-only step a graph)."""
+
+    @property
+    def graph(self) -> bool | None:
+        """Whether the step ran under a CUDA graph (``None``: the model decides)."""
+        if self.mode is None:
+            return None
+        return self.mode.rsplit("-", 1)[-1] in GRAPH_MODES
+
+    @property
+    def kind(self) -> str:
+        """``prefill``, ``decode`` or ``mixed``: the mode's first word, else from the work."""
+        if self.mode is not None:
+            return self.mode.split("-", 1)[0]
+        decoding = [w.num_new_tokens <= 1 for w in self.work if w.num_new_tokens]
+        return "decode" if all(decoding) else "prefill" if not any(decoding) else "mixed"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured steps of one model on one GPU (``load_profile``)."""
+
+    steps: tuple[ProfileStep, ...]
+    window_kernel: WindowKernel = "masked"
+    """How the measured engine ran sliding-window prefill (``CostModel.window_kernel``)."""
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+
+FIT_PARAMETERS = ("compute", "gemm_m_half", "memory", "attention_compute", "launch_s_per_layer",
+                  "graph_launch_s_per_layer")
+"""What ``fit_step_model`` fits; the other fields of ``Efficiency`` come from its ``prior``."""
+
+DEFAULT_HOST_S_PER_LAYER = 130e-6
+"""Host time per layer of an eager PyTorch step (about 27 operators at ~5 us): a prior, not fitted."""
+
+_STEP_PRIOR = Efficiency(compute=0.7, memory=0.8, step_overhead_s=0.0, attention_compute=0.4, gemm_m_half=64.0,
+                         launch_s_per_layer=30e-6, graph_launch_s_per_layer=5e-6,
+                         host_s_per_layer=DEFAULT_HOST_S_PER_LAYER, cuda_graphs=True)
+
+
+class _Row(NamedTuple):
+    mm: float  # matmul seconds at full peak
+    tokens: int
+    weights: float  # weight seconds at full bandwidth
+    head: float
+    sampled: int
+    head_w: float
+    attn: float
+    kv: float
+    layers: int
+    graph: bool
+    fixed: float  # seconds that do not depend on fitted parameters (TP, loads, step and sample overheads)
+    seconds: float
+
+
+def _rows(model: CostModel, steps: Sequence[ProfileStep], prior: Efficiency) -> list[_Row]:
+    hw = model.hardware
+    rows = []
+    for i, step in enumerate(steps):
+        if not step.seconds > 0:
+            raise InvalidInputError(f"calibration step {i}: 'seconds' must be > 0, got {step.seconds!r}")
+        st = model._totals(step.work)
+        if not st.tokens:
+            raise InvalidInputError(f"calibration step {i}: no sequence computes a token")
+        graph = step.graph
+        if graph is None:
+            graph = prior.cuda_graphs and st.decode_only
+        fixed = (prior.step_overhead_s + st.sampled * prior.sample_overhead_s + model._forward_overhead_s
+                 + st.load_bytes * model._seconds_per_tier_byte)
+        rows.append(_Row(st.body_flops / hw.bf16_flops, st.tokens, st.weight_bytes / hw.bandwidth,
+                         st.head_flops / hw.bf16_flops, st.sampled, st.head_bytes / hw.bandwidth,
+                         st.attn_flops / hw.bf16_flops, st.kv_bytes / hw.bandwidth, model.num_layers, graph, fixed,
+                         step.seconds))
+    return rows
+
+
+def _predict(r: _Row, p: Sequence[float], host: float, norm: float) -> float:
+    """``CostModel._time`` of the step-shaped model on precomputed totals; ``p`` as ``FIT_PARAMETERS``."""
+    c, half, m, a, launch, graph_launch = p
+    t = _roof(r.mm * (r.tokens + half) / (r.tokens * c), r.weights / m, norm)
+    if r.sampled and r.head:
+        t += _roof(r.head * (r.sampled + half) / (r.sampled * c), r.head_w / m, norm)
+    t += r.attn / a + r.kv / m
+    if r.graph:
+        t += r.layers * graph_launch
+    else:
+        t = max(t + r.layers * launch, r.layers * host)
+    return t + r.fixed
+
+
+_LOWER = (0.01, 0.0, 0.01, 0.01, 0.0, 0.0)
+_UPPER = (1.0, 1e5, 1.0, 1.0, 0.1, 0.1)
+
+
+def _clip(p: Sequence[float]) -> list[float]:
+    return [min(hi, max(lo, v)) for v, lo, hi in zip(p, _LOWER, _UPPER)]
+
+
+def fit_step_model(model: CostModel, steps: Sequence[ProfileStep], prior: Efficiency | None = None) -> Efficiency:
+    """The step-shaped ``Efficiency`` whose ``FIT_PARAMETERS`` best predict measured steps.
+
+    Minimises the sum of squared log errors (relative errors) by Nelder-Mead over the logarithms of
+    the parameters, restarted from its result until it stops improving. ``step_overhead_s``,
+    ``sample_overhead_s``, ``host_s_per_layer``, ``tp_overhead_s_per_layer`` and ``cuda_graphs``
+    come from ``prior`` (by default no step or sample overhead and ``DEFAULT_HOST_S_PER_LAYER``): on
+    the steps of one model a per-step cost cannot be told from a per-layer one, and eager steps of a
+    large model never wait for the host. A parameter the steps do not exercise (e.g. graph launch
+    without graph steps) stays near the prior's.
+    """
+    if not steps:
+        raise InvalidInputError("fit_step_model needs at least one measured step, got none")
+    if prior is None:
+        prior = _STEP_PRIOR
+    elif not prior.step_shaped:
+        prior = replace(_STEP_PRIOR, tp_overhead_s_per_layer=prior.tp_overhead_s_per_layer)
+    rows = _rows(model, steps, prior)
+    host, norm = prior.host_s_per_layer, prior.roofline_norm
+    start = [getattr(prior, name) for name in FIT_PARAMETERS]
+    floor = (0.0, 1.0, 0.0, 0.0, 1e-7, 1e-7)  # log-space offsets: half and launches may reach 0
+    logs0 = [math.log(v + f) for v, f in zip(start, floor)]
+
+    def params(x: Sequence[float]) -> list[float]:
+        return _clip([math.exp(v) - f for v, f in zip(x, floor)])
+
+    def cost(x: Sequence[float]) -> float:
+        p = params(x)
+        err = sum(math.log(_predict(r, p, host, norm) / r.seconds) ** 2 for r in rows)
+        # A faint pull towards the prior decides what the steps cannot tell.
+        return err + 1e-6 * sum((a - b) ** 2 for a, b in zip(x, logs0))
+
+    x, best = logs0, cost(logs0)
+    for _ in range(20):
+        x, value = _nelder_mead(cost, x, step=0.3)
+        if value > best - 1e-10:
+            best = min(best, value)
+            break
+        best = value
+    c, half, m, a, launch, graph_launch = params(x)
+    return replace(prior, compute=c, gemm_m_half=half, memory=m, attention_compute=a, launch_s_per_layer=launch,
+                   graph_launch_s_per_layer=graph_launch)
+
+
+def _nelder_mead(f: Any, x0: Sequence[float], step: float, iterations: int = 600) -> tuple[list[float], float]:
+    """Minimise ``f`` from ``x0`` (a simplex of sides ``step``); returns (x, f(x))."""
+    n = len(x0)
+    simplex = [list(x0)] + [[v + (step if i == j else 0.0) for j, v in enumerate(x0)] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iterations):
+        order = sorted(range(n + 1), key=values.__getitem__)
+        simplex = [simplex[i] for i in order]
+        values = [values[i] for i in order]
+        if values[-1] - values[0] < 1e-12 * (1 + abs(values[0])):
+            break
+        centroid = [sum(x[j] for x in simplex[:-1]) / n for j in range(n)]
+        worst = simplex[-1]
+        reflected = [c + (c - w) for c, w in zip(centroid, worst)]
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = [c + 2 * (c - w) for c, w in zip(centroid, worst)]
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = [c + 0.5 * (w - c) for c, w in zip(centroid, worst)]
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                best = simplex[0]
+                simplex = [best] + [[b + 0.5 * (v - b) for b, v in zip(best, x)] for x in simplex[1:]]
+                values = [values[0]] + [f(x) for x in simplex[1:]]
+    i = min(range(n + 1), key=values.__getitem__)
+    return simplex[i], values[i]
+
+
+# ---------------------------------------------------------------------- built-in profiles
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+"""Package data: measured profiles (``profiles/README.md`` says where each comes from)."""
+
+BUILTIN_PROFILES: dict[str, tuple[str, str]] = {
+    "h100-80gb": ("gemma-3-27b", "h100_gemma-3-27b_steps.json"),
+}
+"""GPU id -> (model preset the profile measured, file in ``PROFILE_DIR``)."""
+
+H100_EFFICIENCY = Efficiency(
+    compute=0.5815, memory=0.8020, step_overhead_s=0.0, sample_overhead_s=0.0, attention_compute=0.3129,
+    gemm_m_half=7.22, launch_s_per_layer=57.0e-6, graph_launch_s_per_layer=22.0e-6,
+    host_s_per_layer=DEFAULT_HOST_S_PER_LAYER, cuda_graphs=True,
+)
+"""``fit_step_model`` on the built-in H100 profile (``builtin_profile("h100-80gb")``), rounded; a
+test refits it. The GPU's data-sheet peaks are 989 TFLOP/s bf16 and 3.35 TB/s."""
+
+_BUILTIN_EFFICIENCY: dict[str, Efficiency] = {"h100-80gb": H100_EFFICIENCY}
+
+
+def builtin_profile(gpu_id: str) -> Profile | None:
+    """The measured profile shipped for ``gpu_id``, or None (the GPU keeps data-sheet defaults)."""
+    entry = BUILTIN_PROFILES.get(gpu_id)
+    return load_profile(PROFILE_DIR / entry[1]) if entry else None
+
+
+def default_efficiency(gpu_id: str) -> tuple[Efficiency, str]:
+    """The efficiencies a GPU gets unless told otherwise, and where they come from: the fit of its
+    built-in profile, or ``DEFAULT_EFFICIENCY`` on its data-sheet peaks."""
+    eff = _BUILTIN_EFFICIENCY.get(gpu_id)
+    if eff is None:
+        return DEFAULT_EFFICIENCY, "data sheet"
+    model, name = BUILTIN_PROFILES[gpu_id]
+    return eff, f"calibrated profile {name} ({model} steps measured on {gpu_id})"
