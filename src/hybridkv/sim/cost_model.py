@@ -976,7 +976,7 @@ _BUILTIN_EFFICIENCY: dict[str, Efficiency] = {"h100-80gb": H100_EFFICIENCY}
 def builtin_profile(gpu_id: str) -> Profile | None:
     """The measured profile shipped for ``gpu_id``, or None (the GPU keeps data-sheet defaults)."""
     entry = BUILTIN_PROFILES.get(gpu_id)
-    return load_profile(PROFILE_DIR / entry[1]) if entry else None
+    return replace(load_profile(PROFILE_DIR / entry[1]), source=f"built-in {entry[1]}") if entry else None
 
 
 def default_efficiency(gpu_id: str) -> tuple[Efficiency, str]:
