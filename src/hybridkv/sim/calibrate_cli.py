@@ -24,7 +24,6 @@ from hybridkv.sim.cost_model import (
     CostModel,
     Efficiency,
     builtin_profile,
-    default_efficiency,
     load_profile,
 )
 from hybridkv.tables import print_table, print_text
@@ -69,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"{profile.source}: the profile does not name its model (meta 'model'); "
                                 f"pass --model")
     model = CostModel.from_preset(model_id, args.gpu, tensor_parallel_size=args.tp, weights_dtype=args.weights_dtype,
-                                  kv_dtype=args.kv_dtype, efficiency=default_efficiency(args.gpu)[0])
+                                  kv_dtype=args.kv_dtype, lm_head="per_sample")
     if args.check:
         eff, source = model.efficiency, model.efficiency_source
     else:
