@@ -1,9 +1,56 @@
-"""Cost of one engine step on a GPU (or, calibrated, a CPU): a roofline over FLOPs and bytes, plus
-fixed overheads.
+"""Cost of one engine step on a GPU (or, calibrated, a CPU): a step-shaped model calibrated on a
+measured H100, or one roofline over FLOPs and bytes with fixed overheads.
 
 A step runs a batch of sequences, each computing ``num_new_tokens`` tokens (a prefill chunk, or
-1 for decode) after ``context_len`` tokens already in the KV cache. Its time on one
-tensor-parallel rank is::
+1 for decode) after ``context_len`` tokens already in the KV cache. Two models time it, chosen by
+``Efficiency.attention_compute``: set, the **step-shaped model** (the default of ``h100-80gb``,
+fitted to measured steps); ``None``, the **one-roofline model** (the data-sheet default of every
+other GPU, and the CPU calibration). The FLOP and byte counts below are common to both.
+
+**Step-shaped model** (one rank; ``M`` = new tokens in the step, ``S`` = sequences that sample,
+``L`` = layers, ``P`` = peak FLOP/s, ``B`` = peak bytes/s)::
+
+    roof(M, flops, bytes) = || (flops / (P * compute * M / (M + gemm_m_half)), bytes / (B * memory)) ||_p
+    gpu = roof(M, layer matmul FLOPs, layer weights)            # every layer's matmuls, one M
+        + roof(S, LM head FLOPs of S rows, LM head weights)     # if S > 0
+        + attention FLOPs / (P * attention_compute)            # every layer kind, prefill compute
+        + (KV read and written, recurrent states) / (B * memory)   # decode KV bandwidth
+    graph step:  gpu + L * graph_launch_s_per_layer
+    eager step:  max(gpu + L * launch_s_per_layer, L * host_s_per_layer)
+    time = that + step_overhead_s + S * sample_overhead_s + (tp > 1: L * tp_overhead_s_per_layer) + loads
+
+``p`` is ``roofline_norm`` (2: near the ridge a matmul pays part of both roofs; ``inf``: the larger).
+The matmul efficiency saturates with the tokens in the step, ``eff(M) = compute * M / (M +
+gemm_m_half)``: small-M matmuls (decode, short chunks) run far below a prefill's. A step replays a
+CUDA graph when ``step_time(..., graph=True)``, or by default when ``cuda_graphs`` and every
+sequence computes at most one token (a decode-only step); a graph removes most per-layer launch
+cost and the host floor. Everything is a closed form per layer kind: one pass over the step's
+sequences, no loop over layers. Recurrent layers are charged as in the one-roofline model (their
+FLOPs with the matmuls, their states with the KV bytes).
+
+``window_kernel`` says how a sliding-window layer computes a prefill chunk: ``exact`` (each query
+sees its last ``window`` keys: what the simulator charges) or ``masked`` (the window's last
+``window - 1`` cached keys plus the whole chunk under a causal mask: what PyTorch SDPA with a
+causal mask does, so what the measuring scripts ran; a profile's fit uses it).
+
+**Calibration profiles.** A profile is the calibration file below with, per sample, an optional
+``"mode"`` (``prefill-eager``, ``decode-eager``, ``decode-graph``, ``mixed-eager``: a ``-graph``
+suffix means the step ran under a CUDA graph; the first word is the kind of step) and an optional
+top-level ``"meta"`` object (``model``: the preset measured; ``gpu``; ``window_kernel``, default
+``masked``, as the measuring scripts run). Extra keys (``best_s``, ``parts``) are ignored.
+``load_profile`` reads one; ``fit_step_model`` fits the physical parameters ``FIT_PARAMETERS``
+(matmul ``compute`` and ``gemm_m_half``, ``memory``, ``attention_compute``, eager and graph
+launch cost per layer) by least squares on log errors, keeping ``step_overhead_s`` and
+``host_s_per_layer`` from a prior (the steps of one model cannot tell a per-step cost from a
+per-layer one, and a large model's eager steps never wait for the host). ``calibrate`` takes
+the step-shaped fit when a file's samples carry modes. The built-in profile of ``h100-80gb``
+(``profiles/h100_gemma-3-27b_steps.json``, with its README) gives ``H100_EFFICIENCY``: 33 steps
+of a Gemma-3-27B-shaped PyTorch decoder (SDPA flash attention, random bf16 weights); leave-one-
+out it predicts prefill steps to a median 2.2% (worst 5.6%), decode 1.7% (3.0%), mixed 0.4%
+(0.7%) (``bench/cost_model_fit.py``). ``sim.calibration`` holds the error reports,
+``hybridkv calibrate`` prints them.
+
+**One-roofline model.** Its time on one tensor-parallel rank is::
 
     max(flops / (bf16_flops * compute), bytes / (bandwidth * memory))
       + step_overhead_s + (tp > 1: num_layers * tp_overhead_s_per_layer)
@@ -38,7 +85,9 @@ plus the tier's latency; that work passes the loaded tokens in ``context_len``.
 
 A step without new tokens runs no forward pass: it costs the step overhead (and any loads).
 
-**LM head per sampled sequence** (``lm_head="per_sample"``, off by default). The generic roofline
+**LM head per sampled sequence** (``lm_head="per_sample"``: the default of the step-shaped model
+when the vocabulary is known, as for every preset; the one-roofline model defaults to
+``per_token``). The generic roofline
 above charges every parameter as a matmul for every new token. An engine computes the output
 projection (``vocab_size x hidden_size``) only for the rows it samples (one per sequence that
 finishes its known tokens this step: a decode or a last prefill chunk; ``SeqWork.sampled``), and the
