@@ -46,7 +46,7 @@ per-layer one, and a large model's eager steps never wait for the host). ``calib
 the step-shaped fit when a file's samples carry modes. The built-in profile of ``h100-80gb``
 (``profiles/h100_gemma-3-27b_steps.json``, with its README) gives ``H100_EFFICIENCY``: 33 steps
 of a Gemma-3-27B-shaped PyTorch decoder (SDPA flash attention, random bf16 weights); leave-one-
-out it predicts prefill steps to a median 2.2% (worst 5.6%), decode 1.7% (3.0%), mixed 0.4%
+out it predicts prefill steps to a median 2.3% (worst 5.5%), decode 1.7% (3.0%), mixed 0.4%
 (0.7%) (``bench/cost_model_fit.py``). ``sim.calibration`` holds the error reports,
 ``hybridkv calibrate`` prints them.
 
@@ -151,6 +151,17 @@ ACTIVE_PARAMS: dict[str, float] = {
     "granite-4.0-h-tiny": 1e9,
 }
 """Parameters one token runs through, for the MoE presets; dense presets use ``num_params``."""
+
+TEXT_PARAMS: dict[str, float] = {
+    # Gemma 3 4B/12B/27B: the preset's num_params less the SigLIP tower (416,867,184) and the
+    # projector (1152 * hidden_size): the text decoder, recomputed from the shapes (per layer q, k,
+    # v, o, gated MLP and six norms, the final norm, the tied 262,208-token embedding).
+    "gemma-3-4b": 3_880_263_168,
+    "gemma-3-12b": 11_766_034_176,
+    "gemma-3-27b": 27_009_346_304,
+}
+"""The text decoder's parameters of multimodal presets: what a text token's step runs and reads
+(their ``num_params`` include a vision tower)."""
 
 LMHead = Literal["per_token", "per_sample"]
 WindowKernel = Literal["exact", "masked"]
@@ -452,12 +463,13 @@ class CostModel:
         lm_head: LMHead | None = None,
     ) -> CostModel:
         """The cost model of a model preset on a hardware preset (as ``from_config``); MoE presets take
-        ``ACTIVE_PARAMS``."""
+        ``ACTIVE_PARAMS``, multimodal ones count their text decoder (``TEXT_PARAMS``)."""
         preset = get_preset(model_id)
         hardware = get_hardware(gpu_id)
+        num_params = TEXT_PARAMS.get(preset.id, preset.num_params)
         if active_params is None:
-            active_params = ACTIVE_PARAMS.get(preset.id, preset.num_params)
-        return cls.from_config(preset.config, preset.num_params, hardware, tensor_parallel_size=tensor_parallel_size,
+            active_params = ACTIVE_PARAMS.get(preset.id, num_params)
+        return cls.from_config(preset.config, num_params, hardware, tensor_parallel_size=tensor_parallel_size,
                                weights_dtype=weights_dtype, kv_dtype=kv_dtype, active_params=active_params,
                                efficiency=efficiency, tier_bandwidth=tier_bandwidth, name=preset.id,
                                lm_head=lm_head)
@@ -858,7 +870,10 @@ FIT_PARAMETERS = ("compute", "gemm_m_half", "memory", "attention_compute", "laun
 """What ``fit_step_model`` fits; the other fields of ``Efficiency`` come from its ``prior``."""
 
 DEFAULT_HOST_S_PER_LAYER = 130e-6
-"""Host time per layer of an eager PyTorch step (about 27 operators at ~5 us): a prior, not fitted."""
+"""Host time per layer of an eager PyTorch step: a prior, not fitted (the H100 steps of a 62-layer
+model never wait for the host). The measured decoder's layer is about 27 PyTorch operators; the
+same layer on CPU tensors of tiny shapes takes 186 us of host time on the 2-core development
+machine, and a GPU server's CPU is faster per operator but pays the CUDA launch on top."""
 
 _STEP_PRIOR = Efficiency(compute=0.7, memory=0.8, step_overhead_s=0.0, attention_compute=0.4, gemm_m_half=64.0,
                          launch_s_per_layer=30e-6, graph_launch_s_per_layer=5e-6,
@@ -1012,8 +1027,8 @@ BUILTIN_PROFILES: dict[str, tuple[str, str]] = {
 """GPU id -> (model preset the profile measured, file in ``PROFILE_DIR``)."""
 
 H100_EFFICIENCY = Efficiency(
-    compute=0.5815, memory=0.8020, step_overhead_s=0.0, sample_overhead_s=0.0, attention_compute=0.3129,
-    gemm_m_half=7.22, launch_s_per_layer=57.0e-6, graph_launch_s_per_layer=22.0e-6,
+    compute=0.5727, memory=0.8007, step_overhead_s=0.0, sample_overhead_s=0.0, attention_compute=0.3122,
+    gemm_m_half=5.97, launch_s_per_layer=61.9e-6, graph_launch_s_per_layer=26.6e-6,
     host_s_per_layer=DEFAULT_HOST_S_PER_LAYER, cuda_graphs=True,
 )
 """``fit_step_model`` on the built-in H100 profile (``builtin_profile("h100-80gb")``), rounded; a
