@@ -138,7 +138,7 @@ def test_step_time_stays_fast() -> None:
 
 def test_the_fit_recovers_known_parameters_from_steps_the_model_timed() -> None:
     truth = replace(H100_EFFICIENCY, compute=0.52, gemm_m_half=90.0, memory=0.74, attention_compute=0.41,
-                    launch_s_per_layer=40e-6, graph_launch_s_per_layer=9e-6)
+                    launch_s_per_layer=40e-6, graph_launch_s_per_layer=9e-6, activation_traffic=0.7)
     model = CostModel.from_preset("gemma-3-12b", "h100-80gb")
     profile = synthetic_profile(model.with_efficiency(truth))
     fitted = fit_step_model(model, profile.steps)
@@ -152,7 +152,7 @@ def test_the_built_in_default_is_the_fit_of_the_built_in_profile() -> None:
     assert profile is not None and profile.window_kernel == "masked" and len(profile.steps) == 33
     fitted = fit_profile(gemma27(), profile)
     for name in FIT_PARAMETERS:
-        assert getattr(fitted, name) == pytest.approx(getattr(H100_EFFICIENCY, name), rel=0.01), name
+        assert getattr(fitted, name) == pytest.approx(getattr(H100_EFFICIENCY, name), rel=0.01, abs=1e-3), name
     assert builtin_profile("a100-80gb") is None
 
 

@@ -111,6 +111,8 @@ def print_parameters(eff: Efficiency, model: CostModel, title: str) -> None:
         ("matmul half-efficiency tokens", f"{eff.gemm_m_half:.1f}", "eff(M) = max * M / (M + m_half)"),
         ("memory efficiency", f"{eff.memory:.3f}", f"{eff.memory * hw.bandwidth / 1e12:.2f} TB/s"),
         ("attention efficiency", f"{attention:.3f}", f"{attention * hw.bf16_flops / 1e12:.0f} TFLOP/s"),
+        ("activation traffic", f"{eff.activation_traffic:.3f}",
+         f"x {model.activation_bytes_per_token / 1e6:.1f} MB per token (unfused decoder)"),
         ("launch per layer, eager", f"{eff.launch_s_per_layer * 1e6:.1f} us",
          f"{eff.launch_s_per_layer * model.num_layers * 1e3:.2f} ms per step here"),
         ("launch per layer, CUDA graph", f"{eff.graph_launch_s_per_layer * 1e6:.1f} us",

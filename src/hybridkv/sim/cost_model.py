@@ -15,6 +15,7 @@ other GPU, and the CPU calibration). The FLOP and byte counts below are common t
         + roof(S, LM head FLOPs of S rows, LM head weights)     # if S > 0
         + attention FLOPs / (P * attention_compute)            # every layer kind, prefill compute
         + (KV read and written, recurrent states) / (B * memory)   # decode KV bandwidth
+        + M * activation_bytes_per_token * activation_traffic / (B * memory)   # norms, adds, GELU, ...
     graph step:  gpu + L * graph_launch_s_per_layer
     eager step:  max(gpu + L * launch_s_per_layer, L * host_s_per_layer)
     time = that + step_overhead_s + S * sample_overhead_s + (tp > 1: L * tp_overhead_s_per_layer) + loads
@@ -40,14 +41,14 @@ top-level ``"meta"`` object (``model``: the preset measured; ``gpu``; ``window_k
 ``masked``, as the measuring scripts run). Extra keys (``best_s``, ``parts``) are ignored.
 ``load_profile`` reads one; ``fit_step_model`` fits the physical parameters ``FIT_PARAMETERS``
 (matmul ``compute`` and ``gemm_m_half``, ``memory``, ``attention_compute``, eager and graph
-launch cost per layer) by least squares on log errors, keeping ``step_overhead_s`` and
+launch cost per layer, ``activation_traffic``) by least squares on log errors, keeping ``step_overhead_s`` and
 ``host_s_per_layer`` from a prior (the steps of one model cannot tell a per-step cost from a
 per-layer one, and a large model's eager steps never wait for the host). ``calibrate`` takes
 the step-shaped fit when a file's samples carry modes. The built-in profile of ``h100-80gb``
 (``profiles/h100_gemma-3-27b_steps.json``, with its README) gives ``H100_EFFICIENCY``: 33 steps
 of a Gemma-3-27B-shaped PyTorch decoder (SDPA flash attention, random bf16 weights); leave-one-
-out it predicts prefill steps to a median 2.3% (worst 5.5%), decode 1.7% (3.0%), mixed 0.4%
-(0.7%) (``bench/cost_model_fit.py``). ``sim.calibration`` holds the error reports,
+out it predicts prefill steps to a median 2.1% (worst 5.4%), decode 1.7% (3.2%), mixed 0.6%
+(0.8%) (``bench/cost_model_fit.py``). ``sim.calibration`` holds the error reports,
 ``hybridkv calibrate`` prints them.
 
 **One-roofline model.** Its time on one tensor-parallel rank is::
@@ -220,6 +221,12 @@ class Efficiency:
     ``num_layers`` times this (the GPU waits for its launches), >= 0."""
     cuda_graphs: bool = False
     """Whether decode-only steps replay a CUDA graph (as vLLM does by default)."""
+    activation_traffic: float = 0.0
+    """Multiple of ``CostModel.activation_bytes_per_token`` (the activations an unfused PyTorch
+    decoder moves through HBM per token: norms, residual adds, the gated MLP's elementwise ops,
+    matmul inputs and outputs) that the engine moves, at the memory bandwidth, >= 0; 1 for the
+    engine of the built-in H100 profile (counted from its operators, not fitted), less for fused
+    kernels; step-shaped model only."""
     roofline_norm: float = 2.0
     """How a matmul's compute and memory times combine in the step-shaped model: their
     ``roofline_norm``-norm, ``(c**p + m**p) ** (1/p)`` (``math.inf``: the larger, a sharp roofline;
@@ -241,7 +248,7 @@ class Efficiency:
         if not self.roofline_norm >= 1:
             raise InvalidInputError(f"Efficiency.roofline_norm must be >= 1, got {self.roofline_norm}")
         for name in ("step_overhead_s", "tp_overhead_s_per_layer", "sample_overhead_s", "gemm_m_half",
-                     "launch_s_per_layer", "graph_launch_s_per_layer", "host_s_per_layer"):
+                     "launch_s_per_layer", "graph_launch_s_per_layer", "host_s_per_layer", "activation_traffic"):
             value = getattr(self, name)
             if not value >= 0:
                 raise InvalidInputError(f"Efficiency.{name} must be >= 0, got {value}")
@@ -311,6 +318,26 @@ class LayerCosts:
         )
 
 
+def _activation_bytes_per_token(cfg: Mapping[str, Any], model: ModelKVConfig, active_params: float, vocab: Any,
+                                tp: int) -> float:
+    """``CostModel.activation_bytes_per_token`` of a parsed config (0 when its shapes are unknown)."""
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    layers = model.num_layers
+    if not isinstance(hidden, int) or not isinstance(heads, int) or hidden <= 0 or heads <= 0 or not layers:
+        return 0.0
+    head_dim = cfg.get("head_dim") or hidden // heads
+    q_width = heads * int(head_dim)
+    kv_width = model.num_kv_heads * model.head_size * tp  # num_kv_heads is per rank
+    inter = cfg.get("intermediate_size")
+    if not isinstance(inter, int) or inter <= 0:
+        tied = bool(cfg.get("tie_word_embeddings", True))
+        vocab_params = (vocab * hidden * (1 if tied else 2)) if isinstance(vocab, int) and vocab > 0 else 0
+        per_layer = (active_params - vocab_params) / layers - 2 * hidden * (q_width + kv_width)
+        inter = max(0.0, per_layer / (3 * hidden))
+    per_layer_elements = 36 * hidden + (6 * q_width + 2 * kv_width + 8 * inter) / tp
+    return 2.0 * layers * per_layer_elements
+
+
 def _dtype_bytes(name: str, what: str) -> float:
     try:
         return DTYPE_BYTES[name]
@@ -345,6 +372,14 @@ class CostModel:
     efficiency_source: str = "data sheet"
     """Where ``efficiency`` comes from, for reports: ``data sheet`` (the defaults on the GPU's
     data-sheet peaks), ``calibrated profile ...`` or ``fitted to ...``."""
+    activation_bytes_per_token: float = 0.0
+    """HBM bytes of activations one token moves through all layers of an unfused decoder (one rank):
+    per layer ``2 * (36 * hidden + 6 * q_width + 2 * kv_width + 8 * intermediate)`` in bf16, counted
+    from the measured decoder's operators (two RMS norms in fp32 at 26 bytes per element each, two
+    residual adds, the attention output's copy, the gated MLP's GELU and product, every matmul's
+    input and output); charged times ``Efficiency.activation_traffic``. ``from_config`` derives
+    ``intermediate`` from the config's ``intermediate_size`` or, failing that, from the parameters
+    the layers have left after attention (``3 * hidden * intermediate`` per layer)."""
 
     # Per-call constants, derived in __post_init__.
     _flops_per_token: float = field(init=False, repr=False, compare=False)
@@ -444,9 +479,11 @@ class CostModel:
             embedding = 0.0 if tied else head
         elif lm_head != "per_token":
             raise InvalidInputError(f"lm_head must be 'per_token' or 'per_sample', got {lm_head!r}")
-        return cls(name, hardware, tensor_parallel_size, model.num_layers, float(num_params),
-                   float(num_params if active_params is None else active_params), weight_bytes, layers,
-                   efficiency, tier_bandwidth, head, embedding, efficiency_source=source)
+        active = float(num_params if active_params is None else active_params)
+        activation = _activation_bytes_per_token(cfg, model, active, vocab, tensor_parallel_size)
+        return cls(name, hardware, tensor_parallel_size, model.num_layers, float(num_params), active, weight_bytes,
+                   layers, efficiency, tier_bandwidth, head, embedding, efficiency_source=source,
+                   activation_bytes_per_token=activation)
 
     @classmethod
     def from_preset(
@@ -523,7 +560,8 @@ class CostModel:
         gpu = _roof(st.body_flops * (st.tokens + half) / st.tokens * spf, st.weight_bytes * spb, norm)
         if st.sampled and st.head_flops:
             gpu += _roof(st.head_flops * (st.sampled + half) / st.sampled * spf, st.head_bytes * spb, norm)
-        gpu += st.attn_flops * self._seconds_per_attention_flop + st.kv_bytes * spb
+        gpu += (st.attn_flops * self._seconds_per_attention_flop
+                + (st.kv_bytes + st.tokens * self.activation_bytes_per_token * eff.activation_traffic) * spb)
         if graph is None:
             graph = eff.cuda_graphs and st.decode_only
         if graph:
@@ -550,6 +588,7 @@ class CostModel:
                 compute_s += st.head_flops * (st.sampled + half) / st.sampled * spf
                 memory_s += st.head_bytes * spb
             attention_s = st.attn_flops * self._seconds_per_attention_flop + st.kv_bytes * spb
+            memory_s += st.tokens * self.activation_bytes_per_token * eff.activation_traffic * spb
             launch_s = self._gpu_time(st, graph) - self._gpu_time_without_launch(st)
         total = self._time(st, extra_load_s, graph)
         return {"compute_s": compute_s, "memory_s": memory_s, "attention_s": attention_s, "launch_s": launch_s,
@@ -866,7 +905,7 @@ class Profile:
 
 
 FIT_PARAMETERS = ("compute", "gemm_m_half", "memory", "attention_compute", "launch_s_per_layer",
-                  "graph_launch_s_per_layer")
+                  "graph_launch_s_per_layer", "activation_traffic")
 """What ``fit_step_model`` fits; the other fields of ``Efficiency`` come from its ``prior``."""
 
 DEFAULT_HOST_S_PER_LAYER = 130e-6
@@ -877,7 +916,7 @@ machine, and a GPU server's CPU is faster per operator but pays the CUDA launch 
 
 _STEP_PRIOR = Efficiency(compute=0.7, memory=0.8, step_overhead_s=0.0, attention_compute=0.4, gemm_m_half=64.0,
                          launch_s_per_layer=30e-6, graph_launch_s_per_layer=5e-6,
-                         host_s_per_layer=DEFAULT_HOST_S_PER_LAYER, cuda_graphs=True)
+                         host_s_per_layer=DEFAULT_HOST_S_PER_LAYER, cuda_graphs=True, activation_traffic=1.0)
 
 
 class _Row(NamedTuple):
@@ -889,6 +928,7 @@ class _Row(NamedTuple):
     head_w: float
     attn: float
     kv: float
+    act: float  # activation seconds at full bandwidth and traffic 1
     layers: int
     graph: bool
     fixed: float  # seconds that do not depend on fitted parameters (TP, loads, step and sample overheads)
@@ -911,18 +951,20 @@ def _rows(model: CostModel, steps: Sequence[ProfileStep], prior: Efficiency) -> 
                  + st.load_bytes * model._seconds_per_tier_byte)
         rows.append(_Row(st.body_flops / hw.bf16_flops, st.tokens, st.weight_bytes / hw.bandwidth,
                          st.head_flops / hw.bf16_flops, st.sampled, st.head_bytes / hw.bandwidth,
-                         st.attn_flops / hw.bf16_flops, st.kv_bytes / hw.bandwidth, model.num_layers, graph, fixed,
+                         st.attn_flops / hw.bf16_flops, st.kv_bytes / hw.bandwidth,
+                         st.tokens * model.activation_bytes_per_token / hw.bandwidth,
+                         model.num_layers, graph, fixed,
                          step.seconds))
     return rows
 
 
 def _predict(r: _Row, p: Sequence[float], host: float, norm: float) -> float:
     """``CostModel._time`` of the step-shaped model on precomputed totals; ``p`` as ``FIT_PARAMETERS``."""
-    c, half, m, a, launch, graph_launch = p
+    c, half, m, a, launch, graph_launch, act = p
     t = _roof(r.mm * (r.tokens + half) / (r.tokens * c), r.weights / m, norm)
     if r.sampled and r.head:
         t += _roof(r.head * (r.sampled + half) / (r.sampled * c), r.head_w / m, norm)
-    t += r.attn / a + r.kv / m
+    t += r.attn / a + (r.kv + r.act * act) / m
     if r.graph:
         t += r.layers * graph_launch
     else:
@@ -930,8 +972,8 @@ def _predict(r: _Row, p: Sequence[float], host: float, norm: float) -> float:
     return t + r.fixed
 
 
-_LOWER = (0.01, 0.0, 0.01, 0.01, 0.0, 0.0)
-_UPPER = (1.0, 1e5, 1.0, 1.0, 0.1, 0.1)
+_LOWER = (0.01, 0.0, 0.01, 0.01, 0.0, 0.0, 0.0)
+_UPPER = (1.0, 1e5, 1.0, 1.0, 0.1, 0.1, 10.0)
 
 
 def _clip(p: Sequence[float]) -> list[float]:
@@ -958,7 +1000,7 @@ def fit_step_model(model: CostModel, steps: Sequence[ProfileStep], prior: Effici
     rows = _rows(model, steps, prior)
     host, norm = prior.host_s_per_layer, prior.roofline_norm
     start = [getattr(prior, name) for name in FIT_PARAMETERS]
-    floor = (0.0, 1.0, 0.0, 0.0, 1e-7, 1e-7)  # log-space offsets: half and launches may reach 0
+    floor = (0.0, 1.0, 0.0, 0.0, 1e-7, 1e-7, 0.01)  # log-space offsets: these may reach 0
     logs0 = [math.log(v + f) for v, f in zip(start, floor)]
 
     def params(x: Sequence[float]) -> list[float]:
@@ -977,9 +1019,9 @@ def fit_step_model(model: CostModel, steps: Sequence[ProfileStep], prior: Effici
             best = min(best, value)
             break
         best = value
-    c, half, m, a, launch, graph_launch = params(x)
+    c, half, m, a, launch, graph_launch, act = params(x)
     return replace(prior, compute=c, gemm_m_half=half, memory=m, attention_compute=a, launch_s_per_layer=launch,
-                   graph_launch_s_per_layer=graph_launch)
+                   graph_launch_s_per_layer=graph_launch, activation_traffic=act)
 
 
 def _nelder_mead(f: Any, x0: Sequence[float], step: float, iterations: int = 600) -> tuple[list[float], float]:
@@ -1027,8 +1069,8 @@ BUILTIN_PROFILES: dict[str, tuple[str, str]] = {
 """GPU id -> (model preset the profile measured, file in ``PROFILE_DIR``)."""
 
 H100_EFFICIENCY = Efficiency(
-    compute=0.5727, memory=0.8007, step_overhead_s=0.0, sample_overhead_s=0.0, attention_compute=0.3122,
-    gemm_m_half=5.97, launch_s_per_layer=61.9e-6, graph_launch_s_per_layer=26.6e-6,
+    compute=0.6295, memory=0.8086, step_overhead_s=0.0, sample_overhead_s=0.0, attention_compute=0.3141,
+    gemm_m_half=0.0, launch_s_per_layer=63.8e-6, graph_launch_s_per_layer=29.5e-6, activation_traffic=0.4635,
     host_s_per_layer=DEFAULT_HOST_S_PER_LAYER, cuda_graphs=True,
 )
 """``fit_step_model`` on the built-in H100 profile (``builtin_profile("h100-80gb")``), rounded; a
