@@ -227,6 +227,17 @@ def test_calibrate_prints_the_parameters_and_each_steps_error(capsys: pytest.Cap
     assert "calibrated profile" in out and "decode-graph" in out and "median" in out
 
 
+def test_calibrate_takes_a_config_json_with_its_parameter_count(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(PRESETS["gemma-3-27b"].config)))
+    assert main(["calibrate", "--model", str(config), "--check"]) == 2
+    assert "pass --num-params" in capsys.readouterr().err
+    assert main(["calibrate", "--model", str(config), "--num-params", "27009346304", "--check", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["errors"]["all"]["worst_abs_error"] < 0.1
+
+
 def test_calibrate_without_a_profile_for_the_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["calibrate", "--gpu", "a100-80gb"]) == 2
     assert "has no built-in profile" in capsys.readouterr().err

@@ -15,8 +15,10 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from hybridkv.cli_args import positive_int_arg
+from hybridkv.cli_args import count_arg, positive_int_arg
 from hybridkv.errors import InvalidInputError
+from hybridkv.planning.hardware import get_hardware
+from hybridkv.planning.planner import load_model
 from hybridkv.sim.calibration import StepError, error_summary, fit_profile, leave_one_out, step_errors
 from hybridkv.sim.cost_model import (
     BUILTIN_PROFILES,
@@ -41,7 +43,10 @@ def add_parser(sub: Any) -> None:
                    help="calibration profile (JSON: {'meta': {...}, 'samples': [{'work', 'seconds', 'mode'}]}); "
                         "default: the GPU's built-in profile (" + ", ".join(BUILTIN_PROFILES) + ")")
     p.add_argument("--model", default=None,
-                   help="model preset the steps ran (default: the profile's meta 'model')")
+                   help="model preset the steps ran, or a path to its config.json (default: the profile's meta "
+                        "'model')")
+    p.add_argument("--num-params", type=count_arg, default=None, metavar="COUNT",
+                   help="parameter count of a config.json model, e.g. 4e9 (presets know theirs)")
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset the steps ran on")
     p.add_argument("--tp", type=positive_int_arg, default=1, help="tensor parallel size")
     p.add_argument("--weights-dtype", default="bf16", help="weights dtype of the measured engine")
@@ -67,8 +72,17 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(model_id, str):
         raise InvalidInputError(f"{profile.source}: the profile does not name its model (meta 'model'); "
                                 f"pass --model")
-    model = CostModel.from_preset(model_id, args.gpu, tensor_parallel_size=args.tp, weights_dtype=args.weights_dtype,
-                                  kv_dtype=args.kv_dtype, lm_head="per_sample")
+    loaded = load_model(model_id)
+    options: dict[str, Any] = {"tensor_parallel_size": args.tp, "weights_dtype": args.weights_dtype,
+                               "kv_dtype": args.kv_dtype, "lm_head": "per_sample"}
+    if loaded.is_preset:
+        model = CostModel.from_preset(model_id, args.gpu, **options)
+    elif not args.num_params:
+        raise InvalidInputError(f"{model_id}: a config.json does not say how many parameters the model has; "
+                                f"pass --num-params")
+    else:
+        model = CostModel.from_config(loaded.config, args.num_params, get_hardware(args.gpu), name=loaded.name,
+                                      **options)
     if args.check:
         eff, source = model.efficiency, model.efficiency_source
     else:
