@@ -526,12 +526,14 @@ class CostModel:
 
     def breakdown(self, work: Sequence[SeqWork], extra_load_s: float = 0.0, *,
                   graph: bool | None = None) -> dict[str, float]:
-        """``step_time``'s parts: ``compute_s``, ``memory_s`` (the matmuls' roofs, with the LM head
-        and, in the one-roofline model, attention; the larger counts), ``attention_s`` (step-shaped
-        model), ``launch_s`` (per-layer launch costs), ``overhead_s`` (step and TP), ``sample_s``
-        (per sampled sequence), ``load_s`` (with ``extra_load_s``), ``total_s``, and the step's
-        ``flops``, ``bytes`` (HBM), ``load_bytes`` (tier, at ``tier_bandwidth``) and ``sampled``
-        (sequences that sample)."""
+        """``step_time``'s parts: ``compute_s``, ``memory_s`` (the matmuls' two roofs, with the LM
+        head and, in the one-roofline model, attention; the larger counts there, their
+        ``roofline_norm``-norm in the step-shaped model), and in the step-shaped model
+        ``attention_s`` (attention FLOPs, KV and states), ``activation_s`` and ``launch_s`` (launch
+        costs, or the host floor's excess); ``overhead_s`` (step and TP), ``sample_s`` (per sampled
+        sequence), ``load_s`` (with ``extra_load_s``), ``total_s``, and the step's ``flops``,
+        ``bytes`` (HBM, without activations), ``load_bytes`` (tier, at ``tier_bandwidth``) and
+        ``sampled`` (sequences that sample)."""
         st = self._totals(work)
         parts = self._parts(st, extra_load_s, graph)
         flops = st.body_flops + st.head_flops + st.attn_flops
@@ -576,7 +578,7 @@ class CostModel:
         overhead_s = eff.step_overhead_s + (self._forward_overhead_s if st.tokens else 0.0)
         sample_s = st.sampled * eff.sample_overhead_s
         spf, spb = self._seconds_per_flop, self._seconds_per_byte
-        compute_s = memory_s = attention_s = launch_s = 0.0
+        compute_s = memory_s = attention_s = activation_s = launch_s = 0.0
         if st.tokens and eff.attention_compute is None:
             compute_s = (st.body_flops + st.head_flops + st.attn_flops) * spf
             memory_s = (st.weight_bytes + st.head_bytes + st.kv_bytes) * spb
@@ -588,11 +590,11 @@ class CostModel:
                 compute_s += st.head_flops * (st.sampled + half) / st.sampled * spf
                 memory_s += st.head_bytes * spb
             attention_s = st.attn_flops * self._seconds_per_attention_flop + st.kv_bytes * spb
-            memory_s += st.tokens * self.activation_bytes_per_token * eff.activation_traffic * spb
+            activation_s = st.tokens * self.activation_bytes_per_token * eff.activation_traffic * spb
             launch_s = self._gpu_time(st, graph) - self._gpu_time_without_launch(st)
         total = self._time(st, extra_load_s, graph)
-        return {"compute_s": compute_s, "memory_s": memory_s, "attention_s": attention_s, "launch_s": launch_s,
-                "overhead_s": overhead_s, "sample_s": sample_s, "load_s": load_s, "total_s": total}
+        return {"compute_s": compute_s, "memory_s": memory_s, "attention_s": attention_s,
+                "activation_s": activation_s, "launch_s": launch_s, "overhead_s": overhead_s, "sample_s": sample_s, "load_s": load_s, "total_s": total}
 
     def _gpu_time_without_launch(self, st: StepTotals) -> float:
         saved = self.efficiency
