@@ -594,7 +594,8 @@ class CostModel:
             launch_s = self._gpu_time(st, graph) - self._gpu_time_without_launch(st)
         total = self._time(st, extra_load_s, graph)
         return {"compute_s": compute_s, "memory_s": memory_s, "attention_s": attention_s,
-                "activation_s": activation_s, "launch_s": launch_s, "overhead_s": overhead_s, "sample_s": sample_s, "load_s": load_s, "total_s": total}
+                "activation_s": activation_s, "launch_s": launch_s, "overhead_s": overhead_s, "sample_s": sample_s,
+                "load_s": load_s, "total_s": total}
 
     def _gpu_time_without_launch(self, st: StepTotals) -> float:
         saved = self.efficiency
