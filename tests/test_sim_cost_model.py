@@ -1,4 +1,5 @@
-"""Simulator cost model: roofline step times per layer kind, tensor parallelism, tier loads, calibration."""
+"""Simulator cost model, the one-roofline model: step times per layer kind, tensor parallelism, tier loads,
+calibration (the step-shaped model and the H100 profile: ``test_sim_step_model.py``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from hybridkv.sim.cost_model import (
 )
 
 H100 = get_hardware("h100-80gb")
+DATA_SHEET = Efficiency()
+"""The one-roofline model on data-sheet peaks, which these tests check; ``h100-80gb`` otherwise
+defaults to its calibrated profile (``test_sim_step_model.py``)."""
 
 
 def tiny(kind: str, **extra: Any) -> dict[str, Any]:
@@ -39,7 +43,7 @@ def llama_like(**extra: Any) -> dict[str, Any]:
 
 
 def test_llama_8b_decode_at_batch_1_is_memory_bound_and_takes_6_to_15_ms() -> None:
-    model = CostModel.from_preset("llama-3.1-8b", "h100-80gb")
+    model = CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET)
     b = model.breakdown([SeqWork(1, 1000)])
     assert b["memory_s"] > 10 * b["compute_s"]
     assert b["bytes"] == pytest.approx(8_030_261_248 * 2, rel=0.01)  # the weights dominate
@@ -49,7 +53,7 @@ def test_llama_8b_decode_at_batch_1_is_memory_bound_and_takes_6_to_15_ms() -> No
 
 
 def test_a_large_prefill_chunk_is_compute_bound() -> None:
-    model = CostModel.from_preset("llama-3.1-8b", "h100-80gb")
+    model = CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET)
     b = model.breakdown([SeqWork(8192, 0)])
     assert b["compute_s"] > 5 * b["memory_s"]
     # 2 * 8.03e9 * 8192 matmul FLOPs + attention 32 layers * 4 * 32 * 128 * 8192 * 8193 / 2
@@ -59,7 +63,7 @@ def test_a_large_prefill_chunk_is_compute_bound() -> None:
 
 
 def test_step_time_is_the_larger_roof_plus_overheads() -> None:
-    model = CostModel.from_preset("gemma-3-12b", "h100-80gb", tensor_parallel_size=2)
+    model = CostModel.from_preset("gemma-3-12b", "h100-80gb", efficiency=DATA_SHEET, tensor_parallel_size=2)
     work = [SeqWork(1, 3000), SeqWork(300, 100)]
     b = model.breakdown(work)
     assert b["overhead_s"] == pytest.approx(0.004 + 48 * 0.00002)
@@ -68,7 +72,7 @@ def test_step_time_is_the_larger_roof_plus_overheads() -> None:
 
 
 def test_a_step_without_new_tokens_costs_only_the_step_overhead() -> None:
-    model = CostModel.from_preset("llama-3.1-70b", "h100-80gb", tensor_parallel_size=4)
+    model = CostModel.from_preset("llama-3.1-70b", "h100-80gb", efficiency=DATA_SHEET, tensor_parallel_size=4)
     assert model.step_time([]) == pytest.approx(0.004)
     assert model.step_time([SeqWork(0, 5000)]) == pytest.approx(0.004)
 
@@ -85,14 +89,14 @@ def test_attention_pairs_match_a_token_by_token_count(context: int, new: int) ->
     }
     for kind, keys in reach.items():
         cfg = tiny(kind, sliding_window=16, attention_chunk_size=24)
-        model = CostModel.from_config(cfg, 1, H100)
+        model = CostModel.from_config(cfg, 1, H100, efficiency=DATA_SHEET)
         pairs = sum(keys(p) for p in range(context, context + new))
         assert model.breakdown([SeqWork(new, context)])["flops"] == 2 * new + 4 * pairs, kind
 
 
 def test_sliding_window_layers_cost_less_than_full_layers_at_long_context() -> None:
-    full = CostModel.from_config(llama_like(), 8_030_261_248, H100)
-    sliding = CostModel.from_config(llama_like(sliding_window=4096), 8_030_261_248, H100)
+    full = CostModel.from_config(llama_like(), 8_030_261_248, H100, efficiency=DATA_SHEET)
+    sliding = CostModel.from_config(llama_like(sliding_window=4096), 8_030_261_248, H100, efficiency=DATA_SHEET)
     batch = [SeqWork(1, 60_000)] * 32
     assert sliding.step_time(batch) < 0.5 * full.step_time(batch)
     assert sliding.breakdown([SeqWork(4096, 60_000)])["flops"] < full.breakdown([SeqWork(4096, 60_000)])["flops"]
@@ -101,8 +105,8 @@ def test_sliding_window_layers_cost_less_than_full_layers_at_long_context() -> N
 
 
 def test_full_attention_time_grows_with_context_and_sliding_window_time_is_bounded() -> None:
-    full = CostModel.from_config(llama_like(), 8_030_261_248, H100)
-    sliding = CostModel.from_config(llama_like(sliding_window=4096), 8_030_261_248, H100)
+    full = CostModel.from_config(llama_like(), 8_030_261_248, H100, efficiency=DATA_SHEET)
+    sliding = CostModel.from_config(llama_like(sliding_window=4096), 8_030_261_248, H100, efficiency=DATA_SHEET)
     times_full = [full.step_time([SeqWork(1, c)] * 64) for c in (1000, 10_000, 100_000)]
     times_sliding = [sliding.step_time([SeqWork(1, c)] * 64) for c in (1000, 10_000, 100_000)]
     assert times_full[0] < times_full[1] < times_full[2]
@@ -110,7 +114,7 @@ def test_full_attention_time_grows_with_context_and_sliding_window_time_is_bound
 
 
 def test_chunked_local_layers_only_see_their_chunk() -> None:
-    model = CostModel.from_preset("llama-4-scout", "h100-80gb", tensor_parallel_size=4)
+    model = CostModel.from_preset("llama-4-scout", "h100-80gb", efficiency=DATA_SHEET, tensor_parallel_size=4)
     # 36 chunked layers read at most 8192 tokens; the 12 global layers keep growing
     at_8k = model.breakdown([SeqWork(1, 8191)])["bytes"]
     at_16k = model.breakdown([SeqWork(1, 16383)])["bytes"]
@@ -130,7 +134,7 @@ def test_recurrent_layers_cost_the_same_at_any_context() -> None:
     cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "head_dim": 64, "hidden_size": 512,
            "hybrid_override_pattern": "MM", "mamba_num_heads": 16, "mamba_head_dim": 64, "ssm_state_size": 128,
            "conv_kernel": 4}
-    model = CostModel.from_config(cfg, 10**9, H100)
+    model = CostModel.from_config(cfg, 10**9, H100, efficiency=DATA_SHEET)
     assert model.step_time([SeqWork(1, 100)] * 8) == model.step_time([SeqWork(1, 100_000)] * 8)
     state = 2 * ((16 * 64 + 2 * 128) * 3 + 16 * 64 * 128)  # two layers of conv + SSM state
     assert model.layers.recurrent_state_bytes == state * 2
@@ -147,13 +151,13 @@ def test_moe_reads_only_the_active_weights_at_batch_1_and_all_of_them_at_large_b
     many = model.breakdown([SeqWork(1, 0)] * 256)["bytes"]
     assert one - per_seq == pytest.approx(3e9 * 2)
     assert many - 256 * per_seq == pytest.approx(79_674_391_296 * 2)
-    dense = CostModel.from_preset("llama-3.1-8b", "h100-80gb")
+    dense = CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET)
     assert dense.active_params == dense.total_params
 
 
 def test_fp8_weights_halve_the_weight_bytes() -> None:
-    bf16 = CostModel.from_preset("llama-3.1-8b", "h100-80gb")
-    fp8 = CostModel.from_preset("llama-3.1-8b", "h100-80gb", weights_dtype="fp8", kv_dtype="fp8")
+    bf16 = CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET)
+    fp8 = CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET, weights_dtype="fp8", kv_dtype="fp8")
     assert fp8.breakdown([SeqWork(1, 0)])["bytes"] == pytest.approx(bf16.breakdown([SeqWork(1, 0)])["bytes"] / 2,
                                                                      rel=1e-3)
 
@@ -171,8 +175,8 @@ def test_tensor_parallel_2_lowers_the_time_of_a_big_prefill() -> None:
 
 
 def test_a_tier_load_adds_its_bytes_over_the_tier_bandwidth() -> None:
-    base = CostModel.from_preset("llama-3.1-8b", "h100-80gb")
-    tiered = CostModel.from_preset("llama-3.1-8b", "h100-80gb", tier_bandwidth=25e9)
+    base = CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET)
+    tiered = CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET, tier_bandwidth=25e9)
     per_token = 32 * 2 * 8 * 128 * 2  # layers, K and V, KV heads, head size, bf16 = 128 KiB
     work = [SeqWork(1, 0, num_loaded_tokens=10_000)]
     b = tiered.breakdown(work)
@@ -195,7 +199,7 @@ def synthetic_samples(model: CostModel) -> list[tuple[list[SeqWork], float]]:
 
 def test_calibration_recovers_known_efficiencies_from_synthetic_samples() -> None:
     truth = Efficiency(compute=0.42, memory=0.71, step_overhead_s=0.0025)
-    model = CostModel.from_preset("llama-3.1-8b", "h100-80gb")
+    model = CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET)
     samples = synthetic_samples(model.with_efficiency(truth))
     fitted = fit_efficiency(model, samples)
     assert fitted.compute == pytest.approx(0.42, rel=0.1)
@@ -206,7 +210,7 @@ def test_calibration_recovers_known_efficiencies_from_synthetic_samples() -> Non
 
 
 def test_calibration_keeps_an_efficiency_the_samples_cannot_tell() -> None:
-    model = CostModel.from_preset("llama-3.1-8b", "h100-80gb")
+    model = CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET)
     truth = Efficiency(compute=0.6, memory=0.5, step_overhead_s=0.003)
     decodes_only = [([SeqWork(1, 1000)] * b, model.with_efficiency(truth).step_time([SeqWork(1, 1000)] * b))
                     for b in (1, 4, 16, 64)]
@@ -216,7 +220,7 @@ def test_calibration_keeps_an_efficiency_the_samples_cannot_tell() -> None:
 
 
 def test_with_efficiency_returns_a_copy() -> None:
-    model = CostModel.from_preset("llama-3.1-8b", "h100-80gb")
+    model = CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET)
     faster = model.with_efficiency(Efficiency(memory=1.0, step_overhead_s=0.0))
     assert model.efficiency == Efficiency()
     assert faster.step_time([SeqWork(1, 0)]) < model.step_time([SeqWork(1, 0)]) - 0.004
@@ -268,25 +272,25 @@ def test_negative_token_counts_are_rejected() -> None:
 
 def test_unknown_model_gpu_and_dtype_are_named() -> None:
     with pytest.raises(InvalidInputError, match="unknown model 'llama-9'"):
-        CostModel.from_preset("llama-9", "h100-80gb")
+        CostModel.from_preset("llama-9", "h100-80gb", efficiency=DATA_SHEET)
     with pytest.raises(InvalidInputError, match="unknown GPU 'tpu-v9'"):
         CostModel.from_preset("llama-3.1-8b", "tpu-v9")
     with pytest.raises(InvalidInputError, match="unknown weights dtype 'fp3'"):
-        CostModel.from_preset("llama-3.1-8b", "h100-80gb", weights_dtype="fp3")
+        CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET, weights_dtype="fp3")
     with pytest.raises(InvalidInputError, match="KV cache dtype"):
-        CostModel.from_preset("llama-3.1-8b", "h100-80gb", kv_dtype="int4")
+        CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET, kv_dtype="int4")
 
 
 def test_inconsistent_settings_are_rejected() -> None:
     with pytest.raises(InvalidInputError, match="active_params"):
-        CostModel.from_preset("llama-3.1-8b", "h100-80gb", active_params=9e9)
+        CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET, active_params=9e9)
     with pytest.raises(InvalidInputError, match="tier_bandwidth"):
-        CostModel.from_preset("llama-3.1-8b", "h100-80gb", tier_bandwidth=0)
+        CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET, tier_bandwidth=0)
     with pytest.raises(InvalidInputError, match="tensor parallel size 3"):
-        CostModel.from_preset("llama-3.1-8b", "h100-80gb", tensor_parallel_size=3)
+        CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET, tensor_parallel_size=3)
     with pytest.raises(InvalidInputError, match=r"Efficiency.compute must be in \(0, 1\]"):
         Efficiency(compute=1.5)
     with pytest.raises(InvalidInputError, match="step_overhead_s must be >= 0"):
         Efficiency(step_overhead_s=-0.001)
     with pytest.raises(InvalidInputError, match="at least one sample"):
-        fit_efficiency(CostModel.from_preset("llama-3.1-8b", "h100-80gb"), [])
+        fit_efficiency(CostModel.from_preset("llama-3.1-8b", "h100-80gb", efficiency=DATA_SHEET), [])

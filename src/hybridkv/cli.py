@@ -118,10 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridkv.engine.demo import add_parser as add_engine_demo
     from hybridkv.planning.cli import add_parser as add_plan
     from hybridkv.server.cli import add_parser as add_serve
+    from hybridkv.sim.calibrate_cli import add_parser as add_calibrate
     from hybridkv.sim.cli import add_parser as add_simulate
 
     add_plan(sub)
     add_simulate(sub)
+    add_calibrate(sub)
     add_generate(sub)
     add_engine_demo(sub)
     add_serve(sub)

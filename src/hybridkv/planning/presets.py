@@ -10,6 +10,15 @@ class default, the preset writes the default out and its ``notes`` say so.
 multimodal model), recomputed from the config's shapes and checked against the model card.
 ``max_model_len`` is the config's ``max_position_embeddings`` (what a server uses by default);
 ``notes`` say where the model card advertises something else.
+
+Every config carries ``vocab_size`` and ``tie_word_embeddings`` (in ``text_config`` where the
+model nests one) for the cost model's LM head (``hybridkv.sim.cost_model``), copied from the
+published ``config.json``. Gemma 3 4B/12B/27B: 262,208 (the text config's vocabulary with the
+image tokens; the 270M and 1B text-only models have 262,144), tied as the ``Gemma3TextConfig``
+default; Gemma 2: 256,000, tied. Untied: gpt-oss (201,088), Mistral 7B v0.1 (32,000), Llama 3.1
+(128,256), Llama 4 Scout (202,048), Qwen3-Next (151,936), Jamba (65,536), DeepSeek-V3 (129,280),
+Phi-3-mini (32,064). These were written from the published files as recalled, not re-fetched;
+only Nemotron-H, Granite 4.0-H and Falcon-H1 had them before (their notes cite the files).
 """
 
 from __future__ import annotations
@@ -69,6 +78,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "num_key_value_heads": 1,
             "sliding_window": 512,
             "torch_dtype": "bfloat16",
+            "tie_word_embeddings": True,
+            "vocab_size": 262_144,
         },
         notes=(
             "https://huggingface.co/google/gemma-3-270m/blob/main/config.json (transformers 4.55 export: "
@@ -94,6 +105,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "sliding_window": 512,
             "sliding_window_pattern": 6,
             "torch_dtype": "bfloat16",
+            "tie_word_embeddings": True,
+            "vocab_size": 262_144,
         },
         notes=(
             "https://huggingface.co/google/gemma-3-1b-it/blob/main/config.json (transformers 4.50 export: "
@@ -119,6 +132,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
                 "num_key_value_heads": 4,
                 "sliding_window": 1024,
                 "sliding_window_pattern": 6,
+                "tie_word_embeddings": True,
+                "vocab_size": 262_208,
             },
             "torch_dtype": "bfloat16",
         },
@@ -152,6 +167,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
                 "num_key_value_heads": 8,
                 "sliding_window": 1024,
                 "sliding_window_pattern": 6,
+                "tie_word_embeddings": True,
+                "vocab_size": 262_208,
             },
             "torch_dtype": "bfloat16",
         },
@@ -183,6 +200,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
                 "num_key_value_heads": 16,
                 "sliding_window": 1024,
                 "sliding_window_pattern": 6,
+                "tie_word_embeddings": True,
+                "vocab_size": 262_208,
             },
             "torch_dtype": "bfloat16",
         },
@@ -213,6 +232,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "sliding_window": 4096,
             "sliding_window_size": 4096,
             "torch_dtype": "float32",
+            "tie_word_embeddings": True,
+            "vocab_size": 256_000,
         },
         notes=(
             "https://huggingface.co/google/gemma-2-9b/blob/main/config.json (transformers 4.42 export). The "
@@ -240,6 +261,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "sliding_window": 4096,
             "sliding_window_size": 4096,
             "torch_dtype": "float32",
+            "tie_word_embeddings": True,
+            "vocab_size": 256_000,
         },
         notes=(
             "https://huggingface.co/google/gemma-2-27b/blob/main/config.json (query_pre_attn_scalar 144). "
@@ -267,6 +290,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "num_key_value_heads": 8,
             "num_local_experts": 32,
             "sliding_window": 128,
+            "tie_word_embeddings": False,
+            "vocab_size": 201_088,
         },
         notes=(
             "https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json: layer_types alternate "
@@ -294,6 +319,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "num_key_value_heads": 8,
             "num_local_experts": 128,
             "sliding_window": 128,
+            "tie_word_embeddings": False,
+            "vocab_size": 201_088,
         },
         notes=(
             "https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json: 36 layers alternating "
@@ -318,6 +345,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "num_key_value_heads": 8,
             "sliding_window": 4096,
             "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False,
+            "vocab_size": 32_000,
         },
         notes=(
             "https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json: every layer uses "
@@ -341,6 +370,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "num_hidden_layers": 32,
             "num_key_value_heads": 8,
             "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False,
+            "vocab_size": 128_256,
         },
         notes=(
             "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/blob/main/config.json: full attention "
@@ -362,6 +393,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "num_hidden_layers": 80,
             "num_key_value_heads": 8,
             "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False,
+            "vocab_size": 128_256,
         },
         notes=(
             "https://huggingface.co/meta-llama/Llama-3.1-70B-Instruct/blob/main/config.json: full attention "
@@ -391,6 +424,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
                 "num_key_value_heads": 8,
                 "num_local_experts": 16,
                 "torch_dtype": "bfloat16",
+                "tie_word_embeddings": False,
+                "vocab_size": 202_048,
             },
             "torch_dtype": "bfloat16",
         },
@@ -428,6 +463,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "num_hidden_layers": 48,
             "num_key_value_heads": 2,
             "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False,
+            "vocab_size": 151_936,
         },
         notes=(
             "https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json: no layer_types in "
@@ -463,6 +500,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "num_key_value_heads": 8,
             "sliding_window": None,
             "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False,
+            "vocab_size": 65_536,
         },
         notes=(
             "https://huggingface.co/ai21labs/AI21-Jamba-1.5-Mini/blob/main/config.json (the repository is also "
@@ -625,6 +664,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "qk_rope_head_dim": 64,
             "torch_dtype": "bfloat16",
             "v_head_dim": 128,
+            "tie_word_embeddings": False,
+            "vocab_size": 129_280,
         },
         notes=(
             "https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: 61 layers of MLA; the cache "
@@ -653,6 +694,8 @@ _PRESET_LIST: tuple[ModelPreset, ...] = (
             "original_max_position_embeddings": 4096,
             "sliding_window": 2047,
             "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False,
+            "vocab_size": 32_064,
         },
         notes=(
             "https://huggingface.co/microsoft/Phi-3-mini-4k-instruct/blob/main/config.json: sliding_window 2047 "

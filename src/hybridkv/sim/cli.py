@@ -150,9 +150,11 @@ def add_parser(sub: Any) -> None:
                              "larger block also means fewer pages per state and less manager work per step)")
     add_recurrent_pages_arg(system)
     system.add_argument("--calibration", default=None, metavar="PATH",
-                        help="fit the cost model's efficiencies to measured steps in this JSON file")
-    system.add_argument("--lm-head", choices=("per_token", "per_sample"), default="per_token",
-                        help="charge the output projection per new token (generic) or per sampled sequence")
+                        help="fit the cost model to measured steps in this JSON file (default: the GPU's "
+                             "built-in profile, h100-80gb only; other GPUs use data-sheet peaks)")
+    system.add_argument("--lm-head", choices=("per_token", "per_sample"), default=None,
+                        help="charge the output projection per new token (generic) or per sampled sequence "
+                             "(default: per sampled sequence under a calibrated profile, else per token)")
     system.add_argument("--tier", type=tier_arg, action="append", default=None, metavar="SPEC",
                         help="external KV tier, queried in the order given (repeatable): "
                              "KIND:SIZE[@BANDWIDTH][@LATENCY] with KIND host (default 25GB/s), disk (5GB/s, "
@@ -462,3 +464,6 @@ def print_summary(workload: Workload, results: list[tuple[str, SimResult]]) -> N
     rows = [(name, [fmt(r.summary) for _, r in results]) for name, fmt in spec_rows]
     rows.append(("simulation wall time", [f"{r.summary['wall_s']:.1f} s" for _, r in results]))
     print_table(title, ["", *labels], [(name, *vals) for name, vals in rows])
+    sources = sorted({str(r.summary.get("cost_model", "")) for _, r in results} - {""})
+    if sources:
+        print_text("step times: " + "; ".join(sources))

@@ -460,6 +460,7 @@ def _summary(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, replica
         plan = {"kv_capacity_tokens": rep.token_capacity, "max_concurrency": rep.max_concurrency}
     return {
         "workload": workload.name, "model": cfg.model, "gpu": cfg.gpu, "retention": replicas[0].mgr.retention.name,
+        "cost_model": replicas[0].cost.efficiency_source,
         "admission": cfg.admission, "requests": len(workload.requests), "finished": finished,
         "rejected": run.rejected, "rejected_too_long": run.too_long,
         "preemptions": sum(r.sched.stats.preemptions for r in replicas), "steps": steps, "duration_s": now,

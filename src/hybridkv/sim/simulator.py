@@ -45,7 +45,7 @@ import math
 from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hybridkv.connectors.storage import StoragePolicy, StoreAll, StoreHitSpans, StoreSpansSpill
@@ -99,9 +99,12 @@ class SimConfig:
     samples: int = 400
     """Points of the KV-usage / hit-rate time series."""
     calibration: Efficiency | str | None = None
-    """Efficiencies, or a calibration file path fitted with ``fit_efficiency``; None: the defaults."""
-    lm_head: LMHead = "per_token"
-    """How the cost model charges the output projection (``cost_model`` module docstring)."""
+    """Efficiencies, or a calibration file path (``cost_model.calibrate``: the step-shaped fit when its
+    steps carry a ``mode``); None: the GPU's default (its built-in profile, else the data sheet)."""
+    lm_head: LMHead | None = None
+    """How the cost model charges the output projection (``cost_model`` module docstring); None:
+    per sampled sequence under a calibrated (step-shaped) profile when the vocabulary is known, else
+    per token."""
     tiers: tuple[TierSpec, ...] = ()
     """External KV tiers, queried in order (``sim.tiers``); empty: none."""
     tier_storage: str = "spans+spill"
@@ -467,10 +470,9 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
         "itl_p90_s": _percentile(itl_sorted, 0.9),
         "itl_p99_s": _percentile(itl_sorted, 0.99),
         "kv_capacity_tokens": plan["kv_capacity_tokens"] if cfg.kv_cache_tokens is None else None,
-        "efficiency": {"compute": cost.efficiency.compute, "memory": cost.efficiency.memory,
-                       "step_overhead_s": cost.efficiency.step_overhead_s,
-                       "sample_overhead_s": cost.efficiency.sample_overhead_s},
-        "lm_head": cfg.lm_head,
+        "efficiency": asdict(cost.efficiency),
+        "cost_model": cost.efficiency_source,
+        "lm_head": "per_sample" if cost.lm_head_params else "per_token",
         "num_blocks": mgr.layout.num_blocks,
         "max_concurrency": plan["max_concurrency"],
         "peak_running": peak_running,
