@@ -259,3 +259,15 @@ def test_simulate_with_the_built_in_profile_as_calibration(capsys: pytest.Captur
     assert "step times: calibrated profile" in capsys.readouterr().out
     assert main([*SIM, "--gpu", "a100-80gb"]) == 0
     assert "step times: data sheet" in capsys.readouterr().out
+
+
+def test_data_sheet_names_the_one_roofline_model_on_a_gpu_with_a_profile() -> None:
+    from hybridkv.sim.cost_model import DATA_SHEET
+
+    calibrated = CostModel.from_preset("gemma-3-27b", "h100-80gb", lm_head="per_token")
+    sheet = calibrate(calibrated, DATA_SHEET)
+    assert calibrated.efficiency != DEFAULT_EFFICIENCY and sheet.efficiency == DEFAULT_EFFICIENCY
+    assert sheet.efficiency_source == "data sheet"
+    work = [SeqWork(num_new_tokens=2048, context_len=0)]
+    reference = CostModel.from_preset("gemma-3-27b", "h100-80gb", efficiency=DEFAULT_EFFICIENCY, lm_head="per_token")
+    assert sheet.step_time(work) == reference.step_time(work) != calibrated.step_time(work)

@@ -151,7 +151,9 @@ def add_parser(sub: Any) -> None:
     add_recurrent_pages_arg(system)
     system.add_argument("--calibration", default=None, metavar="PATH",
                         help="fit the cost model to measured steps in this JSON file (default: the GPU's "
-                             "built-in profile, h100-80gb only; other GPUs use data-sheet peaks)")
+                             "built-in profile, h100-80gb only; other GPUs use data-sheet peaks); 'data-sheet': "
+                             "the one-roofline data-sheet model on any GPU (how figures before the profiles were "
+                             "timed)")
     system.add_argument("--lm-head", choices=("per_token", "per_sample"), default=None,
                         help="charge the output projection per new token (generic) or per sampled sequence "
                              "(default: per sampled sequence under a calibrated profile, else per token)")

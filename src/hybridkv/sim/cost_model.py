@@ -256,6 +256,9 @@ class Efficiency:
 
 DEFAULT_EFFICIENCY = Efficiency()
 
+DATA_SHEET = "data-sheet"
+"""``calibrate``'s name for the data-sheet defaults (``--calibration data-sheet``)."""
+
 
 @dataclass(frozen=True)
 class LayerCosts:
@@ -852,10 +855,14 @@ def parse_profile(data: Any, source: str = "") -> Profile:
 
 
 def calibrate(model: CostModel, calibration: Efficiency | str | Path) -> CostModel:
-    """``model`` with the given efficiencies, or with those fitted to a calibration file: the
-    step-shaped fit (``fit_step_model``) when its steps carry a ``mode``, else ``fit_efficiency``."""
+    """``model`` with the given efficiencies, with the data-sheet defaults (``"data-sheet"``: the one
+    roofline on the GPU's data-sheet peaks, what every GPU used before built-in profiles), or with
+    those fitted to a calibration file: the step-shaped fit (``fit_step_model``) when its steps carry
+    a ``mode``, else ``fit_efficiency``."""
     if isinstance(calibration, Efficiency):
         return replace(model, efficiency=calibration, efficiency_source="given")
+    if calibration == DATA_SHEET:
+        return replace(model, efficiency=DEFAULT_EFFICIENCY, efficiency_source="data sheet")
     profile = load_profile(calibration)
     if any(step.mode is not None for step in profile.steps):
         eff = fit_step_model(replace(model, window_kernel=profile.window_kernel), profile.steps)
