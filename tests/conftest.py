@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,6 +67,31 @@ def redis_server() -> str:
             pytest.fail(reason)
         pytest.skip(reason)
     return path
+
+
+@pytest.fixture(scope="module")
+def redis_tier_url(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private ``redis-server`` on a free loopback port for one test module, as a tier URL."""
+    pytest.importorskip("redis")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.kill()
+    proc.wait()
 
 
 MODEL_FIXTURES = frozenset({"gguf", "weights", "tokenizer"})

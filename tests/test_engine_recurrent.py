@@ -8,10 +8,6 @@ A negative control restores a state one block off and sees the output change: th
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -327,40 +323,14 @@ def test_a_state_restored_one_block_off_changes_the_output(weights: HybridWeight
 
 
 # ---------------------------------------------------------------------- Redis
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    pytest.importorskip("redis")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (make redis-server installs it)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.kill()
-    proc.wait()
-
 
 def test_two_engines_share_states_through_redis(weights: HybridWeights, prompts: list[list[int]],
-                                                reference: list[Output], redis_url: str) -> None:
+                                                reference: list[Output], redis_tier_url: str) -> None:
     """A shared tier keeps the states where a hit can end on another instance (the prompt's end,
     with the window's blocks before it): the second engine resumes the re-sent prompt there."""
-    first = small_engine(weights, kv_tiers=(redis_url,))
+    first = small_engine(weights, kv_tiers=(redis_tier_url,))
     assert run(first, prompts[0])[0] == reference[0]
-    second = small_engine(weights, kv_tiers=(redis_url,))
+    second = small_engine(weights, kv_tiers=(redis_tier_url,))
     out, cached, external = run(second, prompts[0])
     assert out == reference[0] and cached == 0 and external == len(prompts[0]) // 16 * 16
 

@@ -8,12 +8,9 @@ cache salts, and two engine processes sharing one real Redis server.
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -202,46 +199,20 @@ def test_cache_salts_never_share_tier_entries(weights: Gemma3Weights, tokenizer:
 
 
 # ---------------------------------------------------------------------- two processes, one Redis
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    pytest.importorskip("redis")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (make test installs it with apt-get where it can)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.kill()
-    proc.wait()
-
 
 def test_two_engine_processes_share_a_prefix_through_redis(weights: Gemma3Weights, tokenizer: GemmaTokenizer,
                                                            prompts: list[list[int]], baseline: list[list[int]],
-                                                           redis_url: str, tmp_path: Path) -> None:
+                                                           redis_tier_url: str, tmp_path: Path) -> None:
     prompt_file = tmp_path / "p0.txt"
     prompt_file.write_text(tokenizer.decode(prompts[0][1:]))
     assert tokenizer.encode(prompt_file.read_text()) == prompts[0]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     first = subprocess.run(
         [sys.executable, "-m", "hybridkv.cli", "generate", "--prompt-file", str(prompt_file), "--max-tokens", "2",
-         "--max-model-len", "1024", "--kv-store", redis_url, "--dtype", "float32"],
+         "--max-model-len", "1024", "--kv-store", redis_tier_url, "--dtype", "float32"],
         capture_output=True, text=True, env=env, timeout=600)
     assert first.returncode == 0, first.stderr
-    eng = small_engine(weights, tokenizer, (redis_url,))
+    eng = small_engine(weights, tokenizer, (redis_tier_url,))
     (out,) = eng.generate([prompts[1]], GREEDY)
     assert out.token_ids == baseline[1]
     assert out.num_external_tokens >= len(tokenizer.encode(SHARED)) - 32  # computed by the other process
