@@ -71,6 +71,11 @@ def _chain_keys(req: SimRequest) -> list[tuple[object, int]]:
     return out
 
 
+def _servable(requests: Sequence[SimRequest], max_prompt_tokens: int | None) -> list[SimRequest]:
+    """The requests an engine would serve: those whose prompt fits ``max_prompt_tokens`` (None: all)."""
+    return [r for r in requests if max_prompt_tokens is None or r.prompt_len <= max_prompt_tokens]
+
+
 def lru_ceiling(requests: Sequence[SimRequest], capacity_bytes: float, *, model: str, growing_bytes_per_token: float,
                 checkpoint_bytes: Callable[[int], float], block_size: int, alignment: int = 16,
                 max_prompt_tokens: int | None = None, interval_blocks: int = 0) -> CeilingResult:
@@ -86,15 +91,12 @@ def lru_ceiling(requests: Sequence[SimRequest], capacity_bytes: float, *, model:
     used = 0.0
     evicted = 0.0
     stored_checkpoints = 0
-    hit_total = prompt_total = n = 0
+    hit_total = 0
     seen: set[object] = set()
     checkpoints = model in ("end-checkpoint", "junctions")
-    for req in requests:
+    served = _servable(requests, max_prompt_tokens)
+    for req in served:
         length = req.prompt_len
-        if max_prompt_tokens is not None and length > max_prompt_tokens:
-            continue
-        n += 1
-        prompt_total += length
         chain = _chain_keys(req)
         cap = (length - 1) // alignment * alignment
         # The hit: the held run of leading blocks, ending where the model can resume.
@@ -136,7 +138,8 @@ def lru_ceiling(requests: Sequence[SimRequest], capacity_bytes: float, *, model:
         touched += [(key, tokens * growing_bytes_per_token) for key, tokens in reversed(chain)]
         used, dropped = _touch_lru(lru, touched, used, capacity_bytes)
         evicted += dropped
-    return CeilingResult(model, hit_total, prompt_total, n, int(evicted), stored_checkpoints)
+    return CeilingResult(model, hit_total, sum(r.prompt_len for r in served), len(served), int(evicted),
+                         stored_checkpoints)
 
 
 def block_chain(req: SimRequest, block_size: int, answer_token: int = SIM_ANSWER_TOKEN) -> list[object]:
@@ -169,14 +172,11 @@ def turn_ceiling(requests: Sequence[SimRequest], capacity: float, *, model: str,
     lru: OrderedDict[object, float] = OrderedDict()
     used = evicted = 0.0
     seen: set[object] = set()
-    hit_total = prompt_total = n = stored = 0
+    hit_total = stored = 0
     anywhere = model in ("growing", "infinite")
-    for req in requests:
+    served = _servable(requests, max_prompt_tokens)
+    for req in served:
         length = req.prompt_len
-        if max_prompt_tokens is not None and length > max_prompt_tokens:
-            continue
-        n += 1
-        prompt_total += length
         keys = block_chain(req, bs)
 
         def entries(m: int) -> list[tuple[object, float]]:
@@ -215,7 +215,7 @@ def turn_ceiling(requests: Sequence[SimRequest], capacity: float, *, model: str,
         touched += [(key, bs * growing_per_token) for key in reversed(keys[:computed])]
         used, dropped = _touch_lru(lru, touched, used, capacity)
         evicted += dropped
-    return CeilingResult(model, hit_total, prompt_total, n, int(evicted), stored)
+    return CeilingResult(model, hit_total, sum(r.prompt_len for r in served), len(served), int(evicted), stored)
 
 
 def _touch_lru(lru: OrderedDict[object, float], touched: list[tuple[object, float]], used: float, capacity: float
