@@ -166,16 +166,13 @@ def _unify_page_sizes(specs: list[KVCacheSpec], recurrent_pages: RecurrentPages 
     attn = [s for s in specs if isinstance(s, AttentionSpec) and s.real_page_size_bytes > 0]
     if recurrent_pages not in ("split", "unified"):
         raise InvalidInputError(f"recurrent_pages must be 'split' or 'unified', got {recurrent_pages!r}")
+    grown = attn
     if mamba and attn and recurrent_pages == "unified":
         # Attention blocks grow until one attention page holds a whole state.
         state_page = max(s.real_page_size_bytes for s in mamba)
-        attn = [replace(s, block_size=s.block_size * cdiv(state_page, s.real_page_size_bytes)) for s in attn]
-        grown = dict(zip((id(s) for s in specs if isinstance(s, AttentionSpec) and s.real_page_size_bytes > 0),
-                         attn))
-    else:
-        grown = {id(s): s for s in attn}
-    unified = _unify_attention(attn)
-    out: dict[int, tuple[KVCacheSpec, ...]] = {key: (unified[id(s)],) for key, s in grown.items()}
+        grown = [replace(s, block_size=s.block_size * cdiv(state_page, s.real_page_size_bytes)) for s in attn]
+    unified = _unify_attention(grown)
+    out: dict[int, tuple[KVCacheSpec, ...]] = {id(s): (unified[id(g)],) for s, g in zip(attn, grown)}
     if mamba:
         attn_page = max((s.real_page_size_bytes for s in unified.values()), default=0)
         attn_block = max((s.block_size for s in unified.values()), default=0)
@@ -202,10 +199,8 @@ def _group_layers(layer_specs: Mapping[str, tuple[KVCacheSpec, ...]]
     """
     by_spec: dict[KVCacheSpec, list[str]] = {}
     uncached: list[str] = []
-    for name, specs in layer_specs.items():
+    for name, specs in layer_specs.items():  # specs checked by plan_layout
         for spec in specs:
-            if not isinstance(spec, KVCacheSpec):
-                raise InvalidInputError(f"layer {name!r}: expected a KVCacheSpec, got {type(spec).__name__}")
             if isinstance(spec, EncoderOnlyAttentionSpec):
                 uncached.append(name)
             else:

@@ -294,10 +294,9 @@ class KVCacheManager:
         or ``end_token`` when the step that gave it slots reaches it (offering a step's blocks to a
         tier, as ``KVConnector.store`` does right after the forward pass, vouches that it ran)."""
         if self._deferred and self._seqs.get(seq.seq_id) is seq:
-            computed = self._computed_tokens(seq)
-            base, _, ceiling = self._progress[seq.seq_id]
-            self._register_computed(seq, end_token if computed < end_token <= ceiling and base <= end_token
-                                    else computed)
+            computed = self._computed_tokens(seq)  # at least the step's base
+            ceiling = self._progress[seq.seq_id][2]
+            self._register_computed(seq, end_token if computed < end_token <= ceiling else computed)
         g = self.groups[group]
         table = g.tables.get(seq.seq_id, [])
         hashes = self.block_hashes(seq, g)
