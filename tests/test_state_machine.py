@@ -493,12 +493,16 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
 
         result = mgr.allocate(seq, new, hit=hit, num_external_tokens=ext, whole_sequence_must_fit=whole)
 
-        fits = need + cost <= free_before - reserved
+        # When the blocks kept under the hit's anchors would leave too little, they yield (go to
+        # ``low``): then only the hit blocks themselves count.
+        fits = need + min(cost, len(free_hits)) <= free_before - reserved
         assert (result is not None) == fits, (
             f"allocate returned {result} with {need} blocks needed + {cost} for the hit, "
             f"{free_before} free of which {reserved} reserved"
         )
         assert self._tables() == tables_before, "admission changed a running sequence's blocks"
+        if whole and not self.running and mgr.blocks_needed_when_empty(seq.num_tokens) <= self.pool.num_blocks - 1:
+            assert result is not None, "a sequence that fits the idle pool was refused: it would wait for ever"
         if result is None:
             self.expected_stats["allocation_failures"] += 1
             assert pool_state(self.pool) == before, "a failed admission changed the pool"

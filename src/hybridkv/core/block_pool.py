@@ -294,7 +294,7 @@ class BlockPool:
         depended_on = kept.depended_on if kept is not None else None
         hashes, groups, index, dups = self.block_hash, self.block_group, self.index, self._dups
         slow = self.enable_events
-        bulk = not slow  # until a run is refused: then block by block for the rest of the call
+        bulk = True  # until a run is refused: then block by block for the rest of the call
         while len(out) < num_blocks:
             # ``low`` first: an evicted anchor releases its kept blocks into ``low``, and they go next.
             tier = low if low else lru
@@ -341,6 +341,8 @@ class BlockPool:
             if any(not d.keys().isdisjoint(victim_hashes) for d in dups if d):
                 return False
         pop = tier.popitem
+        if self.enable_events:  # one event per block, as the per-block path sends
+            self._events += [BlockRemoved(groups[b], (hashes[b],)) for b in victims]  # type: ignore[arg-type]
         for b in victims:
             pop(False)  # the victims are the tier's first n
             del index[groups[b]][hashes[b]]  # type: ignore[arg-type]
@@ -424,6 +426,19 @@ class BlockPool:
     def free_low(self, block_ids: Iterable[int]) -> None:
         """Like ``free``, but cached blocks reaching zero go to the ``low`` tier."""
         self._place_released(self._release(block_ids), LOW, self._low)
+
+    def unkeep(self, anchors: Iterable[int]) -> int:
+        """The blocks kept under ``anchors`` leave the kept tier for ``low``: still cached, evicted
+        first. Returns how many moved. (The tier unties them as when an anchor is evicted.)"""
+        moved = 0
+        if self.kept is not None and self.kept.depended_on:
+            tier, low = self._tier, self._low
+            for a in anchors:
+                for w in self.kept.on_evicted(a):
+                    tier[w] = LOW
+                    low[w] = None
+                    moved += 1
+        return moved
 
     def free_kept(self, block_ids: Iterable[int], admit: Callable[[int], bool]) -> None:
         """Like ``free``, but cached blocks reaching zero go to the kept tier when ``admit(block)``

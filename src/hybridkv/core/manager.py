@@ -466,7 +466,17 @@ class KVCacheManager:
             live = list(chain.from_iterable(b if not b or b[0] else filter(None, b) for b in hit_blocks))
             ref = pool.ref_cnt
             free = [b for b in live if not ref[b]]
-            need += self.retainer.admission_cost(free) if pool.kept is not None else len(free)
+            if pool.kept is None:
+                need += len(free)
+            else:
+                cost = self.retainer.admission_cost(free)
+                if need + cost > pool.num_admissible_blocks >= need + len(free):
+                    # Adopting the hit would reserve the blocks kept under its anchors and leave too
+                    # little for the rest: they yield to the admission (to ``low``), or a request that
+                    # fits an idle pool would wait for ever.
+                    pool.unkeep(free)
+                    cost = self.retainer.admission_cost(free)
+                need += cost
             if need > pool.num_admissible_blocks:
                 self._stats.allocation_failures += 1
                 for g in self._preparing:
