@@ -1,104 +1,191 @@
-"""Routers compared on a simulated cluster: hit rate and TTFT per routing policy on a Mooncake trace.
+"""Routers compared on a simulated cluster, side by side in one run, against one replica 8x as big.
 
-    python bench/cluster_sim.py --trace mooncake_trace.jsonl [--requests 1500] [--instances 8]
-        [--model gemma-3-27b] [--gpu h100-80gb] [--time-scale 1.0] [--tier net:1TiB] [--jobs 2]
+    python bench/cluster_sim.py [--trace ../shared/traces/mooncake_synthetic_trace.jsonl] [--requests 3000]
+        [--workloads trace,conversations] [--tiers none,host:256GiB] [--instances 8] [--concurrency 64]
+        [--routers hybrid_exact,prefix,least_loaded,round_robin] [--jobs 2] [--explain] [--json FILE]
 
-``--instances`` simulated replicas of ``--model`` on ``--gpu`` (each its own scheduler and device
-pool, ``hybridkv.sim.cluster``) behind each router: ``round_robin``, ``least_loaded``, ``prefix`` (an
-index of the full-attention chain alone, what deployed KV-aware routers keep) and ``hybrid_exact``
-(the hybrid rule: chain, window blocks at the hit point), the index fed by the replicas' own KV
-events. The trace's first ``--requests`` requests at their logged arrivals (times ``--time-scale``).
+``--instances`` simulated replicas of ``--model`` on ``--gpu`` (each its own scheduler, device pool and,
+with a host tier, its own tier; ``hybridkv.sim.cluster``) behind each router, a closed loop of
+``--concurrency`` requests in flight:
 
-Prints per router: the cluster's device prefix-hit rate (and total with a tier), TTFT mean / p50 /
-p99, how requests spread over replicas, and how the router's prediction for the replica it chose
-compared with the hit that replica's manager found at admission. For the hit-aware routers also:
-requests where a chain-only index predicted more than the replica could serve (the window blocks
-at the chain's hit point were gone) and requests where the chain-only favourite serves less than
-the best replica. Targets: ``hybrid_exact`` >= 1.5x ``round_robin``'s hit rate, never below ``prefix``.
+* ``hybrid_exact``: the request goes to the replica holding most of its prompt (device and tiers, the
+  hybrid rule, from the replicas' KV events) unless that replica is overloaded (``--balance``,
+  ``--slack``); a new prefix to its home on a consistent-hash ring;
+* ``prefix``: hit of the full-attention chain against queue length (what deployed routers do);
+* ``least_loaded``; ``round_robin``;
+* ``one big replica``: the upper bound, one replica with ``--instances`` times the device pool and
+  ``--instances`` times each tier (the same requests; its TTFT is one GPU's and not comparable).
+
+Workloads: ``trace``, the first ``--requests`` requests of a Mooncake trace in file order;
+``conversations``, ``--conversations`` chats of ``--turns`` turns (each turn's prompt is the previous
+turn's prompt, its answer and a new user message; a system prompt of ``--system-prompt-len`` tokens
+shared by all), turns of one chat in order.
+
+Prints per workload and tier setting: device and total (device + tier) prefix-hit rates, TTFT p50 /
+mean / p99, requests per replica, what decided the routing, wall time; and the targets (issue 26):
+``hybrid_exact``'s total hit rate >= 1.5x ``round_robin``'s and >= every other router's, its TTFT p50
+<= every other router's, and >= 80% of the big replica's total hit rate. ``--explain`` adds, per router,
+where each request's reusable tokens were and what sent it elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hybridkv.sim.cluster import ROUTERS, ClusterConfig, simulate_cluster
+from hybridkv.core import capacity_report
+from hybridkv.sim.cluster import OUTCOMES, ROUTERS, ClusterConfig, simulate_cluster
 from hybridkv.sim.mooncake import read_mooncake
-from hybridkv.sim.simulator import SimConfig
-from hybridkv.sim.tiers import parse_tiers
+from hybridkv.sim.simulator import SimConfig, build_manager
+from hybridkv.sim.tiers import TierSpec, parse_tiers
+from hybridkv.sim.workloads import ClosedLoop, LengthDist, Workload, multi_turn_chat
+
+BIG = "one big replica"
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
-def one(args: argparse.Namespace, router: str) -> dict[str, Any]:
-    workload = read_mooncake(args.trace, limit=args.requests, time_scale=args.time_scale)
-    cfg = SimConfig(model=args.model, gpu=args.gpu, tiers=parse_tiers(args.tier) if args.tier else ())
+def workload(args: argparse.Namespace, name: str) -> Workload:
+    if name == "trace":
+        return read_mooncake(args.trace, limit=args.requests, concurrency=args.concurrency)
+    return multi_turn_chat(args.conversations, args.turns, system_prompt_len=args.system_prompt_len,
+                           user_len=LengthDist(median=args.user_len, sigma=0.5, min_len=16),
+                           max_new_tokens=LengthDist(median=args.output_len, sigma=0.5, min_len=8),
+                           arrivals=ClosedLoop(args.concurrency), seed=args.seed)
+
+
+def system(args: argparse.Namespace, tiers: str, scale: int = 1) -> SimConfig:
+    """The simulated replica; ``scale`` times its device pool and tiers for the big one."""
+    specs = parse_tiers(tiers)
+    cfg = SimConfig(model=args.model, gpu=args.gpu, tiers=specs)
+    if scale == 1:
+        return cfg
+    planned, _ = build_manager(cfg)
+    layout = planned.layout
+    tokens = capacity_report(layout, max_model_len=planned.max_model_len,
+                             max_num_batched_tokens=planned.max_num_batched_tokens).token_capacity
+    big = tuple(TierSpec(s.kind, s.capacity_bytes * scale, s.bandwidth, s.latency_s) for s in specs)
+    return replace(cfg, kv_cache_tokens=tokens * scale, tiers=big)
+
+
+def one(args: argparse.Namespace, task: tuple[str, str, str]) -> dict[str, Any]:
+    name, tiers, router = task
+    w = workload(args, name)
+    big = router == BIG
+    cfg = system(args, tiers, args.instances if big else 1)
+    cluster = ClusterConfig(instances=1 if big else args.instances, router="round_robin" if big else router,
+                            balance=args.balance, slack=args.slack, explain=args.explain and not big)
     t = time.perf_counter()
-    res = simulate_cluster(workload, cfg, ClusterConfig(instances=args.instances, router=router))
-    s = res.summary
+    s = simulate_cluster(w, cfg, cluster).summary
     s["wall_s"] = time.perf_counter() - t
-    s["prompt_tokens"] = sum(r.prompt_len for r in workload.requests)
-    s["span_s"] = workload.requests[-1].arrival_time
+    s["prompt_tokens"] = sum(r.prompt_len for r in w.requests)
     return s
+
+
+def check(label: str, ok: bool) -> str:
+    return f"{label}: {'met' if ok else 'NOT met'}"
+
+
+def report(rows: dict[str, dict[str, Any]], title: str, explain: bool) -> list[str]:
+    print(f"\n{title}")
+    print(f"{'router':16s} {'device hit':>10s} {'total hit':>9s} {'TTFT p50':>8s} {'mean':>7s} {'p99':>7s} "
+          f"{'per replica':>11s} {'wall':>6s}  decided by")
+    for router, s in rows.items():
+        routed = list(s["routed"].values())
+        decided = ", ".join(f"{k} {v}" for k, v in sorted(s["decisions"].items())) if router != BIG else "-"
+        print(f"{router:16s} {s['prefix_hit_rate']:10.1%} {s['total_hit_rate']:9.1%} {s['ttft_p50_s']:7.2f}s "
+              f"{s['ttft_mean_s']:6.2f}s {s['ttft_p99_s']:6.2f}s {min(routed):>5d}-{max(routed):<5d} "
+              f"{s['wall_s']:5.0f}s  {decided}")
+    if explain:
+        print("where each request's reusable tokens were (requests, reusable tokens):")
+        for router, s in rows.items():
+            b = s.get("routing_breakdown")
+            if b:
+                print(f"  {router:14s} " + "; ".join(f"{o} {b[o]['requests']} ({b[o]['reusable_tokens'] / 1e6:.2f}M)"
+                                                     for o in OUTCOMES))
+    verdicts = []
+    he = rows.get("hybrid_exact")
+    if he is not None:
+        others = {r: s for r, s in rows.items() if r not in ("hybrid_exact", BIG)}
+        total = he["total_hit_rate"]
+        if "round_robin" in rows:
+            rr = rows["round_robin"]["total_hit_rate"]
+            ratio = total / rr if rr else math.inf
+            verdicts.append(check(f"hybrid_exact / round_robin total hit rate {ratio:.2f}x (>= 1.5x)", ratio >= 1.5))
+        if others:
+            best = max(others, key=lambda r: others[r]["total_hit_rate"])
+            verdicts.append(check(f"hybrid_exact {total:.1%} >= every other router (best: {best} "
+                                  f"{others[best]['total_hit_rate']:.1%})", total >= others[best]["total_hit_rate"]))
+            fastest = min(others, key=lambda r: others[r]["ttft_p50_s"])
+            verdicts.append(check(f"hybrid_exact TTFT p50 {he['ttft_p50_s']:.2f}s <= every other router (best: "
+                                  f"{fastest} {others[fastest]['ttft_p50_s']:.2f}s)",
+                                  he["ttft_p50_s"] <= others[fastest]["ttft_p50_s"]))
+        if BIG in rows:
+            bound = rows[BIG]["total_hit_rate"]
+            share = total / bound if bound else math.inf
+            verdicts.append(check(f"hybrid_exact at {share:.0%} of the big replica's {bound:.1%} (>= 80%)",
+                                  share >= 0.8))
+    for v in verdicts:
+        print("  " + v)
+    return [f"{title}: {v}" for v in verdicts]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", required=True, help="a Mooncake trace (JSON Lines)")
-    ap.add_argument("--requests", type=int, default=1500, help="the trace's first N requests")
+    ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="a Mooncake trace (JSON Lines)")
+    ap.add_argument("--requests", type=int, default=3000, help="the trace's first N requests")
+    ap.add_argument("--workloads", default="trace,conversations")
+    ap.add_argument("--conversations", type=int, default=128)
+    ap.add_argument("--turns", type=int, default=12)
+    ap.add_argument("--system-prompt-len", type=int, default=2000)
+    ap.add_argument("--user-len", type=int, default=600, help="median user message (tokens)")
+    ap.add_argument("--output-len", type=int, default=250, help="median answer (tokens)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiers", default="none,host:256GiB", help="tier settings to compare, comma-separated")
     ap.add_argument("--instances", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--model", default="gemma-3-27b")
     ap.add_argument("--gpu", default="h100-80gb")
-    ap.add_argument("--time-scale", type=float, default=1.0)
-    ap.add_argument("--tier", default=None, help="tiers as in --compare tier=..., e.g. net:1TiB (net is shared)")
     ap.add_argument("--routers", default=",".join(ROUTERS))
-    ap.add_argument("--jobs", type=int, default=2, help="routers simulated in parallel processes")
+    ap.add_argument("--no-big", action="store_true", help="skip the big replica")
+    ap.add_argument("--balance", type=float, default=ClusterConfig.balance)
+    ap.add_argument("--slack", type=int, default=ClusterConfig.slack)
+    ap.add_argument("--explain", action="store_true", help="where reusable tokens were, per router")
+    ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel processes")
     ap.add_argument("--json", default=None, help="write the summaries to this file")
     args = ap.parse_args()
-    if not Path(args.trace).is_file():
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if "trace" in names and not Path(args.trace).is_file():
         print(f"--trace {args.trace}: no such file", file=sys.stderr)
         raise SystemExit(2)
-    routers = [r.strip() for r in args.routers.split(",")]
+    routers = [r.strip() for r in args.routers.split(",")] + ([] if args.no_big else [BIG])
+    tier_settings = [t.strip() for t in args.tiers.split(",")]
+    tasks = [(w, t, r) for w in names for t in tier_settings for r in routers]
+    t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = dict(zip(routers, pool.map(one, [args] * len(routers), routers), strict=True))
-    s0 = next(iter(results.values()))
-    print(f"{s0['workload']}: first {s0['requests']} requests ({s0['prompt_tokens']:,} prompt tokens over "
-          f"{s0['span_s']:.0f} s, time scale {args.time_scale}) on {args.instances} x {args.model} / {args.gpu}, "
-          f"{s0['kv_capacity_tokens']:,} KV tokens per replica" + (f", tiers {args.tier}" if args.tier else ""))
-    head = (f"{'router':14s} {'hit rate':>8s} {'total':>7s} {'TTFT mean':>9s} {'p50':>7s} {'p99':>7s} "
-            f"{'routed min-max':>14s} {'pred = / > / <':>16s} {'chain over':>16s} {'chain pick worse':>16s} "
-            f"{'wall':>6s}")
-    print(head)
-    for router, s in results.items():
-        routed = s["routed"].values()
-        pred = (f"{s['prediction_equal']} / {s['prediction_over']} / {s['prediction_under']}"
-                if router in ("prefix", "hybrid_exact") else "-")
-        over = (f"{s['chain_over_requests']} ({s['chain_over_tokens'] / 1e3:,.0f}k tok)"
-                if router in ("prefix", "hybrid_exact") else "-")
-        worse = str(s["hit_policy_disagreements"]) if router in ("prefix", "hybrid_exact") else "-"
-        print(f"{router:14s} {s['prefix_hit_rate']:8.1%} {s['total_hit_rate']:7.1%} {s['ttft_mean_s']:8.2f}s "
-              f"{s['ttft_p50_s']:6.2f}s {s['ttft_p99_s']:6.2f}s {min(routed):>6d} - {max(routed):<5d} {pred:>16s} "
-              f"{over:>16s} {worse:>16s} {s['wall_s']:5.0f}s")
-    if "hybrid_exact" in results:
-        he = results["hybrid_exact"]["prefix_hit_rate"]
-        if "round_robin" in results:
-            rr = results["round_robin"]["prefix_hit_rate"]
-            ratio = he / rr if rr else float("inf")
-            print(f"hybrid_exact / round_robin hit rate: {ratio:.2f}x (target >= 1.5x): "
-                  f"{'met' if ratio >= 1.5 else 'NOT met'}")
-        if "prefix" in results:
-            px = results["prefix"]["prefix_hit_rate"]
-            print(f"hybrid_exact - prefix hit rate: {100 * (he - px):+.2f} points (target >= 0): "
-                  f"{'met' if he >= px else 'NOT met'}")
-    print("pred = / > / <: requests whose hit at admission equalled / fell short of / exceeded the router's "
-          "prediction for the replica it chose; chain over: requests where a full-attention-only index predicted "
-          "more than that replica could serve; chain pick worse: requests where the replica a chain-only index "
-          "likes best serves less than the best replica")
+        results = list(pool.map(one, [args] * len(tasks), tasks))
+    wall = time.perf_counter() - t0
+    by_task = dict(zip(tasks, results, strict=True))
+    verdicts = []
+    for w in names:
+        for t in tier_settings:
+            rows = {r: by_task[(w, t, r)] for r in routers}
+            s0 = next(iter(rows.values()))
+            title = (f"{w} ({s0['workload']}): {s0['requests']} requests, {s0['prompt_tokens'] / 1e6:.1f}M prompt "
+                     f"tokens, {args.instances} x {args.model} / {args.gpu} "
+                     f"({rows[routers[0]]['kv_capacity_tokens']:,} KV tokens each), closed loop {args.concurrency}, "
+                     f"tiers {t}")
+            verdicts += report(rows, title, args.explain)
+    print(f"\n{len(tasks)} simulations in {wall:.0f} s ({args.jobs} processes)")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        out = {f"{w} | {t} | {r}": s for (w, t, r), s in by_task.items()}
+        Path(args.json).write_text(json.dumps({"results": out, "verdicts": verdicts}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

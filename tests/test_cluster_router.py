@@ -13,13 +13,16 @@ its response reports the cached tokens the manager found. Tokens are a prompt's 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from hybridkv.cluster.router_cli import main as route_main
 from hybridkv.cluster.routing import BackendState, Policy
 from hybridkv.cluster.scrape import BackendLoad, parse_load
 from hybridkv.engine.metrics import EngineMetrics
+from hybridkv.errors import InvalidInputError
 
 from helpers import full, manager, swa
 
@@ -53,22 +57,103 @@ def test_metrics_of_both_engines_are_read() -> None:
     assert parse_load("up 1\n") is None
 
 
-def test_a_predicted_hit_outweighs_a_short_queue_but_not_a_long_one() -> None:
+def test_the_prefix_policy_trades_a_predicted_hit_against_the_queue() -> None:
     a, b = BackendState("a", "http://a"), BackendState("b", "http://b")
-    policy = Policy("hybrid_exact", load_weight=0.25, kv_weight=0)
+    policy = Policy("prefix", load_weight=0.25, kv_weight=0)
     b.load = BackendLoad(running=2)
     decision = policy.rank([a, b], {"b": 1000}, prompt_tokens=1200)
     assert decision.order == ("b", "a") and decision.reason == "hit"  # 200 + 0.25 * 1200 * 2 = 800 < 1200
     b.load = BackendLoad(running=4)
-    assert policy.rank([a, b], {"b": 1000}, prompt_tokens=1200).order == ("a", "b")  # 200 + 1200 > 1200
+    decision = policy.rank([a, b], {"b": 1000}, prompt_tokens=1200)
+    assert decision.order == ("a", "b") and decision.reason == "load"  # 200 + 1200 > 1200
 
 
 def test_the_balance_of_hit_and_load_does_not_depend_on_the_prompt_length() -> None:
     a, b = BackendState("a", "http://a"), BackendState("b", "http://b")
     b.load = BackendLoad(running=3, kv_usage=0.5)
-    policy = Policy("hybrid_exact")
+    policy = Policy("prefix")
     for prompt in (300, 3_000, 30_000):  # b holds 90% of the prompt, a nothing
         assert policy.rank([a, b], {"b": prompt * 9 // 10}, prompt_tokens=prompt).order == ("b", "a")
+
+
+def test_hybrid_exact_keeps_a_prefix_where_it_is_until_that_backend_is_overloaded() -> None:
+    a, b = BackendState("a", "http://a"), BackendState("b", "http://b")
+    policy = Policy("hybrid_exact", balance=1.25, slack=2)
+    for queued in range(12):
+        b.load = BackendLoad(running=queued)
+        decision = policy.rank([a, b], {"b": 100}, prompt_tokens=1200)  # b holds a twelfth of the prompt
+        bound = math.ceil(1.25 * (queued + 1) / 2) + 2
+        assert decision.bound == bound
+        if queued + 1 <= bound:  # any hit keeps it on b, whatever a's queue: load does not weigh within the bound
+            assert decision.order == ("b", "a") and decision.reason == "hit"
+        else:
+            assert decision.order == ("a", "b") and decision.reason == "load"
+    assert [q for q in range(12) if q + 1 > math.ceil(1.25 * (q + 1) / 2) + 2] == [7, 8, 9, 10, 11]
+
+
+def test_hybrid_exact_prefers_the_larger_credited_hit_among_backends_within_the_bound() -> None:
+    a, b, c = (BackendState(n, f"http://{n}") for n in "abc")
+    policy = Policy("hybrid_exact")
+    found = {"a": Prediction("a", 800, (("CPU", 800),)), "b": Prediction("b", 700, (("GPU", 700),)),
+             "c": Prediction("c", 0, ())}
+    decision = policy.rank([a, b, c], {n: p.tokens for n, p in found.items()}, 1000,
+                           credited={n: policy.credit(p) for n, p in found.items()})
+    assert decision.order == ("b", "a", "c")  # 800 host tokens are worth 640 device tokens: less than 700
+    assert decision.reason == "hit"
+
+
+def test_a_new_prefix_goes_to_its_home_on_the_ring_and_stays_there() -> None:
+    names = [f"replica-{i}" for i in range(8)]
+    backends = [BackendState(n, "") for n in names]
+    policy = Policy("hybrid_exact")
+    homes = {}
+    for i in range(800):
+        key = hashlib.sha256(b"prefix %d" % i).digest()
+        decision = policy.rank(backends, {}, 1000, home=key)
+        assert decision.reason == "home"
+        assert policy.rank(backends, {}, 1000, home=key).order == decision.order  # the same home every time
+        homes[key] = decision.order[0]
+    spread = Counter(homes.values())
+    assert set(spread) == set(names) and max(spread.values()) < 2.5 * 100  # 100 each on average
+    # A backend leaving moves only the keys whose home it was.
+    fewer = Policy("hybrid_exact")
+    moved = [k for k, home in homes.items() if fewer.rank(backends[1:], {}, 1000, home=k).order[0] != home]
+    assert all(homes[k] == "replica-0" for k in moved)
+
+
+def test_a_hot_prefix_never_piles_a_backend_past_the_bound() -> None:
+    names = [f"replica-{i}" for i in range(6)]
+    backends = {n: BackendState(n, "") for n in names}
+    policy = Policy("hybrid_exact", balance=1.25, slack=1)
+    key = hashlib.sha256(b"the one hot system prompt").digest()
+    ring = policy.ring_order(names, key)
+    held: set[str] = set()
+    for _ in range(60):  # every request shares the prefix; none finishes
+        predicted = dict.fromkeys(held, 900)
+        decision = policy.rank(list(backends.values()), predicted, 1000, home=key)
+        chosen = decision.order[0]
+        assert backends[chosen].queue + 1 <= decision.bound  # never past the bound
+        if not held:
+            assert chosen == ring[0]
+        elif chosen not in held:  # the holders are all at the bound: the next backend on the ring takes it
+            assert chosen == next(n for n in ring if n not in held)
+        held.add(chosen)
+        backends[chosen].inflight += 1
+    # The busiest holds at most 1.25 times the mean plus the slack; the prefix spread over as few
+    # backends as that allows (a cold backend stays free for other prefixes).
+    loads = [b.inflight for b in backends.values()]
+    assert max(loads) <= math.ceil(1.25 * 60 / 6) + 1 == 14
+    assert len(held) == math.ceil(60 / 14)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"balance": 0.9}, "balance must be a number >= 1"),
+    ({"slack": -1}, "slack must be a whole number"),
+    ({"home_tokens": 0}, "home_tokens must be a positive number"),
+])
+def test_bad_locality_settings_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        Policy("hybrid_exact", **kwargs)
 
 
 def test_a_failed_backend_is_tried_last() -> None:
@@ -289,7 +374,8 @@ def test_chat_completions_are_tokenized_by_a_backend_and_routed_by_hits(cluster:
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
     m = router.metrics()
     assert sorted(v for k, v in m.items() if k.startswith("hybridkv_router_requests_total")) == [0, 0, 3]
-    assert (m['hybridkv_router_decisions_total{reason="load"}'], m['hybridkv_router_decisions_total{reason="hit"}']) \
+    # The first placed by the ring (no backend held anything), the next two by the hit it left.
+    assert (m['hybridkv_router_decisions_total{reason="home"}'], m['hybridkv_router_decisions_total{reason="hit"}']) \
         == (1, 2)
 
 

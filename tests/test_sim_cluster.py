@@ -12,7 +12,7 @@ from hybridkv.errors import InvalidInputError
 from hybridkv.sim.cluster import ClusterConfig, cluster_variants, simulate_cluster
 from hybridkv.sim.simulator import SimConfig
 from hybridkv.sim.tiers import parse_tiers
-from hybridkv.sim.workloads import ClosedLoop, SimRequest, Workload, shared_prefix
+from hybridkv.sim.workloads import ClosedLoop, SimRequest, Workload, multi_turn_chat, shared_prefix
 
 # Gemma 3 27B (full attention + 1,024-token sliding windows) with room for 100,000 tokens per replica.
 CFG = SimConfig(model="gemma-3-27b", kv_cache_tokens=100_000)
@@ -33,7 +33,7 @@ def test_hybrid_exact_sends_a_shared_prefix_to_the_replica_that_holds_it() -> No
     res = simulate_cluster(work, CFG, ClusterConfig(instances=4, router="hybrid_exact"))
     replica = {rid: r["replica"] for rid, r in res.requests.items()}
     assert replica["r2"] == replica["r4"] == replica["r0"]
-    assert replica["r3"] == replica["r1"] != replica["r0"]
+    assert replica["r3"] == replica["r1"]  # A and B each stay on their replica (their homes may coincide)
     assert [res.requests[f"r{i}"]["hit_tokens"] for i in range(5)] == [0, 0, 4096, 4096, 4096]
 
 
@@ -131,3 +131,48 @@ def test_a_cluster_run_leaves_no_reference_cycles_behind_and_restores_the_collec
     assert cycles_after(36) == cycles_after(12)
     simulate_cluster(_spaced((("doc", 600),)), CFG, ClusterConfig(instances=2))
     assert gc.isenabled()
+
+
+def _conversations(turns: int = 3) -> Workload:
+    """Seven chats of 1,500-token messages, one request at a time, every chat's first turn first: each
+    turn finds its history in the device pool or, once the other chats evicted it there, only in its
+    replica's host tier. (Seven, so round robin does not keep a chat on one of three replicas.)"""
+    return multi_turn_chat(7, turns, system_prompt_len=0, user_len=1500, max_new_tokens=32,
+                           arrivals=ClosedLoop(1), seed=1)
+
+
+def test_the_index_sees_each_replicas_tier_and_predicts_what_it_serves() -> None:
+    cfg = replace(CFG, kv_cache_tokens=50_000, tiers=parse_tiers("host:8GiB"))
+    seen = simulate_cluster(_conversations(), cfg, ClusterConfig(instances=3, router="hybrid_exact", explain=True))
+    served = {rid: r["hit_tokens"] + r["tier_tokens"] for rid, r in seen.requests.items()}
+    assert sum(r["tier_tokens"] for r in seen.requests.values()) > 0  # histories came back from the tiers
+    assert {rid: r["predicted_hit_tokens"] for rid, r in seen.requests.items()} == served
+    assert seen.summary["routing_breakdown"]["the router did not see it"]["requests"] == 0
+    # Fed device events only, the index misses what the tiers hold: predictions fall short.
+    blind = simulate_cluster(_conversations(), cfg, ClusterConfig(instances=3, router="hybrid_exact",
+                                                                  index_tiers=False, home_tokens=16_000))
+    assert blind.summary["prediction_under"] > 0
+    assert any(r["predicted_hit_tokens"] < r["hit_tokens"] + r["tier_tokens"] for r in blind.requests.values())
+
+
+def test_a_shared_tier_is_one_medium_every_replica_is_credited_with() -> None:
+    cfg = replace(CFG, kv_cache_tokens=50_000, tiers=parse_tiers("net:8GiB"))
+    res = simulate_cluster(_conversations(), cfg, ClusterConfig(instances=3, router="hybrid_exact", explain=True))
+    served = {rid: r["hit_tokens"] + r["tier_tokens"] for rid, r in res.requests.items()}
+    assert sum(r["tier_tokens"] for r in res.requests.values()) > 0
+    assert {rid: r["predicted_hit_tokens"] for rid, r in res.requests.items()} == served
+
+
+def test_conversations_stay_on_their_replica_and_reuse_more_than_round_robin() -> None:
+    cfg = replace(CFG, kv_cache_tokens=50_000, tiers=parse_tiers("host:8GiB"))
+    runs = {router: simulate_cluster(_conversations(4), cfg, ClusterConfig(instances=3, router=router, explain=True))
+            for router in ("hybrid_exact", "round_robin")}
+    exact, rr = (runs[r].summary for r in ("hybrid_exact", "round_robin"))
+    by_conv: dict[str, set[float]] = {}
+    for rid, r in runs["hybrid_exact"].requests.items():
+        by_conv.setdefault(rid.rsplit("-turn-", 1)[0], set()).add(r["replica"])
+    assert all(len(replicas) == 1 for replicas in by_conv.values())  # every turn where the first went
+    assert exact["total_hit_rate"] >= 1.5 * rr["total_hit_rate"]
+    lost = rr["routing_breakdown"]["the router did not see it"]  # round robin sees nothing
+    assert lost["requests"] > 0 and lost["reusable_tokens"] > 0
+    assert exact["routing_breakdown"]["load sent it elsewhere"]["requests"] == 0

@@ -291,6 +291,9 @@ def test_bulk_offers_leave_the_tier_as_puts_one_by_one(capacity: int, batch: int
     sizes = {0: 5, 1: 5, 2: 1}
     spec = TierSpec("host", capacity, 1e9)
     bulk, steps = SimTier(spec, 0, sizes), SimTier(spec, 0, sizes)
+    followed: dict[int, set[bytes]] = {id(bulk): set(), id(steps): set()}  # what a cluster's index learns
+    for tier in (bulk, steps):
+        tier.record_changes(True)
     for op, low, keys in ops:
         if op == "delete":
             for key in keys[:3]:
@@ -308,6 +311,13 @@ def test_bulk_offers_leave_the_tier_as_puts_one_by_one(capacity: int, batch: int
         for tier in (bulk, steps):
             assert tier.low_bytes == sum(tier._low.values())
             assert tier.used_bytes == sum(tier._entries.values()) + tier.low_bytes <= capacity
+            # The change log, replayed, is exactly what the tier holds: each key entering once and
+            # leaving once, however the bulk paths evicted it.
+            held = followed[id(tier)]
+            for entered, key in tier.take_changes():
+                assert (key in held) != entered
+                (held.add if entered else held.remove)(key)
+            assert held == set(tier._entries) | set(tier._low)
 
 
 def test_a_low_batch_larger_than_its_room_keeps_its_longest_suffix_that_fits() -> None:

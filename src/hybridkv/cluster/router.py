@@ -33,7 +33,15 @@ from hybridkv.cluster.hashes import scheme_named
 from hybridkv.cluster.index import ClusterIndex
 from hybridkv.cluster.inflight import InFlightPrefixes
 from hybridkv.cluster.replica import RequestKeys
-from hybridkv.cluster.routing import BackendState, Decision, Policy
+from hybridkv.cluster.routing import (
+    BALANCE,
+    HOME_TOKENS,
+    SLACK,
+    BackendState,
+    Decision,
+    Policy,
+    estimate_hits,
+)
 from hybridkv.cluster.scrape import parse_load
 from hybridkv.cluster.subscriber import KVEventSubscriber
 
@@ -67,6 +75,10 @@ class RouterConfig:
     shared_media: list[str] = field(default_factory=list)
     medium_weights: dict[str, float] = field(default_factory=dict)
     """What a hit token on each medium is worth against one on the device (``routing.MEDIUM_WEIGHTS``)."""
+    balance: float = BALANCE
+    slack: int = SLACK
+    home_tokens: int = HOME_TOKENS
+    """``hybrid_exact``'s load bound and ring key (``routing.Policy``)."""
 
 
 class ClusterRouter:
@@ -75,7 +87,8 @@ class ClusterRouter:
     def __init__(self, config: RouterConfig, *, client: httpx.AsyncClient | None = None) -> None:
         self.config = config
         self.policy = Policy(config.policy, load_weight=config.load_weight, kv_weight=config.kv_weight,
-                             medium_weights=config.medium_weights)
+                             medium_weights=config.medium_weights, balance=config.balance, slack=config.slack,
+                             home_tokens=config.home_tokens)
         self.backends = {s.name: BackendState(s.name, s.url.rstrip("/")) for s in config.backends}
         self.index = ClusterIndex(shared_media=config.shared_media)
         self.inflight = InFlightPrefixes()
@@ -180,27 +193,16 @@ class ClusterRouter:
                       ) -> tuple[Decision, int, dict[str, tuple[list[bytes], int]]]:
         """``decide``, and each backend's full-attention chain of the prompt with its block size."""
         tokens = await self._token_ids(kind, body) if self.policy.uses_hits else None
-        predicted: dict[str, int] = {}
-        credited: dict[str, float] = {}
-        chains: dict[str, tuple[list[bytes], int]] = {}
-        if tokens:
-            salt = body.get("cache_salt")
-            keys = RequestKeys(tokens, salt if isinstance(salt, str) else None)
-            with self.lock:
-                found = self.index.lookup_keys(keys, chain_only=self.policy.name == "prefix")
-                for name in self.backends:
-                    found_chain = self.index.chain_hashes(name, keys)
-                    if found_chain is not None:
-                        chains[name] = found_chain
-            predicted = {name: p.tokens for name, p in found.items()}
-            credited = {name: self.policy.credit(p) for name, p in found.items()}
-            for name, (hashes, size) in chains.items():  # what requests in flight there will leave
-                coming = self.inflight.predict(name, hashes, size, len(tokens))
-                if coming > predicted.get(name, 0):
-                    predicted[name] = coming
-                    credited[name] = max(credited.get(name, 0.0), float(coming))
-        decision = self.policy.rank(list(self.backends.values()), predicted, len(tokens or ()), credited=credited)
-        return decision, len(tokens or ()), chains
+        if not tokens:
+            decision = self.policy.rank(list(self.backends.values()), {}, 0)
+            return decision, 0, {}
+        salt = body.get("cache_salt")
+        keys = RequestKeys(tokens, salt if isinstance(salt, str) else None)
+        with self.lock:
+            hits = estimate_hits(self.policy, self.index, keys, list(self.backends), self.inflight, len(tokens))
+        decision = self.policy.rank(list(self.backends.values()), hits.predicted, len(tokens),
+                                    credited=hits.credited, home=hits.home)
+        return decision, len(tokens), hits.chains
 
     async def forward(self, kind: str, body: dict[str, Any]) -> Response:
         """Route one request and relay the chosen backend's answer."""
@@ -332,8 +334,10 @@ class ClusterRouter:
             blocks = self.index.num_blocks()
             streams = {n: self.index.streams[n] for n in self.backends}
         family("requests_total", "counter", "Requests forwarded, by backend.", per_backend(self.requests))
-        family("decisions_total", "counter", "Routing decisions: hit (a hit predicted on the backend chosen), "
-               "load (none predicted), round_robin, retry (another backend after a failure).",
+        family("decisions_total", "counter", "Routing decisions: hit (the chosen backend alone had the largest "
+               "predicted hit), load (another had a larger one), home (no hit stood out; the consistent-hash ring "
+               "chose), tie (no hit stood out; load or turn chose), round_robin, retry (another backend after a "
+               "failure).",
                [(f'{{reason="{r}"}}', float(n)) for r, n in sorted(self.decisions.items())])
         family("retries_total", "counter", "Attempts on another backend after one failed.", [("", self.retries)])
         family("failed_total", "counter", "Requests no backend could answer.", [("", self.failed)])

@@ -74,7 +74,7 @@ def parse_medium_weights(specs: list[str]) -> dict[str, float]:
 
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``hybridkv route`` options."""
-    from hybridkv.cluster.routing import POLICIES
+    from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, POLICIES, SLACK
 
     parser.add_argument("--backend", action="append", required=True, metavar="SPEC", help=_BACKEND_HELP)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -89,6 +89,15 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-weight", type=float, default=0.0, metavar="FRACTION",
                         help="what a full KV cache is worth against a predicted hit, as a fraction of the "
                              "request's prompt (default: %(default)s)")
+    parser.add_argument("--balance", type=float, default=BALANCE, metavar="FACTOR",
+                        help="hybrid_exact: a backend is overloaded above FACTOR times the mean requests in flight "
+                             "plus --slack; until then a request stays where its prefix is (default: %(default)s)")
+    parser.add_argument("--slack", type=int, default=SLACK, metavar="REQUESTS",
+                        help="hybrid_exact: requests in flight a backend may have above the balance bound "
+                             "(default: %(default)s)")
+    parser.add_argument("--home-tokens", type=int, default=HOME_TOKENS, metavar="TOKENS",
+                        help="hybrid_exact: a new prefix's home backend is found on a consistent-hash ring from "
+                             "its first TOKENS tokens (default: %(default)s)")
     parser.add_argument("--metrics-interval", type=float, default=0.5,
                         help="seconds between scrapes of each backend's /metrics (default: %(default)s)")
     parser.add_argument("--medium-weight", action="append", default=[], metavar="MEDIUM=FRACTION",
@@ -131,12 +140,14 @@ def route_main(args: argparse.Namespace) -> int:
         for b in backends:
             scheme_named(b.hash_scheme)
         weights = parse_medium_weights(args.medium_weight)
-        Policy(args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight, medium_weights=weights)
+        Policy(args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight, medium_weights=weights,
+               balance=args.balance, slack=args.slack, home_tokens=args.home_tokens)
         if args.metrics_interval <= 0:
             raise InvalidInputError(f"--metrics-interval must be positive, got {args.metrics_interval}")
         config = RouterConfig(backends, policy=args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight,
                               metrics_interval=args.metrics_interval, shared_media=args.shared_medium,
-                              medium_weights=weights)
+                              medium_weights=weights, balance=args.balance, slack=args.slack,
+                              home_tokens=args.home_tokens)
         sock = _bind(args.host, args.port)  # a busy port fails here, before "listening" is printed
     except InvalidInputError as exc:
         print(f"hybridkv route: {exc}", file=sys.stderr)

@@ -3,24 +3,40 @@
 A policy ranks the healthy backends (all of them when none is healthy) and the router tries them
 in that order, the next one only when a backend dies before answering:
 
-* ``hybrid_exact`` (default) and ``prefix``: the least estimated work, in prompt tokens::
+* ``hybrid_exact`` (default): **locality within a load bound**. A backend is *overloaded* when one
+  more request would put it above ``bound = ceil(balance * (in_flight + 1) / backends) + slack``
+  requests (``in_flight``: the requests at every healthy backend); among the others the one with the
+  largest credited hit wins (the hybrid rule's prediction from the index, every medium a backend can
+  load from, or the prefix its own requests in flight will leave there: ``inflight``). When no
+  backend's hit is larger than the others' (a new prefix, or one every backend holds alike), the
+  prefix's *home* wins: the first backend that is not overloaded on a consistent-hash ring, walked
+  from a hash of the prompt's first ``home_tokens`` tokens (``home_key``), so the next turn of a
+  conversation, or the next request for a document, goes where this one went even before any KV
+  event says so, and after its blocks were evicted everywhere. Fewer requests in flight, then the
+  ring order, break what is left.
+
+  Why it is safe under skew: no backend goes past the bound while another is below it, so the
+  busiest backend holds at most about ``balance`` times the mean plus ``slack`` (consistent hashing
+  with bounded loads, Mirrokni et al., SODA 2018). A hot prefix fills its home up to the bound; its
+  next requests go to the backend with the next best hit, or, with none, the next one on the ring
+  from its key, which then computes and holds it too: a hot prefix spreads over as many backends as
+  its load needs, in ring order, and a cold one stays on one. Within the bound load does not weigh
+  against a hit: a conversation is only moved off the backend holding it when that backend is
+  overloaded, since every move recomputes its whole history elsewhere and leaves a stale copy behind.
+  ``slack`` keeps a small cluster at low load from splitting prefixes over a queue of one or two
+  requests that continuous batching serves side by side anyway.
+
+* ``prefix``: what deployed prefix-aware routers do, a trade of hit against load per request::
 
       cost(b) = (prompt_tokens - credited_hit(b)) + prompt_tokens * (load_weight * load(b) + kv_weight * kv_usage(b))
 
-  where the hit comes from the index (``hybrid_exact``: the hybrid rule; ``prefix``: the
-  full-attention chain alone, what deployed prefix-aware routers use), each medium's tokens credited
-  at its ``medium_weights`` (below), or, where more, the prefix the requests the router has in
-  flight at ``b`` will leave there (``inflight``: a document's second request follows its first
-  before any KV event names it, instead of placing a second copy), ``load`` is
-  the larger of the requests this router has in flight there and the running + waiting requests
-  the backend last reported, ``kv_usage`` its KV-cache usage (0..1). The weights are fractions of
-  the request's own prompt, so the balance does not depend on prompt lengths: with the default
-  ``load_weight`` 0.25 a backend holding the whole prompt wins until it has four more requests
-  queued than one holding nothing (a request ahead costs about a quarter of a prompt's prefill).
-  ``kv_weight`` is 0 by default: the queue already counts the requests that hold a backend's KV
-  (measured on ``bench/cluster_serve.py``, a KV term steered prefixes off the replica that held
-  them); set it to steer away from backends whose cache is nearly full of long sequences;
-* ``least_loaded``: the same cost without the hit term;
+  with the hit of the full-attention chain alone, the least cost winning. ``load`` is the larger of
+  the requests this router has in flight there and the running + waiting requests the backend last
+  reported, ``kv_usage`` its KV-cache usage (0..1). The weights are fractions of the request's own
+  prompt, so the balance does not depend on prompt lengths: with the default ``load_weight`` 0.25 a
+  backend holding the whole prompt wins until it has four more requests queued than one holding
+  nothing. ``kv_weight`` is 0 by default (the queue already counts the requests holding KV);
+* ``least_loaded``: that cost without the hit term;
 * ``round_robin``: in turn.
 
 A hit in an external tier saves the prefill of its tokens but costs their load, so the index's
@@ -33,26 +49,45 @@ about 30 us and loads its 128 KiB of KV from host memory (PCIe 5, 25 GB/s) in 5 
 disk 0.75). So a device hit beats an equal host hit, and a host hit beats a device hit less than 0.8
 as long. Set them for the deployment (``--medium-weight MEDIUM=FRACTION``).
 
-Ties go to the backend with fewer requests in flight, then rotate from one request to the next.
+Each decision names what decided it (``Decision.reason``): ``hit`` (the chosen backend has the one
+largest credited hit), ``load`` (another backend had a larger hit: load, or the bound, outweighed
+it), ``home`` (no hit stood out; the ring chose), ``tie`` (no hit stood out; load or turn chose),
+``round_robin``.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import math
 import time
-from collections.abc import Mapping
+from array import array
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hybridkv.cluster.events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
-from hybridkv.cluster.replica import Prediction
+from hybridkv.cluster.inflight import InFlightPrefixes
+from hybridkv.cluster.replica import Prediction, RequestKeys
 from hybridkv.cluster.scrape import BackendLoad
 from hybridkv.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from hybridkv.cluster.index import ClusterIndex
 
 POLICIES = ("hybrid_exact", "prefix", "least_loaded", "round_robin")
 MEDIUM_WEIGHTS: dict[str, float] = {MEDIUM_GPU: 1.0, MEDIUM_CPU: 0.8, MEDIUM_STORAGE: 0.5}
 """What a predicted hit token on each medium is worth against one on the device (see above)."""
 OTHER_MEDIUM_WEIGHT = 0.5
 """The worth of a hit token on a medium ``MEDIUM_WEIGHTS`` does not name."""
+BALANCE = 1.25
+"""``hybrid_exact``'s load bound: at most this many times the mean requests in flight (plus ``SLACK``)."""
+SLACK = 2
+"""Requests a backend may have in flight above ``BALANCE`` times the mean before it is overloaded."""
+HOME_TOKENS = 1024
+"""The prompt tokens whose hash places a new prefix on the ring (``home_key``)."""
+RING_POINTS = 64
+"""Points per backend on the consistent-hash ring."""
 
 
 @dataclass
@@ -97,19 +132,31 @@ class Decision:
     predicted: dict[str, int]
     costs: dict[str, float]
     reason: str
-    """``hit`` when a hit is predicted on the chosen backend, ``load`` when none is (load or turn
-    decided), ``round_robin`` for that policy."""
+    """What decided (module docstring): ``hit``, ``load``, ``home``, ``tie`` or ``round_robin``."""
+    bound: float | None = None
+    """``hybrid_exact``'s load bound for this request (requests in flight a backend may reach)."""
 
 
 class Policy:
     """Ranks backends for one request."""
 
     def __init__(self, name: str = "hybrid_exact", *, load_weight: float = 0.25, kv_weight: float = 0.0,
-                 medium_weights: Mapping[str, float] | None = None) -> None:
+                 medium_weights: Mapping[str, float] | None = None, balance: float = BALANCE,
+                 slack: int = SLACK, home_tokens: int = HOME_TOKENS) -> None:
         if name not in POLICIES:
             raise InvalidInputError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
         if load_weight < 0 or kv_weight < 0:
             raise InvalidInputError(f"load_weight and kv_weight must be >= 0, got {load_weight}, {kv_weight}")
+        if isinstance(balance, bool) or not isinstance(balance, (int, float)) or not 1 <= balance < math.inf:
+            raise InvalidInputError(f"balance must be a number >= 1 (a multiple of the mean load), got {balance!r}")
+        if type(slack) is not int or slack < 0:
+            raise InvalidInputError(f"slack must be a whole number of requests >= 0, got {slack!r}")
+        if type(home_tokens) is not int or home_tokens < 1:
+            raise InvalidInputError(f"home_tokens must be a positive number of tokens, got {home_tokens!r}")
+        self.balance = float(balance)
+        self.slack = slack
+        self.home_tokens = home_tokens
+        self._ring: tuple[tuple[str, ...], list[tuple[bytes, str]]] | None = None
         weights = dict(MEDIUM_WEIGHTS)
         for medium, weight in (medium_weights or {}).items():
             if not isinstance(medium, str) or not medium:
@@ -133,11 +180,45 @@ class Policy:
         weights = self.medium_weights
         return math.fsum(weights.get(m, OTHER_MEDIUM_WEIGHT) * n for m, n in prediction.by_medium)
 
+    def home_key(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bytes | None:
+        """The ring key of a prompt: a sha256 of its first ``home_tokens`` token ids (and its cache
+        salt). A conversation's turns extend its first prompt, so they share the key once the first
+        prompt is ``home_tokens`` long. None for an empty prompt."""
+        if not token_ids:
+            return None
+        head = array("q", token_ids[: self.home_tokens]).tobytes()
+        return hashlib.sha256((cache_salt or "").encode() + b"\0" + head).digest()
+
+    def home_key_of_chain(self, chain: Sequence[bytes], block_size: int) -> bytes | None:
+        """The ring key of a prompt known only by its full-attention chain (blocks of ``block_size``
+        tokens; a simulated request has no token ids): its block hash ending at ``home_tokens`` (at its
+        last full block when shorter), which names the whole prefix up to there. None without a block."""
+        if not chain:
+            return None
+        return chain[min(len(chain), max(1, self.home_tokens // max(block_size, 1))) - 1]
+
+    def ring_order(self, names: Sequence[str], key: bytes) -> list[str]:
+        """``names`` in the order the consistent-hash ring meets them walking from ``key``."""
+        ring = self._ring
+        if ring is None or ring[0] != tuple(names):
+            points = sorted((hashlib.sha256(f"{n}#{i}".encode()).digest(), n)
+                            for n in names for i in range(RING_POINTS))
+            ring = self._ring = (tuple(names), points)
+        points = ring[1]
+        start = bisect.bisect_left(points, (key, ""))
+        order: dict[str, None] = {}
+        for i in range(len(points)):
+            order.setdefault(points[(start + i) % len(points)][1])
+            if len(order) == len(names):
+                break
+        return list(order)
+
     def rank(self, backends: list[BackendState], predicted: Mapping[str, int], prompt_tokens: int, *,
-             credited: Mapping[str, float] | None = None) -> Decision:
+             credited: Mapping[str, float] | None = None, home: bytes | None = None) -> Decision:
         """The order to try ``backends`` in (healthy ones first) for a prompt of ``prompt_tokens``.
         ``predicted``: each backend's predicted hit tokens; ``credited``: what they are worth
-        (``credit``; default: ``predicted``, as if every token were on the device)."""
+        (``credit``; default: ``predicted``, as if every token were on the device); ``home``: the
+        prompt's ring key (``home_key``; ``hybrid_exact`` rotates new prefixes without one)."""
         if not backends:
             raise InvalidInputError("no backends to route to")
         healthy = [b for b in backends if b.healthy]
@@ -149,14 +230,89 @@ class Policy:
             order = pool[start:] + pool[:start] + rest
             return Decision(tuple(b.name for b in order), dict(predicted), {}, "round_robin")
         hits: Mapping[str, float] = (predicted if credited is None else credited) if self.uses_hits else {}
+        turn = self._turn
+        self._turn += 1
+        position = {b.name: (i - turn) % len(backends) for i, b in enumerate(backends)}
+        if self.name == "hybrid_exact":
+            return self._rank_local(pool, rest, predicted, hits, position, home)
         scale = max(prompt_tokens, 1)
         costs = {b.name: (prompt_tokens - hits.get(b.name, 0))
                  + scale * (self.load_weight * b.queue + self.kv_weight * b.load.kv_usage) for b in backends}
         # Equal costs (an idle cluster, a prompt nobody holds) rotate, so new prefixes spread out.
-        turn = self._turn
-        self._turn += 1
-        position = {b.name: (i - turn) % len(backends) for i, b in enumerate(backends)}
         ranked = sorted(pool, key=lambda b: (costs[b.name], b.inflight, position[b.name]))
         ranked += sorted(rest, key=lambda b: (costs[b.name], position[b.name]))
-        reason = "hit" if self.uses_hits and predicted.get(ranked[0].name, 0) > 0 else "load"
+        reason = _reason(ranked[0].name, pool, hits, "tie") if self.uses_hits else "load"
         return Decision(tuple(b.name for b in ranked), dict(predicted), costs, reason)
+
+    def _rank_local(self, pool: list[BackendState], rest: list[BackendState], predicted: Mapping[str, int],
+                    hits: Mapping[str, float], position: Mapping[str, int], home: bytes | None) -> Decision:
+        """``hybrid_exact``'s order: backends within the load bound by credited hit, then ring order
+        from ``home`` (turn order without one), then fewer in flight; the overloaded ones after them,
+        the least loaded first."""
+        in_flight = sum(b.queue for b in pool)
+        bound = math.ceil(self.balance * (in_flight + 1) / len(pool)) + self.slack
+        if home is not None:
+            ring = {n: i for i, n in enumerate(self.ring_order([b.name for b in pool], home))}
+        else:
+            ring = dict(position)
+        fits = [b for b in pool if b.queue + 1 <= bound]
+        over = [b for b in pool if b.queue + 1 > bound]
+        ranked = sorted(fits, key=lambda b: (-hits.get(b.name, 0), ring[b.name], b.queue))
+        ranked += sorted(over, key=lambda b: (b.queue, -hits.get(b.name, 0), ring[b.name]))
+        ranked += sorted(rest, key=lambda b: (-hits.get(b.name, 0), position[b.name]))
+        costs = {b.name: -float(hits.get(b.name, 0)) for b in pool + rest}
+        reason = _reason(ranked[0].name, pool, hits, "home" if home is not None else "tie")
+        return Decision(tuple(b.name for b in ranked), dict(predicted), costs, reason, float(bound))
+
+
+def _reason(chosen: str, pool: list[BackendState], hits: Mapping[str, float], tied: str) -> str:
+    """What decided for ``chosen`` (module docstring): ``load`` when another backend had a larger
+    hit, ``hit`` when ``chosen`` alone has the largest (above 0), else ``tied``."""
+    mine = hits.get(chosen, 0)
+    best = max((hits.get(b.name, 0) for b in pool), default=0)
+    if mine < best:
+        return "load"
+    if mine > 0 and sum(1 for b in pool if hits.get(b.name, 0) == best) == 1:
+        return "hit"
+    return tied
+
+
+@dataclass(frozen=True, slots=True)
+class HitEstimate:
+    """What a router knows of one request's hits before ranking (``estimate_hits``)."""
+
+    predicted: dict[str, int]
+    """Per backend, the hit tokens predicted: the index's, or the in-flight prefix's where more."""
+    credited: dict[str, float]
+    """Per backend, what the predicted hit is worth (``Policy.credit``)."""
+    chains: dict[str, tuple[list[bytes], int]]
+    """Per backend the index can hash for, the request's full-attention chain and its block size."""
+    found: dict[str, Prediction]
+    """Per backend, the index's own prediction (by medium)."""
+    home: bytes | None
+    """The request's ring key (``Policy.home_key``, or ``home_key_of_chain`` without token ids)."""
+
+
+def estimate_hits(policy: Policy, index: ClusterIndex, keys: RequestKeys, names: Sequence[str],
+                  inflight: InFlightPrefixes, prompt_tokens: int) -> HitEstimate:
+    """The hits ``policy`` ranks ``names`` by for the request ``keys``: the index's prediction per
+    backend (the hybrid rule, or the full-attention chain alone for ``prefix``), credited per
+    medium, raised to what the requests the router has in flight at a backend will leave there."""
+    found = index.lookup_keys(keys, chain_only=policy.name == "prefix")
+    chains = {}
+    for name in names:
+        chain = index.chain_hashes(name, keys)
+        if chain is not None:
+            chains[name] = chain
+    predicted = {name: p.tokens for name, p in found.items()}
+    credited = {name: policy.credit(p) for name, p in found.items()}
+    for name, (hashes, size) in chains.items():  # what requests in flight there will leave
+        coming = inflight.predict(name, hashes, size, prompt_tokens)
+        if coming > predicted.get(name, 0):
+            predicted[name] = coming
+            credited[name] = max(credited.get(name, 0.0), float(coming))
+    home = policy.home_key(keys.token_ids, keys.cache_salt)
+    if home is None and chains:
+        hashes, size = next(iter(chains.values()))
+        home = policy.home_key_of_chain(hashes, size)
+    return HitEstimate(predicted, credited, chains, found, home)

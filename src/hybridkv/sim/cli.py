@@ -41,9 +41,10 @@ from hybridkv.cli_args import (
     positive_int_arg,
     write_output,
 )
+from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, SLACK
 from hybridkv.core.hits import LOSS_CAUSES
 from hybridkv.errors import InvalidInputError
-from hybridkv.sim.cluster import CLUSTER_OPTIONS, ROUTERS, ClusterConfig, cluster_variants, simulate_cluster
+from hybridkv.sim.cluster import CLUSTER_OPTIONS, OUTCOMES, ROUTERS, ClusterConfig, cluster_variants, simulate_cluster
 from hybridkv.sim.simulator import SimConfig, SimResult, simulate
 from hybridkv.sim.tiers import parse_tiers, tier_arg
 from hybridkv.sim.workloads import (
@@ -96,6 +97,7 @@ CLUSTER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
                                                f"{s['prediction_under']}"),
     ("chain-only index over-predicts", lambda s: f"{s['chain_over_requests']} requests, "
                                                  f"{s['chain_over_tokens']:,} tokens"),
+    ("routing decided by", lambda s: ", ".join(f"{k} {v}" for k, v in sorted(s["decisions"].items()))),
 ]
 """Rows added to the summary of a cluster (``--instances``)."""
 
@@ -183,14 +185,27 @@ def add_parser(sub: Any) -> None:
                     help="simulate N replicas of the engine behind a router (each its own device pool; net tiers "
                          "are shared by all, host and disk tiers are per replica)")
     cl.add_argument("--router", choices=ROUTERS, default=None,
-                    help="with --instances: how requests are routed (default hybrid_exact: predicted hit tokens "
-                         "from the replicas' KV events against load; prefix: the full-attention chain alone)")
+                    help="with --instances: how requests are routed (default hybrid_exact: the replica holding "
+                         "most of the prompt, device and tiers, unless it is overloaded; a new prefix by a "
+                         "consistent-hash ring; prefix: hit of the full-attention chain against load)")
+    cl.add_argument("--balance", type=float, default=BALANCE, metavar="FACTOR",
+                    help="hybrid_exact: a replica is overloaded above FACTOR times the mean requests in flight "
+                         "plus --slack (default: %(default)s)")
+    cl.add_argument("--slack", type=non_negative_int_arg, default=SLACK, metavar="REQUESTS",
+                    help="hybrid_exact: requests a replica may have above the balance bound (default: %(default)s)")
+    cl.add_argument("--home-tokens", type=positive_int_arg, default=HOME_TOKENS, metavar="TOKENS",
+                    help="hybrid_exact: the prompt tokens that place a new prefix on the ring (default: %(default)s)")
     cl.add_argument("--load-weight", type=non_negative_float_arg, default=0.25, metavar="FRACTION",
-                    help="with --instances: what one queued request weighs against a predicted hit, as a "
+                    help="prefix, least_loaded: what one queued request weighs against a predicted hit, as a "
                          "fraction of the request's prompt")
     cl.add_argument("--kv-weight", type=non_negative_float_arg, default=0.0, metavar="FRACTION",
-                    help="with --instances: what a full KV cache weighs against a predicted hit, as a "
+                    help="prefix, least_loaded: what a full KV cache weighs against a predicted hit, as a "
                          "fraction of the request's prompt")
+    cl.add_argument("--index-device-only", action="store_true",
+                    help="feed the router's index device events only (default: the tiers' too)")
+    cl.add_argument("--explain", action="store_true",
+                    help="join each routing decision with what every replica held, and print where requests' "
+                         "reusable tokens were and what sent them elsewhere")
     work = p.add_argument_group("the workload")
     work.add_argument("--workload", choices=("shared-prefix", "multi-turn", "chat", "trace"), required=True,
                       help="shared-prefix: requests over a few long shared prefixes; multi-turn: conversations "
@@ -355,7 +370,9 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
             raise InvalidInputError("--router needs --instances N (the replicas it routes to)")
         return None
     return ClusterConfig(instances=args.instances, router=args.router or "hybrid_exact",
-                         load_weight=args.load_weight, kv_weight=args.kv_weight)
+                         load_weight=args.load_weight, kv_weight=args.kv_weight, balance=args.balance,
+                         slack=args.slack, home_tokens=args.home_tokens, index_tiers=not args.index_device_only,
+                         explain=args.explain)
 
 
 def _variants(args: argparse.Namespace) -> list[tuple[str, SimConfig, ClusterConfig | None]]:
@@ -454,6 +471,14 @@ def _why_none_finished(result: SimResult) -> str:
             f"(--kv-cache-memory, --kv-cache-tokens, --gpu) or shorter requests")
 
 
+def _outcome(outcome: str) -> Callable[[dict[str, Any]], str]:
+    """A row of ``--explain``'s breakdown: requests, and the tokens they could have reused."""
+    def row(s: dict[str, Any]) -> str:
+        found = (s.get("routing_breakdown") or {}).get(outcome)
+        return f"{found['requests']}, {found['reusable_tokens']:,}" if found else "-"
+    return row
+
+
 def print_summary(workload: Workload, results: list[tuple[str, SimResult]]) -> None:
     """A side-by-side table of the variants (rich when installed)."""
     s0 = results[0][1].summary
@@ -463,6 +488,8 @@ def print_summary(workload: Workload, results: list[tuple[str, SimResult]]) -> N
     spec_rows = SUMMARY_ROWS + (TIER_ROWS if any(r.summary["tiers"] for _, r in results) else [])
     if any("instances" in r.summary for _, r in results):
         spec_rows = spec_rows + CLUSTER_ROWS
+    if any(r.summary.get("routing_breakdown") for _, r in results):
+        spec_rows = spec_rows + [(f"{outcome}: requests, reusable tokens", _outcome(outcome)) for outcome in OUTCOMES]
     rows = [(name, [fmt(r.summary) for _, r in results]) for name, fmt in spec_rows]
     rows.append(("simulation wall time", [f"{r.summary['wall_s']:.1f} s" for _, r in results]))
     print_table(title, ["", *labels], [(name, *vals) for name, vals in rows])

@@ -6,10 +6,13 @@ Each replica is a simulated engine of its own (``ReplicaSim``: the real schedule
 the replicas' own KV events (each step's ``take_events()`` as one numbered vLLM-format batch,
 delivered in process: no ZMQ), and each arriving request goes where ``routing.Policy`` ranks first:
 
-* ``hybrid_exact``: least ``(prompt - predicted hit) + prompt * (load_weight * queue + kv_weight * usage)``,
-  the hit predicted with the hybrid rules (full-attention chain, window blocks at the hit point), or
-  where more, the prefix of the requests routed to a replica and not yet ended (``cluster.inflight``);
-* ``prefix``: the same cost with the full-attention chain alone (what deployed routers index);
+* ``hybrid_exact``: locality within a load bound: the largest credited hit among the replicas below
+  ``balance`` times the mean requests in flight (plus ``slack``), the hit predicted with the hybrid
+  rules (full-attention chain, window blocks at the hit point) on every medium the replica loads
+  from, or where more, the prefix of the requests routed there and not yet ended
+  (``cluster.inflight``); with no hit standing out, the prefix's home on a consistent-hash ring;
+* ``prefix``: least ``(prompt - predicted hit) + prompt * (load_weight * queue + kv_weight * usage)``,
+  the hit of the full-attention chain alone (what deployed routers index);
 * ``least_loaded``: the cost without the hit term; ``round_robin``: in turn.
 
 The clock: every replica runs its next step when it is the earliest thing to happen; a request
@@ -18,8 +21,15 @@ delivered when the step is simulated, so a request that arrives while a step run
 what that step will have cached when the request can first be admitted).
 
 Tiers (``SimConfig.tiers``): ``host`` and ``disk`` tiers are per replica (each machine has its own);
-``net`` tiers are one store every replica reads and writes (a shared Redis). The index is fed device
-events only: a tier's contents do not steer routing.
+``net`` tiers are one store every replica reads and writes (a shared Redis). The index sees every
+medium a replica loads from: each step's batch also carries the replica's tiers' stores and
+evictions with their medium (``CPU``, ``STORAGE``), as ``hybridkv serve`` publishes them, and a
+``net`` tier's, once for all, as the shared medium ``NET`` (``ClusterConfig.index_tiers``: False
+feeds it device events only, as before).
+
+With ``ClusterConfig.explain`` each routing decision is joined with what every replica really held
+at that moment (its manager's lookup, then its tiers' probe from there): ``SimResult.summary``'s
+``routing_breakdown`` says, per outcome, how many requests and reusable tokens (``explain``).
 
 Summary keys (besides the single-engine ones, summed or pooled over replicas): ``instances``,
 ``router``, ``routed`` (requests per replica), ``replica_hit_rates``, ``predicted_hit_tokens`` (the
@@ -28,7 +38,9 @@ router's prediction for the replica it chose), ``prediction_equal`` / ``predicti
 exceeded that prediction: the cache changes between routing and admission), ``chain_over_requests``
 and ``chain_over_tokens`` (requests where a full-attention-only index predicted more than the hybrid
 rule for the chosen replica, and by how much), ``hit_policy_disagreements`` (requests where the replica
-with the best chain-only prediction is not the one with the best exact prediction).
+with the best chain-only prediction is not the one with the best exact prediction), ``decisions``
+(requests per ``Decision.reason``: hit, load, home, tie, round_robin), ``routing_breakdown`` (with
+``explain``).
 """
 
 from __future__ import annotations
@@ -36,16 +48,24 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
-from hybridkv.cluster.events import from_core_events, group_metadata, make_batch
+from hybridkv.cluster.events import (
+    BlockRemovedEvent,
+    BlockStoredEvent,
+    WireEvent,
+    from_core_events,
+    group_metadata,
+    make_batch,
+)
 from hybridkv.cluster.hashes import HashScheme, HybridkvHashes
 from hybridkv.cluster.index import ClusterIndex
 from hybridkv.cluster.inflight import InFlightPrefixes
 from hybridkv.cluster.replica import RequestKeys
-from hybridkv.cluster.routing import POLICIES, BackendState, Policy
+from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, POLICIES, SLACK, BackendState, Policy, estimate_hits
 from hybridkv.cluster.scrape import BackendLoad
 from hybridkv.core import BlockHasher, KVCacheManager, Sequence, capacity_report
 from hybridkv.core.hits import LOSS_CAUSES
@@ -84,14 +104,28 @@ class ClusterConfig:
     """Prompt tokens one queued request weighs in the cost (``routing.Policy``)."""
     kv_weight: float = 0.0
     """Prompt tokens a full KV cache weighs in the cost."""
+    balance: float = BALANCE
+    slack: int = SLACK
+    home_tokens: int = HOME_TOKENS
+    """``hybrid_exact``'s load bound and ring key (``routing.Policy``)."""
+    index_tiers: bool = True
+    """Feed the index the tiers' events too (False: device events only)."""
+    explain: bool = False
+    """Join each routing decision with what every replica held (``routing_breakdown``; costs a lookup
+    per replica per request)."""
 
     def __post_init__(self) -> None:
         if type(self.instances) is not int or self.instances < 1:
             raise InvalidInputError(f"instances must be a positive integer, got {self.instances!r}")
-        Policy(self.router, load_weight=self.load_weight, kv_weight=self.kv_weight)  # validates
+        self.policy()  # validates
+
+    def policy(self) -> Policy:
+        """The router's policy."""
+        return Policy(self.router, load_weight=self.load_weight, kv_weight=self.kv_weight, balance=self.balance,
+                      slack=self.slack, home_tokens=self.home_tokens)
 
 
-CLUSTER_OPTIONS = ("router", "instances", "load_weight", "kv_weight")
+CLUSTER_OPTIONS = ("router", "instances", "load_weight", "kv_weight", "balance", "slack", "home_tokens")
 """The ``--compare`` options that vary the cluster rather than the simulated system."""
 
 
@@ -105,7 +139,7 @@ def cluster_variants(base: ClusterConfig, compare: str) -> list[tuple[str, Clust
     for raw in (v.strip() for v in values.split(",")):
         value: object = raw
         try:
-            if name == "instances":
+            if name in ("instances", "slack", "home_tokens"):
                 value = int(raw)
             elif name != "router":
                 value = float(raw)
@@ -113,9 +147,7 @@ def cluster_variants(base: ClusterConfig, compare: str) -> list[tuple[str, Clust
             raise InvalidInputError(f"--compare {key}: {raw!r} is not a number") from None
         if name == "router" and raw not in ROUTERS:
             raise InvalidInputError(f"--compare router: unknown router {raw!r}; choose from {', '.join(ROUTERS)}")
-        fields = {"instances": base.instances, "router": base.router, "load_weight": base.load_weight,
-                  "kv_weight": base.kv_weight, name: value}
-        out.append((f"{name}={raw}", ClusterConfig(**fields)))  # type: ignore[arg-type]
+        out.append((f"{name}={raw}", replace(base, **{name: value})))  # type: ignore[arg-type]
     return out
 
 
@@ -146,10 +178,13 @@ class ReplicaSim:
     """One simulated engine of the cluster: its scheduler, device pool and tiers, and its clock."""
 
     def __init__(self, name: str, cfg: SimConfig, workload: Workload, cost: CostModel,
-                 shared_tiers: dict[int, SimTier]) -> None:
+                 shared_tiers: dict[int, SimTier], *, publish: bool = True, index_tiers: bool = True) -> None:
+        """``publish``: send the replica's KV events to the router's index (a router that ranks by
+        hits needs them; the others do not, and the simulation is faster without); ``index_tiers``:
+        its tiers' too."""
         planned, self.plan = build_manager(cfg)
         self.mgr = KVCacheManager(planned.layout, planned.max_model_len, planned.max_num_batched_tokens,
-                                  cfg.enable_prefix_caching, retention=cfg.retention, enable_events=True)
+                                  cfg.enable_prefix_caching, retention=cfg.retention, enable_events=publish)
         self.name = name
         self.cost = cost
         self.tiers: SimTiers | None = None
@@ -160,6 +195,13 @@ class ReplicaSim:
             long_prefill_token_threshold=cfg.long_prefill_token_threshold, policy=cfg.policy,
             admission=cfg.admission), connector=self.tiers.connector if self.tiers is not None else None)
         self.metadata = group_metadata(self.mgr.layout)
+        self.published_tiers: list[SimTier] = []
+        """The tiers whose changes go to the index with this replica's events (a shared one with
+        every replica's: whichever steps first drains its log)."""
+        if publish and index_tiers and self.tiers is not None:
+            self.published_tiers = list(self.tiers.tiers)
+            for tier in self.published_tiers:
+                tier.record_changes(True)
         self.now = 0.0
         """When this replica's next step starts."""
         self.batches = 0
@@ -208,14 +250,49 @@ class ReplicaSim:
         for seq, start, n in later_stores:
             tiers.store(seq, start, n)  # type: ignore[union-attr]
         events = self.mgr.take_events()
-        if events:
-            index.deliver(self.name, self.batches, make_batch(from_core_events(events, self.metadata)))
+        wire = from_core_events(events, self.metadata) if events else []
+        for tier in self.published_tiers:
+            changes = tier.take_changes()
+            if changes:
+                wire += self._tier_events(tier, changes)
+        if wire:
+            index.deliver(self.name, self.batches, make_batch(wire))
             self.batches += 1
         usage = self.mgr.usage
         self.usage_sum += usage
         self.usage_max = max(self.usage_max, usage)
         run.rejected += len(out.rejected)
         return [r.seq_id for r in finished] + [sid for sid, _ in out.rejected]
+
+    def _tier_events(self, tier: SimTier, changes: list[tuple[bool, bytes]]) -> list[WireEvent]:
+        """``tier``'s changes as wire events of its medium: one per run of one group's stores or removals."""
+        assert self.tiers is not None and tier.medium is not None
+        parse = self.tiers.connector.parse_key
+        medium, metadata = tier.medium, self.metadata
+        sizes = [self.mgr.group_block_size(g) for g in range(len(self.mgr.layout.groups))]
+        out: list[WireEvent] = []
+        run: list[bytes] = []
+        at = (False, -1)
+
+        def flush() -> None:
+            entered, group = at
+            if not run:
+                return
+            if entered:
+                kind, window = metadata[group]
+                out.append(BlockStoredEvent(tuple(run), None, (), sizes[group], medium, group, kind, window))
+            else:
+                out.append(BlockRemovedEvent(tuple(run), medium, group))
+            run.clear()
+
+        for entered, key in changes:
+            group, block_hash = parse(key)
+            if (entered, group) != at:
+                flush()
+                at = (entered, group)
+            run.append(block_hash)
+        flush()
+        return out
 
     def backend(self) -> BackendState:
         """This replica as the router sees it: requests running and waiting, KV usage."""
@@ -243,6 +320,14 @@ def _replica_tiers(cfg: SimConfig, workload: Workload, mgr: KVCacheManager,
     return tiers
 
 
+OUTCOMES = ("nothing to reuse", "went where its prefix was", "went to its prefix in a tier",
+            "the router did not see it", "load sent it elsewhere", "a wrong prediction sent it elsewhere")
+"""How a routed request met its reusable tokens (``ClusterRun.explain``): none anywhere; sent to the
+replica holding the most (on its device, or only in its tiers); sent elsewhere because the index did
+not show where they were (every holder predicted below what it held), because load outweighed a
+predicted hit, or because a prediction elsewhere was wrong."""
+
+
 class ClusterRun:
     """Per-request bookkeeping of one cluster simulation."""
 
@@ -262,6 +347,40 @@ class ClusterRun:
         self.chain_over_requests = 0
         self.chain_over_tokens = 0
         self.disagreements = 0
+        self.decisions: Counter[str] = Counter()
+        self.breakdown: dict[str, list[int]] = {o: [0, 0, 0] for o in OUTCOMES}
+        """Per outcome (``explain``): requests, tokens they could have reused at the best replica,
+        tokens the chosen replica held."""
+
+    def decided(self, sid: str, replica: str, reason: str) -> None:
+        """``sid`` was routed to ``replica``; ``reason``: what decided (``Decision.reason``)."""
+        self.replica[sid] = replica
+        self.decisions[reason] += 1
+
+    def explain(self, sid: str, chosen: str, reason: str, held: Mapping[str, tuple[int, int]],
+                predicted: Mapping[str, int]) -> None:
+        """Join the decision for ``sid`` with what each replica held (``held``: device and tier
+        tokens) and what the router predicted there; counted under its outcome (``OUTCOMES``)."""
+        total = {n: d + t for n, (d, t) in held.items()}
+        best = max(total.values())
+        mine = total[chosen]
+        if not best:
+            outcome = "nothing to reuse"
+        elif mine == best:
+            outcome = "went where its prefix was" if held[chosen][0] or not held[chosen][1] else \
+                "went to its prefix in a tier"
+        else:
+            holders = [n for n, v in total.items() if v == best]
+            if all(predicted.get(n, 0) < total[n] for n in holders) and reason != "load":
+                outcome = "the router did not see it"
+            elif reason == "load":
+                outcome = "load sent it elsewhere"
+            else:
+                outcome = "a wrong prediction sent it elsewhere"
+        row = self.breakdown[outcome]
+        row[0] += 1
+        row[1] += best
+        row[2] += mine
 
     def token(self, sid: str, now: float) -> None:
         """``sid`` sampled a token at ``now``."""
@@ -276,15 +395,17 @@ class ClusterRun:
 class Router:
     """The cluster's router: an index fed by the replicas' events and a routing policy."""
 
-    def __init__(self, cluster: ClusterConfig, replicas: list[ReplicaSim]) -> None:
+    def __init__(self, cluster: ClusterConfig, replicas: list[ReplicaSim], shared_media: tuple[str, ...] = ()) -> None:
         mgr = replicas[0].mgr
-        self.index = ClusterIndex(max_model_len=mgr.max_model_len)
+        self.index = ClusterIndex(max_model_len=mgr.max_model_len, shared_media=shared_media)
         for r in replicas:
             self.index.add_replica(r.name, scheme=HybridkvHashes(), layout=r.mgr.layout)
-        self.policy = Policy(cluster.router, load_weight=cluster.load_weight, kv_weight=cluster.kv_weight)
+        self.policy = cluster.policy()
         self.replicas = {r.name: r for r in replicas}
+        self.names = list(self.replicas)
         self.hasher = mgr.hasher
         self.inflight = InFlightPrefixes()
+        self.explain = cluster.explain
         self._tickets: dict[str, int] = {}
 
     def ended(self, seq_id: str) -> None:
@@ -294,26 +415,32 @@ class Router:
             self.inflight.remove(ticket)
 
     def route(self, seq: Sequence, run: ClusterRun) -> ReplicaSim:
-        """The replica ``seq`` goes to; records the prediction for it."""
+        """The replica ``seq`` goes to; records the prediction for it and what decided."""
         backends = [r.backend() for r in self.replicas.values()]
         if not self.policy.uses_hits:
-            chosen = self.replicas[self.policy.rank(backends, {}, seq.num_tokens).order[0]]
-            run.replica[seq.seq_id] = chosen.name
+            decision = self.policy.rank(backends, {}, seq.num_tokens)
+            chosen = self.replicas[decision.order[0]]
+            run.decided(seq.seq_id, chosen.name, decision.reason)
+            if self.explain:
+                run.explain(seq.seq_id, chosen.name, decision.reason, self._held(seq), {})
             return chosen
         keys = SequenceKeys(seq, self.hasher)
-        exact = {n: p.tokens for n, p in self.index.lookup_keys(keys).items()}
-        chain = {n: p.tokens for n, p in self.index.lookup_keys(keys, chain_only=True).items()}
-        predicted = dict(exact if self.policy.name == "hybrid_exact" else chain)
-        chains = {n: self.index.chain_hashes(n, keys) for n in self.replicas}
-        for n, found in chains.items():  # what the requests routed there and not yet ended will leave
-            if found is not None:
-                predicted[n] = max(predicted[n], self.inflight.predict(n, found[0], found[1], seq.num_tokens))
-        chosen = self.replicas[self.policy.rank(backends, predicted, seq.num_tokens).order[0]]
-        found = chains[chosen.name]
+        hits = estimate_hits(self.policy, self.index, keys, self.names, self.inflight, seq.num_tokens)
+        decision = self.policy.rank(backends, hits.predicted, seq.num_tokens, credited=hits.credited,
+                                    home=hits.home)
+        chosen = self.replicas[decision.order[0]]
+        found = hits.chains.get(chosen.name)
         if found is not None:
             self._tickets[seq.seq_id] = self.inflight.add(chosen.name, found[0])
-        run.replica[seq.seq_id] = chosen.name
-        run.predicted[seq.seq_id] = predicted[chosen.name]
+        run.decided(seq.seq_id, chosen.name, decision.reason)
+        run.predicted[seq.seq_id] = hits.predicted[chosen.name]
+        if self.explain:
+            run.explain(seq.seq_id, chosen.name, decision.reason, self._held(seq), hits.predicted)
+        # How a chain-only index would have judged the replicas (device and tiers alike).
+        exact = {n: p.tokens for n, p in self.index.lookup_keys(keys).items()} \
+            if self.policy.name == "prefix" else {n: p.tokens for n, p in hits.found.items()}
+        chain = {n: p.tokens for n, p in self.index.lookup_keys(keys, chain_only=True).items()} \
+            if self.policy.name != "prefix" else {n: p.tokens for n, p in hits.found.items()}
         over = chain[chosen.name] - exact[chosen.name]
         if over > 0:
             run.chain_over_requests += 1
@@ -323,6 +450,23 @@ class Router:
         if max(exact[n] for n, t in chain.items() if t == top) < max(exact.values()):
             run.disagreements += 1
         return chosen
+
+    def _held(self, seq: Sequence) -> dict[str, tuple[int, int]]:
+        """Per replica, the prompt tokens it could serve ``seq`` now: from its device cache, and from
+        its tiers past that (the connector's probe; its lookup counters are left as they were)."""
+        out = dict.fromkeys(self.replicas, (0, 0))
+        if seq.num_tokens > self.index.max_model_len:
+            return out  # rejected by every replica
+        for name, r in self.replicas.items():
+            device = r.mgr.lookup(seq).num_tokens
+            tier = 0
+            if r.tiers is not None:
+                connector = r.tiers.connector
+                before = replace(connector.stats)
+                tier = connector.num_external_tokens(seq, device)
+                connector.stats = before
+            out[name] = (device, tier)
+        return out
 
 
 def _sequence(req: SimRequest) -> Sequence:
@@ -345,8 +489,11 @@ def _simulate_cluster(workload: Workload, cfg: SimConfig, cluster: ClusterConfig
     if cfg.calibration is not None:
         cost = calibrate(cost, cfg.calibration)
     shared: dict[int, SimTier] = {}
-    replicas = [ReplicaSim(f"replica-{i}", cfg, workload, cost, shared) for i in range(cluster.instances)]
-    router = Router(cluster, replicas)
+    publish = cluster.policy().uses_hits
+    replicas = [ReplicaSim(f"replica-{i}", cfg, workload, cost, shared, publish=publish,
+                           index_tiers=cluster.index_tiers) for i in range(cluster.instances)]
+    shared_media = tuple(dict.fromkeys(t.spec.medium for t in shared.values())) if cluster.index_tiers else ()
+    router = Router(cluster, replicas, shared_media)
     run = ClusterRun()
     requests = workload.requests
     total = len(requests)
@@ -444,6 +591,7 @@ def _summary(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, replica
         found = run.hits.get(rid)
         if found is None:
             continue
+        found += run.tier_tokens.get(rid, 0)  # the index predicts the device's hit and the tiers' past it
         equal += found == p
         over += found < p
         under += found > p
@@ -489,4 +637,7 @@ def _summary(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, replica
         "prediction_equal": equal, "prediction_over": over, "prediction_under": under,
         "chain_over_requests": run.chain_over_requests, "chain_over_tokens": run.chain_over_tokens,
         "hit_policy_disagreements": run.disagreements,
+        "decisions": dict(run.decisions),
+        "routing_breakdown": {o: {"requests": n, "reusable_tokens": best, "chosen_held_tokens": mine}
+                              for o, (n, best, mine) in run.breakdown.items()} if cluster.explain else None,
     }

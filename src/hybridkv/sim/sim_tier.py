@@ -9,7 +9,7 @@ tests/test_sim_tiers.py compares the two).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from itertools import filterfalse
 from typing import TYPE_CHECKING
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from hybridkv.sim.tiers import TierSpec
 
 
-def _key_group(key: bytes) -> bytes:
+def tier_key_group(key: bytes) -> bytes:
     """The group index, as written, in a tier key ``hkv1/<namespace>/<group>/<hash>`` (``frame.tier_key``)."""
     i = key.index(b"/", 5) + 1
     return key[i : key.index(b"/", i)]
@@ -53,6 +53,19 @@ class SimTier(KVTier):
         self._sizes = (max(1, min(block_bytes.values(), default=1)), max(1, max(block_bytes.values(), default=1)))
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # key -> nominal bytes, LRU first
         self._low: OrderedDict[bytes, int] = OrderedDict()  # the low-priority ones, LRU first
+        self.medium = spec.medium
+
+    def record_changes(self, on: bool = True) -> None:
+        """Log the keys that enter and leave the tier (``take_changes``): what a cluster's index
+        learns of a replica's tier from its KV events."""
+        if not on:
+            self._changes = None
+        elif self._changes is None:
+            self._changes = deque()
+
+    def _left(self, key: bytes) -> None:
+        if self._changes is not None:
+            self._changes.append((False, key))
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         entries, low = self._entries, self._low
@@ -79,7 +92,7 @@ class SimTier(KVTier):
     def put_many(self, items: Sequence[tuple[bytes, bytes]], low: bool = False) -> None:
         entries, lows = self._entries, self._low
         for key, _value in items:
-            size = self._block_bytes[_key_group(key)]
+            size = self._block_bytes[tier_key_group(key)]
             if size > self.capacity_bytes:
                 continue  # would evict everything and still not fit
             as_low = low and key not in entries  # a normal entry stays normal
@@ -89,7 +102,9 @@ class SimTier(KVTier):
                 self.low_bytes -= old or 0
             if old is not None:
                 self.used_bytes -= old
-            self._put_one(key, size, as_low)
+            self._put_one(key, size, as_low, old is None)
+            if old is not None and key not in entries and key not in lows:
+                self._left(key)
 
     def offer(self, keys: Sequence[bytes], sizes: Sequence[int], low: bool, batch: int) -> list[bytes]:
         """``KVConnector.store``'s writes of one priority to this tier, in one call: per batch of
@@ -151,27 +166,33 @@ class SimTier(KVTier):
         the whole tier would not be counted, so then the puts go key by key)."""
         return self._sizes[1] <= self.capacity_bytes and not self.takes_low_puts(0)
 
-    def _put_one(self, key: bytes, size: int, low: bool) -> None:
+    def _put_one(self, key: bytes, size: int, low: bool, logged: bool = True) -> None:
         """Put one absent key of a known size: evict (low entries first; a low put evicts no normal
-        entry) until it fits, or count it skipped."""
-        entries, lows, stats = self._entries, self._low, self.stats
+        entry) until it fits, or count it skipped. ``logged``: log its entry (False: a key put again,
+        held all along)."""
+        entries, lows, stats, log = self._entries, self._low, self.stats, self._changes
         capacity = self.capacity_bytes
         if size > capacity:
             return  # would evict everything and still not fit
         while self.used_bytes + size > capacity:
             if lows:
-                evicted = lows.popitem(last=False)[1]
+                gone, evicted = lows.popitem(last=False)
                 self.used_bytes -= evicted
                 self.low_bytes -= evicted
                 stats.low_evictions += 1
             elif low:
                 break
             else:
-                self.used_bytes -= entries.popitem(last=False)[1]
+                gone, evicted = entries.popitem(last=False)
+                self.used_bytes -= evicted
             stats.evictions += 1
+            if log is not None:
+                log.append((False, gone))
         if self.used_bytes + size > capacity:
             stats.low_skipped += 1  # a low entry never evicts a normal one
             return
+        if log is not None and logged:
+            log.append((True, key))
         (lows if low else entries)[key] = size
         self.used_bytes += size
         self.low_bytes += size if low else 0
@@ -196,14 +217,22 @@ class SimTier(KVTier):
             if low and self.low_bytes < need:
                 return self._put_low_overflow(keys, sizes, total)
             # Old entries cover ``need`` (the tier holds used_bytes >= need), so no new one is reached.
-            lows, entries = self._low, self._entries
+            lows, entries, log = self._low, self._entries, self._changes
             while freed < need and lows:
-                freed += lows.popitem(last=False)[1]
+                gone, size = lows.popitem(last=False)
+                freed += size
                 n_low += 1
+                if log is not None:
+                    log.append((False, gone))
             self.low_bytes -= freed
             while freed < need:
-                freed += entries.popitem(last=False)[1]
+                gone, size = entries.popitem(last=False)
+                freed += size
                 n_normal += 1
+                if log is not None:
+                    log.append((False, gone))
+        if self._changes is not None:
+            self._changes.extend((True, k) for k in keys)
         (self._low if low else self._entries).update(zip(keys, sizes))
         self.used_bytes += total - freed
         self.low_bytes += total if low else 0
@@ -230,6 +259,9 @@ class SimTier(KVTier):
             kept += sizes[first]
         lows = self._low
         evicted = len(lows) + first
+        if self._changes is not None:  # keys[:first] went in and out again: no change
+            self._changes.extend((False, k) for k in lows)
+            self._changes.extend((True, k) for k in keys[first:])
         lows.clear()
         lows.update(zip(keys[first:], sizes[first:]))
         self.used_bytes += kept - self.low_bytes
@@ -252,6 +284,8 @@ class SimTier(KVTier):
         last = max(i for i, n in enumerate(sizes) if n > room)
         put = [n for n in sizes[: last + 1] if n <= room]  # went in, and out again by ``last`` at the latest
         evicted = len(self._low) + len(put)
+        if self._changes is not None:  # those of ``put`` went in and out again: no change
+            self._changes.extend((False, k) for k in self._low)
         self._low.clear()
         self.used_bytes -= self.low_bytes
         self.low_bytes = 0
@@ -275,6 +309,7 @@ class SimTier(KVTier):
             self.low_bytes -= old or 0
         if old is not None:
             self.used_bytes -= old
+            self._left(key)
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         entries, lows = self._entries, self._low
@@ -298,7 +333,7 @@ class SimTier(KVTier):
         out: dict[int, int] = {}
         for entries in (self._entries, self._low):
             for k in entries:
-                g = int(_key_group(k))
+                g = int(tier_key_group(k))
                 out[g] = out.get(g, 0) + 1
         return out
 

@@ -64,7 +64,7 @@ from hybridkv.connectors.storage import StoragePolicy
 from hybridkv.core import NULL_BLOCK, KVCacheManager
 from hybridkv.core import Sequence as KVSequence
 from hybridkv.errors import InvalidInputError
-from hybridkv.sim.sim_tier import SimTier
+from hybridkv.sim.sim_tier import SimTier, tier_key_group
 from hybridkv.sizes import parse_bytes, split_number
 
 KINDS = ("host", "disk", "net")
@@ -73,6 +73,9 @@ DEFAULT_BANDWIDTH: dict[str, float] = {"host": 25e9, "disk": 5e9, "net": 3e9}
 """Bytes/s per GPU of each tier kind when the spec names none."""
 DEFAULT_LATENCY_S: dict[str, float] = {"host": 0.0, "disk": 100e-6, "net": 1e-3}
 """Seconds per sequence loading from a tier of each kind when the spec names none."""
+
+TIER_MEDIA = {"host": "CPU", "disk": "STORAGE", "net": "NET"}
+"""The medium each tier kind's KV events name (vLLM's strings for host memory and disk)."""
 
 _TIME_UNITS = {"us": 1e-6, "µs": 1e-6, "ns": 1e-9, "ms": 1e-3, "s": 1.0}
 
@@ -162,6 +165,12 @@ class TierSpec:
         except ValueError as exc:
             raise InvalidInputError(f"tier {text!r}: {exc}") from None
         return cls(kind, capacity, bandwidth, latency)
+
+    @property
+    def medium(self) -> str:
+        """The medium its KV events name: ``CPU`` (host), ``STORAGE`` (disk), ``NET`` (a network store
+        every replica of a cluster shares)."""
+        return TIER_MEDIA[self.kind]
 
     @property
     def label(self) -> str:
@@ -331,6 +340,11 @@ class SimConnector(KVConnector):
     def keys_of(self, group: int, block_hashes: Iterable[bytes]) -> list[bytes]:
         prefix = self._prefix[group]
         return [prefix + h for h in block_hashes]
+
+    def parse_key(self, key: bytes) -> tuple[int, bytes]:
+        """The group and block hash a simulated tier key (``key``) names."""
+        group = int(tier_key_group(key))
+        return group, key[len(self._prefix[group]):]
 
     def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables,
               read_block: ReadBlock = _no_payload, start_token: int = 0) -> int:
