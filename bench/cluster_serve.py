@@ -149,19 +149,38 @@ class Replica:
     def __init__(self, name: str, pool: str, redis_url: str | None, env: dict[str, str], log_dir: Path,
                  host_tier: int = 0, max_model_len: int = 1024) -> None:
         self.name = name
+        self.options = ["--kv-cache-memory", pool, "--max-model-len", str(max_model_len),
+                        "--max-num-batched-tokens", "512", "--log-level", "warning"]
+        if host_tier:
+            self.options += ["--kv-tier", f"host:{host_tier}"]
+        if redis_url:
+            self.options += ["--kv-store", redis_url]
+        self.env = env
+        self.log_path = log_dir / f"{name}.log"
+        self._start()
+
+    def _start(self) -> None:
+        """Start the server on free ports (chosen now: another process may take one first, see ``wait``)."""
         self.port = free_port()
         self.events = f"tcp://127.0.0.1:{free_port()}"
         self.replay = f"tcp://127.0.0.1:{free_port()}"
-        cmd = [*HYBRIDKV, "serve", "--port", str(self.port), "--kv-cache-memory", pool,
-               "--max-model-len", str(max_model_len), "--max-num-batched-tokens", "512",
-               "--kv-events-endpoint", self.events, "--kv-events-replay-endpoint", self.replay,
-               "--log-level", "warning"]
-        if host_tier:
-            cmd += ["--kv-tier", f"host:{host_tier}"]
-        if redis_url:
-            cmd += ["--kv-store", redis_url]
-        self.log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        cmd = [*HYBRIDKV, "serve", "--port", str(self.port), "--kv-events-endpoint", self.events,
+               "--kv-events-replay-endpoint", self.replay, *self.options]
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+
+    def wait(self, timeout: float = 300.0) -> None:
+        """Wait until it serves; started again on new ports (up to twice) when one of its ports was
+        taken between choosing it and binding it."""
+        for attempt in range(3):
+            try:
+                wait_ready(self.url, self.proc, timeout)
+                return
+            except RuntimeError:
+                self.log.close()
+                if attempt == 2 or "Address already in use" not in self.log_path.read_text():
+                    raise
+                self._start()
 
     @property
     def url(self) -> str:
@@ -395,7 +414,7 @@ def main() -> int:
             router = None
             try:
                 for r in replicas:
-                    wait_ready(r.url, r.proc)
+                    r.wait()
                 rport = free_port()
                 cmd = [*HYBRIDKV, "route", "--port", str(rport), "--policy", policy, *args.router_args.split()]
                 for r in replicas:
@@ -422,7 +441,7 @@ def main() -> int:
             big = Replica("single-big", str(pool_bytes * args.replicas), redis_url=None, env=env, log_dir=tmp,
                           host_tier=host_bytes * args.replicas, max_model_len=max_model_len)
             try:
-                wait_ready(big.url, big.proc)
+                big.wait()
                 rows[BIG] = run(big.url, "run-big")
             finally:
                 big.stop()

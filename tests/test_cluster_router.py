@@ -76,19 +76,47 @@ def test_the_balance_of_hit_and_load_does_not_depend_on_the_prompt_length() -> N
         assert policy.rank([a, b], {"b": prompt * 9 // 10}, prompt_tokens=prompt).order == ("b", "a")
 
 
-def test_hybrid_exact_keeps_a_prefix_where_it_is_until_that_backend_is_overloaded() -> None:
+def test_hybrid_exact_keeps_a_prefix_where_it_is_until_its_backlog_outweighs_the_hit() -> None:
     a, b = BackendState("a", "http://a"), BackendState("b", "http://b")
+    policy = Policy("hybrid_exact", miss_weight=4)
+    a.load = BackendLoad(running=1, prefill_tokens=0)
+    for backlog, winner in ((0, "b"), (3_999, "b"), (4_001, "a"), (20_000, "a")):
+        # b holds 1,000 of the 1,200 prompt tokens: it wins while its backlog is under 4 x 1,000 tokens.
+        b.load = BackendLoad(running=1, prefill_tokens=backlog)
+        decision = policy.rank([a, b], {"b": 1000}, prompt_tokens=1200)
+        assert decision.order[0] == winner
+        assert decision.reason == ("hit" if winner == "b" else "load")
+        assert decision.costs == {"a": 4 * 1200, "b": 4 * 200 + backlog}
+
+
+def test_hybrid_exact_moves_a_prefix_off_an_overloaded_backend_whatever_it_holds() -> None:
+    a, b, c = (BackendState(n, f"http://{n}") for n in "abc")
     policy = Policy("hybrid_exact", balance=1.25, slack=2)
     for queued in range(12):
-        b.load = BackendLoad(running=queued)
-        decision = policy.rank([a, b], {"b": 100}, prompt_tokens=1200)  # b holds a twelfth of the prompt
-        bound = math.ceil(1.25 * (queued + 1) / 2) + 2
+        b.load = BackendLoad(running=queued, prefill_tokens=0)  # nothing to prefill: only the bound can move it
+        decision = policy.rank([a, b, c], {"b": 1200}, prompt_tokens=1200)
+        bound = math.ceil(1.25 * (queued + 1) / 3) + 2
         assert decision.bound == bound
-        if queued + 1 <= bound:  # any hit keeps it on b, whatever a's queue: load does not weigh within the bound
-            assert decision.order == ("b", "a") and decision.reason == "hit"
+        if queued + 1 <= bound:
+            assert decision.order[0] == "b" and decision.reason == "hit"
         else:
-            assert decision.order == ("a", "b") and decision.reason == "load"
-    assert [q for q in range(12) if q + 1 > math.ceil(1.25 * (q + 1) / 2) + 2] == [7, 8, 9, 10, 11]
+            assert decision.order[0] in "ac" and decision.order[-1] == "b" and decision.reason == "load"
+    assert next(q for q in range(12) if q + 1 > math.ceil(1.25 * (q + 1) / 3) + 2) == 5  # the bound did move it
+
+
+def test_the_prefill_ahead_of_a_backend_counts_what_the_router_sent_since_its_last_report() -> None:
+    b = BackendState("b", "http://b")
+    assert b.prefill_ahead is None  # a backend that does not report it: requests in flight stand in
+    b.mark_ok(BackendLoad(running=2, prefill_tokens=500))
+    b.sent_tokens += 300
+    assert b.prefill_ahead == 800
+    b.mark_ok()  # a request answered: no new report
+    assert b.prefill_ahead == 800
+    b.mark_ok(BackendLoad(running=2, prefill_tokens=100))  # the next report includes what was sent
+    assert b.prefill_ahead == 100
+    text = EngineMetrics().render({"num_requests_running": (2, "r"), "num_prefill_tokens_pending": (640, "p")},
+                                  model_name="m")
+    assert parse_load(text) == BackendLoad(2, 0, 0, 640)
 
 
 def test_hybrid_exact_prefers_the_larger_credited_hit_among_backends_within_the_bound() -> None:
@@ -150,6 +178,7 @@ def test_a_hot_prefix_never_piles_a_backend_past_the_bound() -> None:
     ({"balance": 0.9}, "balance must be a number >= 1"),
     ({"slack": -1}, "slack must be a whole number"),
     ({"home_tokens": 0}, "home_tokens must be a positive number"),
+    ({"miss_weight": 0}, "miss_weight must be a positive number"),
 ])
 def test_bad_locality_settings_are_refused(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidInputError, match=message):

@@ -60,6 +60,23 @@ def test_long_prefill_threshold_caps_chunks() -> None:
     assert sched.schedule().num_scheduled_tokens == {"a": 100, "b": 100}
 
 
+def test_prefill_tokens_pending_counts_waiting_prompts_and_the_rest_of_running_ones() -> None:
+    mgr = manager(200, full(16), max_model_len=1024, batch=512)
+    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=512, long_prefill_token_threshold=100))
+    sched.add(Sequence("a", tokens(0, 300)), 2)
+    sched.add(Sequence("b", tokens(500, 250)), 2)
+    assert sched.prefill_tokens_pending == 550
+    out = sched.schedule()  # 100 tokens of each
+    sched.update(out, {})
+    assert sched.prefill_tokens_pending == 200 + 150
+    for _ in range(3):
+        out = sched.schedule()
+        sampled = {sid: (1,) for sid, n in out.num_scheduled_tokens.items()
+                   if sched.requests[sid].seq.num_computed_tokens + n == sched.requests[sid].seq.num_tokens}
+        sched.update(out, sampled)
+    assert sched.prefill_tokens_pending == 0  # both prompts computed; decoding adds none
+
+
 def test_prompt_longer_than_max_model_len_is_refused_at_add() -> None:
     sched = Scheduler(manager(100, full(16), max_model_len=128, batch=128))
     with pytest.raises(SequenceTooLongError, match="200 tokens; max_model_len is 128"):

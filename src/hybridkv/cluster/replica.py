@@ -206,7 +206,15 @@ class ReplicaView:
         held = shared[medium] if medium in shared else self._own(medium)
         group = held.setdefault(group_idx, {})
         get = group.get
-        if self.masks is None or medium in shared:
+        hashes = e.block_hashes
+        if type(hashes[0]) is bytes and group.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
+            # The common store: digests this view does not hold yet, in bulk (as the loops below would).
+            group.update(dict.fromkeys(hashes, 1))  # type: ignore[arg-type]
+            if self.masks is not None and medium not in shared:
+                masks, shift = self.masks.group(medium, group_idx)
+                bit, holders = self.bit << shift, masks.get
+                masks.update({k: holders(k, 0) | bit for k in hashes})  # type: ignore[misc, arg-type]
+        elif self.masks is None or medium in shared:
             for h in e.block_hashes:
                 k = h if type(h) is bytes else _key(h)
                 group[k] = get(k, 0) + 1

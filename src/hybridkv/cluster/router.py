@@ -36,6 +36,7 @@ from hybridkv.cluster.replica import RequestKeys
 from hybridkv.cluster.routing import (
     BALANCE,
     HOME_TOKENS,
+    MISS_WEIGHT,
     SLACK,
     BackendState,
     Decision,
@@ -78,7 +79,8 @@ class RouterConfig:
     balance: float = BALANCE
     slack: int = SLACK
     home_tokens: int = HOME_TOKENS
-    """``hybrid_exact``'s load bound and ring key (``routing.Policy``)."""
+    miss_weight: float = MISS_WEIGHT
+    """``hybrid_exact``'s load bound, ring key and miss weight (``routing.Policy``)."""
 
 
 class ClusterRouter:
@@ -88,7 +90,7 @@ class ClusterRouter:
         self.config = config
         self.policy = Policy(config.policy, load_weight=config.load_weight, kv_weight=config.kv_weight,
                              medium_weights=config.medium_weights, balance=config.balance, slack=config.slack,
-                             home_tokens=config.home_tokens)
+                             home_tokens=config.home_tokens, miss_weight=config.miss_weight)
         self.backends = {s.name: BackendState(s.name, s.url.rstrip("/")) for s in config.backends}
         self.index = ClusterIndex(shared_media=config.shared_media)
         self.inflight = InFlightPrefixes()
@@ -215,6 +217,7 @@ class ClusterRouter:
             if attempt:
                 self.retries += 1
             b.inflight += 1
+            b.sent_tokens += max(0, prompt_tokens - decision.predicted.get(name, 0))  # until its next report
             chain = chains.get(name)
             ticket = self.inflight.add(name, chain[0]) if chain is not None else None
             handed_over = False

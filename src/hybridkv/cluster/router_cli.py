@@ -74,7 +74,7 @@ def parse_medium_weights(specs: list[str]) -> dict[str, float]:
 
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``hybridkv route`` options."""
-    from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, POLICIES, SLACK
+    from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, MISS_WEIGHT, POLICIES, SLACK
 
     parser.add_argument("--backend", action="append", required=True, metavar="SPEC", help=_BACKEND_HELP)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -95,6 +95,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slack", type=int, default=SLACK, metavar="REQUESTS",
                         help="hybrid_exact: requests in flight a backend may have above the balance bound "
                              "(default: %(default)s)")
+    parser.add_argument("--miss-weight", type=float, default=MISS_WEIGHT, metavar="FACTOR",
+                        help="hybrid_exact: what a prompt token the request must compute weighs against one the "
+                             "backend has queued to prefill ahead of it (default: %(default)s)")
     parser.add_argument("--home-tokens", type=int, default=HOME_TOKENS, metavar="TOKENS",
                         help="hybrid_exact: a new prefix's home backend is found on a consistent-hash ring from "
                              "its first TOKENS tokens (default: %(default)s)")
@@ -141,13 +144,13 @@ def route_main(args: argparse.Namespace) -> int:
             scheme_named(b.hash_scheme)
         weights = parse_medium_weights(args.medium_weight)
         Policy(args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight, medium_weights=weights,
-               balance=args.balance, slack=args.slack, home_tokens=args.home_tokens)
+               balance=args.balance, slack=args.slack, home_tokens=args.home_tokens, miss_weight=args.miss_weight)
         if args.metrics_interval <= 0:
             raise InvalidInputError(f"--metrics-interval must be positive, got {args.metrics_interval}")
         config = RouterConfig(backends, policy=args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight,
                               metrics_interval=args.metrics_interval, shared_media=args.shared_medium,
                               medium_weights=weights, balance=args.balance, slack=args.slack,
-                              home_tokens=args.home_tokens)
+                              home_tokens=args.home_tokens, miss_weight=args.miss_weight)
         sock = _bind(args.host, args.port)  # a busy port fails here, before "listening" is printed
     except InvalidInputError as exc:
         print(f"hybridkv route: {exc}", file=sys.stderr)

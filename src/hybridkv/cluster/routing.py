@@ -3,28 +3,36 @@
 A policy ranks the healthy backends (all of them when none is healthy) and the router tries them
 in that order, the next one only when a backend dies before answering:
 
-* ``hybrid_exact`` (default): **locality within a load bound**. A backend is *overloaded* when one
-  more request would put it above ``bound = ceil(balance * (in_flight + 1) / backends) + slack``
-  requests (``in_flight``: the requests at every healthy backend); among the others the one with the
-  largest credited hit wins (the hybrid rule's prediction from the index, every medium a backend can
-  load from, or the prefix its own requests in flight will leave there: ``inflight``). When no
-  backend's hit is larger than the others' (a new prefix, or one every backend holds alike), the
-  prefix's *home* wins: the first backend that is not overloaded on a consistent-hash ring, walked
-  from a hash of the prompt's first ``home_tokens`` tokens (``home_key``), so the next turn of a
-  conversation, or the next request for a document, goes where this one went even before any KV
-  event says so, and after its blocks were evicted everywhere. Fewer requests in flight, then the
-  ring order, break what is left.
+* ``hybrid_exact`` (default): **the least work before the first token, within a load bound**. A
+  backend is *overloaded* when one more request would put it above
+  ``bound = ceil(balance * (in_flight + 1) / backends) + slack`` requests (``in_flight``: the requests
+  at every healthy backend); among the others the least cost wins::
 
-  Why it is safe under skew: no backend goes past the bound while another is below it, so the
-  busiest backend holds at most about ``balance`` times the mean plus ``slack`` (consistent hashing
-  with bounded loads, Mirrokni et al., SODA 2018). A hot prefix fills its home up to the bound; its
-  next requests go to the backend with the next best hit, or, with none, the next one on the ring
-  from its key, which then computes and holds it too: a hot prefix spreads over as many backends as
-  its load needs, in ring order, and a cold one stays on one. Within the bound load does not weigh
-  against a hit: a conversation is only moved off the backend holding it when that backend is
-  overloaded, since every move recomputes its whole history elsewhere and leaves a stale copy behind.
-  ``slack`` keeps a small cluster at low load from splitting prefixes over a queue of one or two
-  requests that continuous batching serves side by side anyway.
+      cost(b) = miss_weight * (prompt_tokens - credited_hit(b)) + prefill_ahead(b)
+
+  ``credited_hit`` is the hybrid rule's prediction from the index on every medium the backend can
+  load from (device, host and disk tiers, a shared tier), each medium's tokens at its weight (below),
+  or the prefix the router's own requests in flight will leave there (``inflight``), whichever is
+  more; ``prefill_ahead`` the prompt tokens the backend has still to prefill before this request's
+  (what it last reported, ``hybridkv_num_prefill_tokens_pending``, plus what this router sent it
+  since; a backend that does not report it is charged ``load_weight * prompt_tokens`` per request in
+  flight). A token the request must compute itself counts ``miss_weight`` (4) times one already
+  queued: it delays this request and every one queued behind it, and the work is lost to the
+  cluster, while a queue drains anyway. Equal costs (an idle cluster) go to the prefix's *home*: the
+  first backend on a consistent-hash ring walked from a hash of the prompt's first ``home_tokens``
+  tokens (``home_key``), so requests for a new document or conversation that meet an idle cluster
+  land together.
+
+  Locality over time: a conversation's next turn, a document's next question, stays on the backend
+  holding its prefix (on the device or in a tier, which the index sees through the tier's KV events)
+  unless that backend is overloaded or has more than ``miss_weight`` times the hit's tokens more to
+  prefill than another: moving it recomputes the whole history elsewhere. Why it is safe under skew:
+  no backend goes past the bound while another is below it (consistent hashing with bounded loads,
+  Mirrokni et al., SODA 2018), and a backend holding a hot prefix stops winning its requests once
+  its backlog exceeds another's by ``miss_weight`` times the prefix: the prefix is then computed on a
+  second backend, which holds it from then on and takes its share. ``slack`` keeps a small cluster at
+  low load from splitting prefixes over a queue of a request or two that continuous batching serves
+  side by side anyway.
 
 * ``prefix``: what deployed prefix-aware routers do, a trade of hit against load per request::
 
@@ -80,10 +88,12 @@ MEDIUM_WEIGHTS: dict[str, float] = {MEDIUM_GPU: 1.0, MEDIUM_CPU: 0.8, MEDIUM_STO
 """What a predicted hit token on each medium is worth against one on the device (see above)."""
 OTHER_MEDIUM_WEIGHT = 0.5
 """The worth of a hit token on a medium ``MEDIUM_WEIGHTS`` does not name."""
-BALANCE = 1.25
+BALANCE = 1.5
 """``hybrid_exact``'s load bound: at most this many times the mean requests in flight (plus ``SLACK``)."""
-SLACK = 2
+SLACK = 4
 """Requests a backend may have in flight above ``BALANCE`` times the mean before it is overloaded."""
+MISS_WEIGHT = 4.0
+"""``hybrid_exact``: what a prompt token the request must compute weighs against one queued ahead of it."""
 HOME_TOKENS = 1024
 """The prompt tokens whose hash places a new prefix on the ring (``home_key``)."""
 RING_POINTS = 64
@@ -102,6 +112,9 @@ class BackendState:
     failures: int = 0
     """Consecutive failed attempts (requests or scrapes); reset by a success."""
     down_since: float | None = None
+    sent_tokens: float = 0.0
+    """Prompt tokens this router expects the backend to prefill for the requests it sent since the
+    backend last reported its load (they are in the next report)."""
 
     def mark_failed(self) -> None:
         """A request or scrape failed: out of rotation until a scrape succeeds."""
@@ -117,6 +130,14 @@ class BackendState:
         self.down_since = None
         if load is not None:
             self.load = load
+            self.sent_tokens = 0.0
+
+    @property
+    def prefill_ahead(self) -> float | None:
+        """Prompt tokens the backend will prefill before a new request's: what it reported and what
+        this router sent since; None when the backend does not report them."""
+        pending = self.load.prefill_tokens
+        return None if pending is None else pending + self.sent_tokens
 
     @property
     def queue(self) -> float:
@@ -142,7 +163,7 @@ class Policy:
 
     def __init__(self, name: str = "hybrid_exact", *, load_weight: float = 0.25, kv_weight: float = 0.0,
                  medium_weights: Mapping[str, float] | None = None, balance: float = BALANCE,
-                 slack: int = SLACK, home_tokens: int = HOME_TOKENS) -> None:
+                 slack: int = SLACK, home_tokens: int = HOME_TOKENS, miss_weight: float = MISS_WEIGHT) -> None:
         if name not in POLICIES:
             raise InvalidInputError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
         if load_weight < 0 or kv_weight < 0:
@@ -151,11 +172,14 @@ class Policy:
             raise InvalidInputError(f"balance must be a number >= 1 (a multiple of the mean load), got {balance!r}")
         if type(slack) is not int or slack < 0:
             raise InvalidInputError(f"slack must be a whole number of requests >= 0, got {slack!r}")
+        if isinstance(miss_weight, bool) or not isinstance(miss_weight, (int, float)) or not 0 < miss_weight < math.inf:
+            raise InvalidInputError(f"miss_weight must be a positive number, got {miss_weight!r}")
         if type(home_tokens) is not int or home_tokens < 1:
             raise InvalidInputError(f"home_tokens must be a positive number of tokens, got {home_tokens!r}")
         self.balance = float(balance)
         self.slack = slack
         self.home_tokens = home_tokens
+        self.miss_weight = float(miss_weight)
         self._ring: tuple[tuple[str, ...], list[tuple[bytes, str]]] | None = None
         weights = dict(MEDIUM_WEIGHTS)
         for medium, weight in (medium_weights or {}).items():
@@ -234,7 +258,7 @@ class Policy:
         self._turn += 1
         position = {b.name: (i - turn) % len(backends) for i, b in enumerate(backends)}
         if self.name == "hybrid_exact":
-            return self._rank_local(pool, rest, predicted, hits, position, home)
+            return self._rank_local(pool, rest, predicted, hits, position, home, prompt_tokens)
         scale = max(prompt_tokens, 1)
         costs = {b.name: (prompt_tokens - hits.get(b.name, 0))
                  + scale * (self.load_weight * b.queue + self.kv_weight * b.load.kv_usage) for b in backends}
@@ -245,23 +269,34 @@ class Policy:
         return Decision(tuple(b.name for b in ranked), dict(predicted), costs, reason)
 
     def _rank_local(self, pool: list[BackendState], rest: list[BackendState], predicted: Mapping[str, int],
-                    hits: Mapping[str, float], position: Mapping[str, int], home: bytes | None) -> Decision:
-        """``hybrid_exact``'s order: backends within the load bound by credited hit, then ring order
-        from ``home`` (turn order without one), then fewer in flight; the overloaded ones after them,
-        the least loaded first."""
+                    hits: Mapping[str, float], position: Mapping[str, int], home: bytes | None,
+                    prompt_tokens: int) -> Decision:
+        """``hybrid_exact``'s order: backends within the load bound by least work before the first
+        token (``prefill_ahead`` and the tokens the request itself must prefill), then ring order from
+        ``home`` (turn order without one), then fewer in flight; the overloaded ones after them, the
+        least loaded first."""
         in_flight = sum(b.queue for b in pool)
         bound = math.ceil(self.balance * (in_flight + 1) / len(pool)) + self.slack
         if home is not None:
             ring = {n: i for i, n in enumerate(self.ring_order([b.name for b in pool], home))}
         else:
             ring = dict(position)
+        scale = max(prompt_tokens, 1) * self.load_weight
+
+        def ahead(b: BackendState) -> float:
+            pending = b.prefill_ahead
+            return scale * b.queue if pending is None else pending
+
+        costs = {b.name: self.miss_weight * (prompt_tokens - hits.get(b.name, 0)) + ahead(b) for b in pool + rest}
         fits = [b for b in pool if b.queue + 1 <= bound]
         over = [b for b in pool if b.queue + 1 > bound]
-        ranked = sorted(fits, key=lambda b: (-hits.get(b.name, 0), ring[b.name], b.queue))
-        ranked += sorted(over, key=lambda b: (b.queue, -hits.get(b.name, 0), ring[b.name]))
-        ranked += sorted(rest, key=lambda b: (-hits.get(b.name, 0), position[b.name]))
-        costs = {b.name: -float(hits.get(b.name, 0)) for b in pool + rest}
-        reason = _reason(ranked[0].name, pool, hits, "home" if home is not None else "tie")
+        ranked = sorted(fits, key=lambda b: (costs[b.name], ring.get(b.name, 0), b.queue))
+        ranked += sorted(over, key=lambda b: (b.queue, costs[b.name], ring.get(b.name, 0)))
+        ranked += sorted(rest, key=lambda b: (costs[b.name], position[b.name]))
+        tied = "tie"
+        if home is not None and len(ranked) > 1 and costs[ranked[0].name] == costs[ranked[1].name]:
+            tied = "home"  # the ring chose between equal costs
+        reason = _reason(ranked[0].name, pool, hits, tied)
         return Decision(tuple(b.name for b in ranked), dict(predicted), costs, reason, float(bound))
 
 

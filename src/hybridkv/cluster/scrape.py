@@ -1,4 +1,5 @@
-"""A backend's load from its Prometheus ``/metrics``: requests running and waiting, KV-cache usage.
+"""A backend's load from its Prometheus ``/metrics``: requests running and waiting, KV-cache usage,
+and (a hybridkv backend) the prompt tokens it has still to prefill.
 
 Both hybridkv's names (``hybridkv_num_requests_running``, ``hybridkv_num_requests_waiting``,
 ``hybridkv_kv_cache_usage_perc``, older ``hybridkv_kv_cache_usage``) and vLLM's (``vllm:num_requests_running``,
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 _RUNNING = ("hybridkv_num_requests_running", "vllm:num_requests_running")
 _WAITING = ("hybridkv_num_requests_waiting", "vllm:num_requests_waiting")
+_PENDING = ("hybridkv_num_prefill_tokens_pending",)
 _USAGE = ("hybridkv_kv_cache_usage_perc", "hybridkv_kv_cache_usage", "vllm:kv_cache_usage_perc",
           "vllm:gpu_cache_usage_perc")
 
@@ -25,6 +27,9 @@ class BackendLoad:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    prefill_tokens: float | None = None
+    """Prompt tokens the backend has still to prefill (waiting requests' and running ones' rest),
+    when it reports them (``hybridkv_num_prefill_tokens_pending``; vLLM does not)."""
 
 
 def parse_samples(text: str) -> dict[str, list[float]]:
@@ -59,7 +64,8 @@ def parse_load(text: str) -> BackendLoad | None:
     def first(names: tuple[str, ...]) -> list[float] | None:
         return next((samples[n] for n in names if n in samples), None)
 
-    running, waiting, usage = first(_RUNNING), first(_WAITING), first(_USAGE)
+    running, waiting, usage, pending = first(_RUNNING), first(_WAITING), first(_USAGE), first(_PENDING)
     if running is None and waiting is None and usage is None:
         return None
-    return BackendLoad(sum(running or ()), sum(waiting or ()), sum(usage) / len(usage) if usage else 0.0)
+    return BackendLoad(sum(running or ()), sum(waiting or ()), sum(usage) / len(usage) if usage else 0.0,
+                       sum(pending) if pending is not None else None)

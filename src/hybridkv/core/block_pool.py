@@ -341,8 +341,16 @@ class BlockPool:
             if any(not d.keys().isdisjoint(victim_hashes) for d in dups if d):
                 return False
         pop = tier.popitem
-        if self.enable_events:  # one event per block, as the per-block path sends
-            self._events += [BlockRemoved(groups[b], (hashes[b],)) for b in victims]  # type: ignore[arg-type]
+        if self.enable_events:  # one event per run of one group's blocks, in eviction order
+            events = self._events
+            run_group, run = groups[victims[0]], [hashes[victims[0]]]
+            for b in victims[1:]:
+                group = groups[b]
+                if group != run_group:
+                    events.append(BlockRemoved(run_group, tuple(run)))  # type: ignore[arg-type]
+                    run_group, run = group, []
+                run.append(hashes[b])
+            events.append(BlockRemoved(run_group, tuple(run)))  # type: ignore[arg-type]
         for b in victims:
             pop(False)  # the victims are the tier's first n
             del index[groups[b]][hashes[b]]  # type: ignore[arg-type]

@@ -254,6 +254,9 @@ class LLMEngine:
             "num_free_blocks": (mgr.num_free_blocks, "Free KV-cache blocks."),
             "num_requests_running": (self.num_running, "Number of requests in model execution batches."),
             "num_requests_waiting": (self.num_waiting, "Number of requests waiting to be processed."),
+            "num_prefill_tokens_pending": (self.scheduler.prefill_tokens_pending,
+                                           "Prompt tokens still to prefill (waiting requests' and the rest of running "
+                                           "ones'): what a new request waits behind."),
         }
         counters: dict[str, tuple[float, str]] = {}
         if self.connector is not None:

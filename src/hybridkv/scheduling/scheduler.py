@@ -474,6 +474,19 @@ class Scheduler:
         """Whether any sequence waits or runs."""
         return bool(self.waiting or self.running or self._pending_rejections)
 
+    @property
+    def prefill_tokens_pending(self) -> int:
+        """Prompt tokens still to prefill: every waiting sequence's whole prompt (its hit is not known
+        until it is admitted) and the rest of each running one's. What a request arriving now waits
+        behind before its own prefill (a router's estimate of the work ahead of its first token)."""
+        pending = sum(r.seq.num_tokens for r in list(self.waiting))
+        for r in list(self.running):
+            seq = r.seq
+            rest = seq.num_prompt_tokens - seq.num_computed_tokens
+            if rest > 0:
+                pending += rest
+        return pending
+
     def preempt(self, seq_id: str) -> bool:
         """Preempt a running sequence between steps (freed, queued at the front, recomputed later).
 

@@ -65,7 +65,16 @@ from hybridkv.cluster.hashes import HashScheme, HybridkvHashes
 from hybridkv.cluster.index import ClusterIndex
 from hybridkv.cluster.inflight import InFlightPrefixes
 from hybridkv.cluster.replica import RequestKeys
-from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, POLICIES, SLACK, BackendState, Policy, estimate_hits
+from hybridkv.cluster.routing import (
+    BALANCE,
+    HOME_TOKENS,
+    MISS_WEIGHT,
+    POLICIES,
+    SLACK,
+    BackendState,
+    Policy,
+    estimate_hits,
+)
 from hybridkv.cluster.scrape import BackendLoad
 from hybridkv.core import BlockHasher, KVCacheManager, Sequence, capacity_report
 from hybridkv.core.hits import LOSS_CAUSES
@@ -107,7 +116,8 @@ class ClusterConfig:
     balance: float = BALANCE
     slack: int = SLACK
     home_tokens: int = HOME_TOKENS
-    """``hybrid_exact``'s load bound and ring key (``routing.Policy``)."""
+    miss_weight: float = MISS_WEIGHT
+    """``hybrid_exact``'s load bound, ring key and miss weight (``routing.Policy``)."""
     index_tiers: bool = True
     """Feed the index the tiers' events too (False: device events only)."""
     explain: bool = False
@@ -122,10 +132,11 @@ class ClusterConfig:
     def policy(self) -> Policy:
         """The router's policy."""
         return Policy(self.router, load_weight=self.load_weight, kv_weight=self.kv_weight, balance=self.balance,
-                      slack=self.slack, home_tokens=self.home_tokens)
+                      slack=self.slack, home_tokens=self.home_tokens, miss_weight=self.miss_weight)
 
 
-CLUSTER_OPTIONS = ("router", "instances", "load_weight", "kv_weight", "balance", "slack", "home_tokens")
+CLUSTER_OPTIONS = ("router", "instances", "load_weight", "kv_weight", "balance", "slack", "home_tokens",
+                   "miss_weight")
 """The ``--compare`` options that vary the cluster rather than the simulated system."""
 
 
@@ -296,9 +307,10 @@ class ReplicaSim:
 
     def backend(self) -> BackendState:
         """This replica as the router sees it: requests running and waiting, KV usage."""
-        running, waiting = len(self.sched.running), len(self.sched.waiting)
+        sched = self.sched
+        running, waiting = len(sched.running), len(sched.waiting)
         return BackendState(self.name, "", inflight=running + waiting,
-                            load=BackendLoad(running, waiting, self.mgr.usage))
+                            load=BackendLoad(running, waiting, self.mgr.usage, sched.prefill_tokens_pending))
 
 
 def _replica_tiers(cfg: SimConfig, workload: Workload, mgr: KVCacheManager,
