@@ -228,6 +228,8 @@ def test_medium_weights_can_be_set_and_unknown_media_count_half() -> None:
     (["--backend", "http://h:1,hash=md5"], "unknown hash scheme 'md5'"),
     (["--backend", "http://h:1", "--medium-weight", "CPU"], "--medium-weight 'CPU': expected MEDIUM=FRACTION"),
     (["--backend", "http://h:1", "--medium-weight", "CPU=1.5"], "with a fraction in [0, 1]"),
+    (["--backend", "http://h:1", "--balance", "0.5"], "balance must be a number >= 1"),
+    (["--backend", "http://h:1", "--home-tokens", "0"], "home_tokens must be a positive number"),
 ])
 def test_a_bad_command_line_is_one_line_and_exit_2(argv: list[str], message: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,9 +72,28 @@ def parse_medium_weights(specs: list[str]) -> dict[str, float]:
     return out
 
 
+def add_locality_arguments(parser: Any, what: str) -> None:
+    """``hybrid_exact``'s options (``--balance``, ``--slack``, ``--miss-weight``, ``--home-tokens``) on
+    ``parser`` (a parser or an argument group); ``what``: "backend" or "replica"."""
+    from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, MISS_WEIGHT, SLACK
+
+    parser.add_argument("--balance", type=float, default=BALANCE, metavar="FACTOR",
+                        help=f"hybrid_exact: a {what} is overloaded above FACTOR times the mean requests in flight "
+                             "plus --slack; until then a request stays where its prefix is (default: %(default)s)")
+    parser.add_argument("--slack", type=int, default=SLACK, metavar="REQUESTS",
+                        help=f"hybrid_exact: requests in flight a {what} may have above the balance bound "
+                             "(default: %(default)s)")
+    parser.add_argument("--miss-weight", type=float, default=MISS_WEIGHT, metavar="FACTOR",
+                        help=f"hybrid_exact: what a prompt token the request must compute weighs against one the "
+                             f"{what} has queued to prefill ahead of it (default: %(default)s)")
+    parser.add_argument("--home-tokens", type=int, default=HOME_TOKENS, metavar="TOKENS",
+                        help=f"hybrid_exact: between equal costs a prefix goes to its home {what} on a "
+                             "consistent-hash ring of its first TOKENS tokens (default: %(default)s)")
+
+
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``hybridkv route`` options."""
-    from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, MISS_WEIGHT, POLICIES, SLACK
+    from hybridkv.cluster.routing import POLICIES
 
     parser.add_argument("--backend", action="append", required=True, metavar="SPEC", help=_BACKEND_HELP)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -89,18 +108,7 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-weight", type=float, default=0.0, metavar="FRACTION",
                         help="what a full KV cache is worth against a predicted hit, as a fraction of the "
                              "request's prompt (default: %(default)s)")
-    parser.add_argument("--balance", type=float, default=BALANCE, metavar="FACTOR",
-                        help="hybrid_exact: a backend is overloaded above FACTOR times the mean requests in flight "
-                             "plus --slack; until then a request stays where its prefix is (default: %(default)s)")
-    parser.add_argument("--slack", type=int, default=SLACK, metavar="REQUESTS",
-                        help="hybrid_exact: requests in flight a backend may have above the balance bound "
-                             "(default: %(default)s)")
-    parser.add_argument("--miss-weight", type=float, default=MISS_WEIGHT, metavar="FACTOR",
-                        help="hybrid_exact: what a prompt token the request must compute weighs against one the "
-                             "backend has queued to prefill ahead of it (default: %(default)s)")
-    parser.add_argument("--home-tokens", type=int, default=HOME_TOKENS, metavar="TOKENS",
-                        help="hybrid_exact: a new prefix's home backend is found on a consistent-hash ring from "
-                             "its first TOKENS tokens (default: %(default)s)")
+    add_locality_arguments(parser, "backend")
     parser.add_argument("--metrics-interval", type=float, default=0.5,
                         help="seconds between scrapes of each backend's /metrics (default: %(default)s)")
     parser.add_argument("--medium-weight", action="append", default=[], metavar="MEDIUM=FRACTION",

@@ -41,7 +41,7 @@ from hybridkv.cli_args import (
     positive_int_arg,
     write_output,
 )
-from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, MISS_WEIGHT, SLACK
+from hybridkv.cluster.router_cli import add_locality_arguments
 from hybridkv.core.hits import LOSS_CAUSES
 from hybridkv.errors import InvalidInputError
 from hybridkv.sim.cluster import CLUSTER_OPTIONS, OUTCOMES, ROUTERS, ClusterConfig, cluster_variants, simulate_cluster
@@ -188,16 +188,7 @@ def add_parser(sub: Any) -> None:
                     help="with --instances: how requests are routed (default hybrid_exact: the least prefill "
                          "work before the first token, the hit predicted on the device and the tiers, among the "
                          "replicas not overloaded; prefix: hit of the full-attention chain against queue length)")
-    cl.add_argument("--balance", type=float, default=BALANCE, metavar="FACTOR",
-                    help="hybrid_exact: a replica is overloaded above FACTOR times the mean requests in flight "
-                         "plus --slack (default: %(default)s)")
-    cl.add_argument("--slack", type=non_negative_int_arg, default=SLACK, metavar="REQUESTS",
-                    help="hybrid_exact: requests a replica may have above the balance bound (default: %(default)s)")
-    cl.add_argument("--miss-weight", type=positive_float_arg, default=MISS_WEIGHT, metavar="FACTOR",
-                    help="hybrid_exact: what a prompt token the request must compute weighs against one queued "
-                         "ahead of it (default: %(default)s)")
-    cl.add_argument("--home-tokens", type=positive_int_arg, default=HOME_TOKENS, metavar="TOKENS",
-                    help="hybrid_exact: the prompt tokens that place a new prefix on the ring (default: %(default)s)")
+    add_locality_arguments(cl, "replica")
     cl.add_argument("--load-weight", type=non_negative_float_arg, default=0.25, metavar="FRACTION",
                     help="prefix, least_loaded: what one queued request weighs against a predicted hit, as a "
                          "fraction of the request's prompt")
