@@ -18,8 +18,8 @@ with a host tier, its own tier; ``hybridkv.sim.cluster``) behind each router, a 
 
 Workloads: ``trace``, the first ``--requests`` requests of a Mooncake trace in file order;
 ``conversations``, ``--conversations`` chats of ``--turns`` turns (each turn's prompt is the previous
-turn's prompt, its answer and a new user message; a system prompt of ``--system-prompt-len`` tokens
-shared by all), turns of one chat in order.
+turn's prompt, its answer and a new user message, after a system prompt of ``--system-prompt-len``
+tokens, each chat's own unless ``--shared-system-prompt``), turns of one chat in order.
 
 Prints per workload and tier setting: device and total (device + tier) prefix-hit rates, TTFT p50 /
 mean / p99, requests per replica, what decided the routing, wall time; and the targets (issue 26):
@@ -57,7 +57,8 @@ def workload(args: argparse.Namespace, name: str) -> Workload:
     return multi_turn_chat(args.conversations, args.turns, system_prompt_len=args.system_prompt_len,
                            user_len=LengthDist(median=args.user_len, sigma=0.5, min_len=16),
                            max_new_tokens=LengthDist(median=args.output_len, sigma=0.5, min_len=8),
-                           arrivals=ClosedLoop(args.concurrency), seed=args.seed)
+                           arrivals=ClosedLoop(args.concurrency), shared_system_prompt=args.shared_system_prompt,
+                           seed=args.seed)
 
 
 def system(args: argparse.Namespace, tiers: str, scale: int = 1) -> SimConfig:
@@ -80,7 +81,8 @@ def one(args: argparse.Namespace, task: tuple[str, str, str]) -> dict[str, Any]:
     big = router == BIG
     cfg = system(args, tiers, args.instances if big else 1)
     cluster = ClusterConfig(instances=1 if big else args.instances, router="round_robin" if big else router,
-                            balance=args.balance, slack=args.slack, explain=args.explain and not big)
+                            balance=args.balance, slack=args.slack, miss_weight=args.miss_weight,
+                            explain=args.explain and not big)
     t = time.perf_counter()
     s = simulate_cluster(w, cfg, cluster).summary
     s["wall_s"] = time.perf_counter() - t
@@ -144,6 +146,9 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=128)
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--system-prompt-len", type=int, default=2000)
+    ap.add_argument("--shared-system-prompt", action="store_true",
+                    help="one system prompt for every conversation (default: each its own, so reuse comes only "
+                         "from a conversation's history, as in a production conversation trace)")
     ap.add_argument("--user-len", type=int, default=600, help="median user message (tokens)")
     ap.add_argument("--output-len", type=int, default=250, help="median answer (tokens)")
     ap.add_argument("--seed", type=int, default=0)
@@ -156,6 +161,7 @@ def main() -> None:
     ap.add_argument("--no-big", action="store_true", help="skip the big replica")
     ap.add_argument("--balance", type=float, default=ClusterConfig.balance)
     ap.add_argument("--slack", type=int, default=ClusterConfig.slack)
+    ap.add_argument("--miss-weight", type=float, default=ClusterConfig.miss_weight)
     ap.add_argument("--explain", action="store_true", help="where reusable tokens were, per router")
     ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel processes")
     ap.add_argument("--json", default=None, help="write the summaries to this file")

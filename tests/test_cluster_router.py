@@ -79,14 +79,20 @@ def test_the_balance_of_hit_and_load_does_not_depend_on_the_prompt_length() -> N
 def test_hybrid_exact_keeps_a_prefix_where_it_is_until_its_backlog_outweighs_the_hit() -> None:
     a, b = BackendState("a", "http://a"), BackendState("b", "http://b")
     policy = Policy("hybrid_exact", miss_weight=4)
-    a.load = BackendLoad(running=1, prefill_tokens=0)
+    a.load = BackendLoad(running=2, prefill_tokens=0)
     for backlog, winner in ((0, "b"), (3_999, "b"), (4_001, "a"), (20_000, "a")):
         # b holds 1,000 of the 1,200 prompt tokens: it wins while its backlog is under 4 x 1,000 tokens.
-        b.load = BackendLoad(running=1, prefill_tokens=backlog)
+        b.load = BackendLoad(running=2, prefill_tokens=backlog)
         decision = policy.rank([a, b], {"b": 1000}, prompt_tokens=1200)
         assert decision.order[0] == winner
         assert decision.reason == ("hit" if winner == "b" else "load")
-        assert decision.costs == {"a": 4 * 1200, "b": 4 * 200 + backlog}
+        running = 0.1 * 1200 * 2  # each running request weighs a tenth of the prompt
+        assert decision.costs == pytest.approx({"a": 4 * 1200 + running, "b": 4 * 200 + backlog + running})
+    # Requests decoding weigh too: five more running on b (5 x 0.1 x 1,200 = 600) outweigh a hit of 125
+    # tokens (4 x 125 = 500), not one of 250 (1,000).
+    b.load = BackendLoad(running=7, prefill_tokens=0)
+    assert policy.rank([a, b], {"b": 125}, prompt_tokens=1200).order[0] == "a"
+    assert policy.rank([a, b], {"b": 250}, prompt_tokens=1200).order[0] == "b"
 
 
 def test_hybrid_exact_moves_a_prefix_off_an_overloaded_backend_whatever_it_holds() -> None:

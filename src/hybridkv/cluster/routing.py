@@ -15,13 +15,14 @@ in that order, the next one only when a backend dies before answering:
   or the prefix the router's own requests in flight will leave there (``inflight``), whichever is
   more; ``prefill_ahead`` the prompt tokens the backend has still to prefill before this request's
   (what it last reported, ``hybridkv_num_prefill_tokens_pending``, plus what this router sent it
-  since; a backend that does not report it is charged ``load_weight * prompt_tokens`` per request in
-  flight). A token the request must compute itself counts ``miss_weight`` (4) times one already
-  queued: it delays this request and every one queued behind it, and the work is lost to the
-  cluster, while a queue drains anyway. Equal costs (an idle cluster) go to the prefix's *home*: the
-  first backend on a consistent-hash ring walked from a hash of the prompt's first ``home_tokens``
-  tokens (``home_key``), so requests for a new document or conversation that meet an idle cluster
-  land together.
+  since) plus ``DECODE_WEIGHT`` (0.1) of this prompt per request it is running (their decode steps
+  share the batch with this prefill); a backend that does not report its prefill backlog is charged
+  ``load_weight * prompt_tokens`` per request in flight. A token the request must compute itself
+  counts ``miss_weight`` (6) times one already queued: it delays this request and every one queued
+  behind it, and the work is lost to the cluster, while a queue drains anyway. Equal costs (an idle
+  cluster) go to the prefix's *home*: the first backend on a consistent-hash ring walked from a hash
+  of the prompt's first ``home_tokens`` tokens (``home_key``), so requests for a new document or
+  conversation that meet an idle cluster land together.
 
   Locality over time: a conversation's next turn, a document's next question, stays on the backend
   holding its prefix (on the device or in a tier, which the index sees through the tier's KV events)
@@ -92,8 +93,11 @@ BALANCE = 1.5
 """``hybrid_exact``'s load bound: at most this many times the mean requests in flight (plus ``SLACK``)."""
 SLACK = 4
 """Requests a backend may have in flight above ``BALANCE`` times the mean before it is overloaded."""
-MISS_WEIGHT = 4.0
+MISS_WEIGHT = 6.0
 """``hybrid_exact``: what a prompt token the request must compute weighs against one queued ahead of it."""
+DECODE_WEIGHT = 0.1
+"""``hybrid_exact``: what a running request weighs, as a fraction of the prompt (its decode steps are
+shared with this request's prefill)."""
 HOME_TOKENS = 1024
 """The prompt tokens whose hash places a new prefix on the ring (``home_key``)."""
 RING_POINTS = 64
@@ -285,7 +289,9 @@ class Policy:
 
         def ahead(b: BackendState) -> float:
             pending = b.prefill_ahead
-            return scale * b.queue if pending is None else pending
+            if pending is None:
+                return scale * b.queue
+            return pending + DECODE_WEIGHT * max(prompt_tokens, 1) * b.load.running
 
         costs = {b.name: self.miss_weight * (prompt_tokens - hits.get(b.name, 0)) + ahead(b) for b in pool + rest}
         fits = [b for b in pool if b.queue + 1 <= bound]
