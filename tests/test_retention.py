@@ -172,20 +172,27 @@ def test_kept_windows_of_a_held_anchor_are_not_admissible() -> None:
 
 
 def test_adopting_an_anchor_makes_its_kept_windows_reserved_and_admission_counts_them() -> None:
-    mgr, prefix = _junction(a_suffix=17)  # few blocks of a's own: the filler below evicts only those
+    # With room, the adoption reserves the two windows kept under the anchor d adopts.
+    mgr, prefix = _junction(a_suffix=17)
     assert mgr.pool.num_kept_blocks == 2 and mgr.num_admissible_blocks == mgr.num_free_blocks
+    d, hit = _resend_b(mgr, prefix, extra=32)
+    assert mgr.allocate(d, d.num_tokens - hit.num_tokens, hit=mgr.lookup(d)) is not None
+    assert mgr.num_free_blocks - mgr.num_admissible_blocks == 2  # the adopted anchor's kept windows
+    mgr.check_invariants()
+
+
+def test_kept_windows_yield_to_an_admission_they_alone_would_refuse() -> None:
+    # Leave free hits + the step (+ 1) admissible blocks: enough only if the two kept windows the
+    # adoption would reserve are not counted. They are cache, not work: rather than refuse (a request
+    # that fits an idle pool would wait for ever), they leave the kept tier for ``low``.
+    mgr, prefix = _junction(a_suffix=17)  # few blocks of a's own: the filler below evicts only those
     d, hit = _resend_b(mgr, prefix, extra=32)
     free_hits = sum(1 for ids in hit.block_ids for b in ids if b and not mgr.pool.ref_cnt[b])
     step = 4  # 32 new tokens: two full blocks, two window blocks
-    # Leave free hits + the step (+ 1) admissible blocks: enough only if the two kept windows the
-    # adoption reserves were not counted. The filler (an even number of blocks) evicts only free
-    # blocks ahead of d's hits in the LRU.
     room = mgr.num_admissible_blocks - (free_hits + step)
-    filler = _fill(mgr, room - room % 2)
+    _fill(mgr, room - room % 2)  # an even number of blocks: evicts only free blocks ahead of d's hits
     assert mgr.num_admissible_blocks - (free_hits + step) in (0, 1)
     assert mgr.lookup(d).num_tokens == 192
-    assert mgr.allocate(d, d.num_tokens - hit.num_tokens, hit=mgr.lookup(d)) is None
-    mgr.free(filler)
     assert mgr.allocate(d, d.num_tokens - hit.num_tokens, hit=mgr.lookup(d)) is not None
-    assert mgr.num_free_blocks - mgr.num_admissible_blocks == 2  # the adopted anchor's kept windows
+    assert mgr.pool.num_kept_blocks == 0 and mgr.num_free_blocks == mgr.num_admissible_blocks  # none reserved
     mgr.check_invariants()
