@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -179,3 +183,20 @@ def test_conversations_stay_on_their_replica_and_reuse_more_than_round_robin() -
     lost = rr["routing_breakdown"]["the router did not see it"]  # round robin sees nothing
     assert lost["requests"] > 0 and lost["reusable_tokens"] > 0
     assert exact["routing_breakdown"]["load sent it elsewhere"]["requests"] == 0
+
+
+def test_a_cluster_run_places_requests_alike_in_every_process() -> None:
+    # Simulated block hashes are Python hash() values, which differ between processes: the ring that
+    # places new prefixes must not depend on them, or a run's figures would change from one run to
+    # the next.
+    argv = [sys.executable, "-m", "hybridkv", "simulate", "--workload", "multi-turn", "--conversations", "12",
+            "--turns", "2", "--suffix-len", "300", "--output-len", "8", "--system-prompt-len", "100",
+            "--concurrency", "1", "--kv-cache-tokens", "50000", "--instances", "3", "--no-progress", "--json", "-"]
+    runs = []
+    for seed in ("1", "2"):
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(done.stdout)
+        runs.append((summary["routed"], summary["hit_tokens"], summary["decisions"]))
+    assert runs[0] == runs[1]

@@ -45,6 +45,7 @@ with the best chain-only prediction is not the one with the best exact predictio
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 from array import array
@@ -438,6 +439,9 @@ class Router:
             return chosen
         keys = SequenceKeys(seq, self.hasher)
         hits = estimate_hits(self.policy, self.index, keys, self.names, self.inflight, seq.num_tokens)
+        home = _home_of_runs(seq, self.policy.home_tokens)
+        if home is not None:
+            hits = replace(hits, home=home)
         decision = self.policy.rank(backends, hits.predicted, seq.num_tokens, credited=hits.credited,
                                     home=hits.home)
         chosen = self.replicas[decision.order[0]]
@@ -479,6 +483,26 @@ class Router:
                 connector.stats = before
             out[name] = (device, tier)
         return out
+
+
+def _home_of_runs(seq: Sequence, home_tokens: int) -> bytes | None:
+    """The ring key of a simulated request known by its content runs: a sha256 of the runs that make
+    its first ``home_tokens`` tokens (and its salt), the same in every process (its block hashes are
+    Python ``hash()`` values, which are not: a ring keyed by them would place prefixes differently
+    from one run to the next). None for a sequence with token ids (``Policy.home_key`` hashes those)."""
+    runs = getattr(seq, "segments", None)
+    if runs is None:
+        return None
+    salt = seq.cache_salt or b""
+    digest = hashlib.sha256((salt.encode() if isinstance(salt, str) else salt) + b"\0")
+    covered = 0
+    for key, n in runs:
+        take = min(n, home_tokens - covered)
+        digest.update(f"{key}:{take};".encode())
+        covered += take
+        if covered >= home_tokens:
+            break
+    return digest.digest()
 
 
 def _sequence(req: SimRequest) -> Sequence:
