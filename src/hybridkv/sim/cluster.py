@@ -6,11 +6,13 @@ Each replica is a simulated engine of its own (``ReplicaSim``: the real schedule
 the replicas' own KV events (each step's ``take_events()`` as one numbered vLLM-format batch,
 delivered in process: no ZMQ), and each arriving request goes where ``routing.Policy`` ranks first:
 
-* ``hybrid_exact``: locality within a load bound: the largest credited hit among the replicas below
-  ``balance`` times the mean requests in flight (plus ``slack``), the hit predicted with the hybrid
-  rules (full-attention chain, window blocks at the hit point) on every medium the replica loads
-  from, or where more, the prefix of the requests routed there and not yet ended
-  (``cluster.inflight``); with no hit standing out, the prefix's home on a consistent-hash ring;
+* ``hybrid_exact``: among the replicas below ``balance`` times the mean requests in flight (plus
+  ``slack``), the least ``miss_weight * (prompt - credited hit) + prefill backlog + a tenth of the
+  prompt per running request``, the hit predicted with the hybrid rules (full-attention chain, window
+  blocks at the hit point) on every medium the replica loads from, or where more, the prefix of the
+  requests routed there and not yet ended (``cluster.inflight``), the backlog each replica's exact
+  ``Scheduler.prefill_tokens_pending``; equal costs go to the prefix's home on a consistent-hash ring
+  (keyed by the request's content runs, the same in every process);
 * ``prefix``: least ``(prompt - predicted hit) + prompt * (load_weight * queue + kv_weight * usage)``,
   the hit of the full-attention chain alone (what deployed routers index);
 * ``least_loaded``: the cost without the hit term; ``round_robin``: in turn.
