@@ -18,6 +18,7 @@ from hybridkv.core import Sequence as KVSequence
 
 if TYPE_CHECKING:
     from hybridkv.cluster.inverted import JointKey, ReplicaMasks
+    from hybridkv.cluster.routing import Policy
 
 Held = dict[int, dict[bytes, int]]
 """Per group, hash -> how many cached blocks hold it (always >= 1)."""
@@ -64,6 +65,10 @@ class RequestKeys:
         self.cache_salt = cache_salt
         self._chains: dict[tuple[str, int], list[bytes]] = {}
         self._groups: dict[tuple[str, int, int, bool], list[bytes]] = {}
+
+    def home_key(self, policy: Policy) -> bytes | None:
+        """The request's key on ``policy``'s consistent-hash ring (``Policy.home_key``)."""
+        return policy.home_key(self.token_ids, self.cache_salt)
 
     def hashes(self, scheme: HashScheme, hash_block_size: int, block_size: int, short: bool) -> list[bytes]:
         """The request's hashes at ``block_size`` (a multiple of ``hash_block_size``), cut to 8 bytes

@@ -208,22 +208,15 @@ class Policy:
         weights = self.medium_weights
         return math.fsum(weights.get(m, OTHER_MEDIUM_WEIGHT) * n for m, n in prediction.by_medium)
 
-    def home_key(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bytes | None:
+    def home_key(self, token_ids: Sequence[int], cache_salt: str | bytes | None = None) -> bytes | None:
         """The ring key of a prompt: a sha256 of its first ``home_tokens`` token ids (and its cache
         salt). A conversation's turns extend its first prompt, so they share the key once the first
         prompt is ``home_tokens`` long. None for an empty prompt."""
         if not token_ids:
             return None
         head = array("q", token_ids[: self.home_tokens]).tobytes()
-        return hashlib.sha256((cache_salt or "").encode() + b"\0" + head).digest()
-
-    def home_key_of_chain(self, chain: Sequence[bytes], block_size: int) -> bytes | None:
-        """The ring key of a prompt known only by its full-attention chain (blocks of ``block_size``
-        tokens; a simulated request has no token ids): its block hash ending at ``home_tokens`` (at its
-        last full block when shorter), which names the whole prefix up to there. None without a block."""
-        if not chain:
-            return None
-        return chain[min(len(chain), max(1, self.home_tokens // max(block_size, 1))) - 1]
+        salt = cache_salt or b""
+        return hashlib.sha256((salt.encode() if isinstance(salt, str) else salt) + b"\0" + head).digest()
 
     def ring_order(self, names: Sequence[str], key: bytes) -> list[str]:
         """``names`` in the order the consistent-hash ring meets them walking from ``key``."""
@@ -331,7 +324,7 @@ class HitEstimate:
     found: dict[str, Prediction]
     """Per backend, the index's own prediction (by medium)."""
     home: bytes | None
-    """The request's ring key (``Policy.home_key``, or ``home_key_of_chain`` without token ids)."""
+    """The request's ring key (``RequestKeys.home_key``)."""
 
 
 def estimate_hits(policy: Policy, index: ClusterIndex, keys: RequestKeys, names: Sequence[str],
@@ -352,8 +345,4 @@ def estimate_hits(policy: Policy, index: ClusterIndex, keys: RequestKeys, names:
         if coming > predicted.get(name, 0):
             predicted[name] = coming
             credited[name] = max(credited.get(name, 0.0), float(coming))
-    home = policy.home_key(keys.token_ids, keys.cache_salt)
-    if home is None and chains:
-        hashes, size = next(iter(chains.values()))
-        home = policy.home_key_of_chain(hashes, size)
-    return HitEstimate(predicted, credited, chains, found, home)
+    return HitEstimate(predicted, credited, chains, found, keys.home_key(policy))

@@ -179,6 +179,26 @@ class SequenceKeys(RequestKeys):
         self._chains = {}
         self._groups = {}
 
+    def home_key(self, policy: Policy) -> bytes | None:
+        """The ring key of the request: of its token ids when it has them (``Policy.home_key``), else a
+        sha256 of the content runs that make its first ``home_tokens`` tokens (and its salt), the same
+        in every process (its block hashes are Python ``hash()`` values, which are not: a ring keyed
+        by them would place prefixes differently from one run to the next)."""
+        seq = self.sequence
+        runs = getattr(seq, "segments", None)
+        if runs is None:
+            return policy.home_key(seq.token_ids, seq.cache_salt)
+        salt = seq.cache_salt or b""
+        digest = hashlib.sha256((salt.encode() if isinstance(salt, str) else salt) + b"\0")
+        covered = 0
+        for key, n in runs:
+            take = min(n, policy.home_tokens - covered)
+            digest.update(f"{key}:{take};".encode())
+            covered += take
+            if covered >= policy.home_tokens:
+                break
+        return digest.digest()
+
     def _chain(self, scheme: HashScheme, hash_block_size: int) -> list[bytes]:
         """The sequence's own block hashes (the scheme is the manager's: hybridkv's chain)."""
         key = ("sequence", hash_block_size)
@@ -441,9 +461,6 @@ class Router:
             return chosen
         keys = SequenceKeys(seq, self.hasher)
         hits = estimate_hits(self.policy, self.index, keys, self.names, self.inflight, seq.num_tokens)
-        home = _home_of_runs(seq, self.policy.home_tokens)
-        if home is not None:
-            hits = replace(hits, home=home)
         decision = self.policy.rank(backends, hits.predicted, seq.num_tokens, credited=hits.credited,
                                     home=hits.home)
         chosen = self.replicas[decision.order[0]]
@@ -485,26 +502,6 @@ class Router:
                 connector.stats = before
             out[name] = (device, tier)
         return out
-
-
-def _home_of_runs(seq: Sequence, home_tokens: int) -> bytes | None:
-    """The ring key of a simulated request known by its content runs: a sha256 of the runs that make
-    its first ``home_tokens`` tokens (and its salt), the same in every process (its block hashes are
-    Python ``hash()`` values, which are not: a ring keyed by them would place prefixes differently
-    from one run to the next). None for a sequence with token ids (``Policy.home_key`` hashes those)."""
-    runs = getattr(seq, "segments", None)
-    if runs is None:
-        return None
-    salt = seq.cache_salt or b""
-    digest = hashlib.sha256((salt.encode() if isinstance(salt, str) else salt) + b"\0")
-    covered = 0
-    for key, n in runs:
-        take = min(n, home_tokens - covered)
-        digest.update(f"{key}:{take};".encode())
-        covered += take
-        if covered >= home_tokens:
-            break
-    return digest.digest()
 
 
 def _sequence(req: SimRequest) -> Sequence:
