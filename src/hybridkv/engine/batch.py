@@ -41,6 +41,27 @@ class Batch:
         return len(self.inputs.logits_rows)
 
 
+def key_start(position: int, window: int | None) -> tuple[int, int]:
+    """The first key a query at ``position`` sees through ``window`` and the ``KEY_TILE`` -aligned
+    position its gathered keys start at."""
+    first = 0 if window is None else max(0, position - window + 1)
+    return first, first // KEY_TILE * KEY_TILE
+
+
+def key_blocks(table: tuple[int, ...], group: int, position: int, count: int, start: int, first: int,
+               block_size: int, width: int) -> list[int]:
+    """The ``width`` block ids holding keys ``start ..`` for ``count`` queries from ``position`` of one
+    sequence of ``group`` (null blocks after its last), checking that none the window sees is null."""
+    blocks = list(table[start // block_size:-(-(position + count) // block_size)])
+    seen = blocks[first // block_size - start // block_size:]
+    if 0 in seen:
+        raise RuntimeError(
+            f"group {group}: the manager gave the null block for a position the window still sees "
+            f"(positions {first}..{position + count - 1}): {seen}"
+        )
+    return blocks + [0] * (width - len(blocks))
+
+
 class BatchBuilder:
     """Builds ``Batch`` es for a model whose groups attend over ``group_windows`` (``None``: full);
     ``state_groups`` hold recurrent states (no per-token slots, no attention)."""
@@ -121,8 +142,7 @@ class BatchBuilder:
         if tile % bs:
             raise ValueError(f"the key tile ({tile}) must be a multiple of the block size ({bs})")
         q = members[0][2]
-        firsts = [0 if window is None else max(0, pos - window + 1) for _, pos, _, _ in members]
-        key_starts = [f // tile * tile for f in firsts]
+        firsts, key_starts = map(list, zip(*(key_start(pos, window) for _, pos, _, _ in members)))
         width = -(-max(pos + n - ks for (_, pos, n, _), ks in zip(members, key_starts)) // tile) * tile
         dev = self.device
         offs = torch.arange(width, device=dev)
@@ -137,16 +157,8 @@ class BatchBuilder:
         for g, w in enumerate(self.group_windows):
             if w != window or g in self.state_groups:
                 continue
-            table_rows = []
-            for (_, pos, n, tables), ks, first in zip(members, key_starts, firsts):
-                blocks = list(tables[g][ks // bs:-(-(pos + n) // bs)])
-                seen = blocks[first // bs - ks // bs:]
-                if 0 in seen:
-                    raise RuntimeError(
-                        f"group {g}: the manager gave the null block for a position the window still sees "
-                        f"(positions {first}..{pos + n - 1}): {seen}"
-                    )
-                table_rows.append(blocks + [0] * (nblocks - len(blocks)))
+            table_rows = [key_blocks(tables[g], g, pos, n, ks, first, bs, nblocks)
+                          for (_, pos, n, tables), ks, first in zip(members, key_starts, firsts)]
             block_ids = torch.tensor(table_rows, device=dev)
             part.key_slots[g] = (block_ids[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(len(members), -1)
         return part

@@ -13,7 +13,7 @@ from hybridkv.engine.sampling import TokenLogprob
 from hybridkv.engine.weights import weights_format
 from hybridkv.errors import InvalidInputError
 
-MODELS = ("gemma-3-270m", "hybrid-tiny")
+MODELS = ("gemma-3-270m", "hybrid-tiny", "gemma-3-270m-random")
 """The built-in models (``EngineConfig.model``; ``hybridkv.engine.models``)."""
 
 
@@ -56,9 +56,13 @@ class EngineConfig:
     """Publish KV-cache events (vLLM's wire format) on this ZMQ endpoint, e.g. ``tcp://127.0.0.1:5557``."""
     kv_events_replay_endpoint: str | None = None
     """Serve missed event batches on this ZMQ endpoint (needs ``kv_events_endpoint``)."""
+    enforce_eager: bool = False
+    """Run every step eagerly; otherwise, on a GPU, decode-only steps replay CUDA graphs (as vLLM's flag)."""
     model: str = "gemma-3-270m"
-    """The built-in model ``LLMEngine.from_package`` loads: ``gemma-3-270m`` or ``hybrid-tiny`` (attention
-    and Mamba-2 layers, weights from a fixed seed: ``hybridkv.engine.hybrid``)."""
+    """The built-in model ``LLMEngine.from_package`` loads: ``gemma-3-270m``, ``hybrid-tiny`` (attention
+    and Mamba-2 layers, weights from a fixed seed: ``hybridkv.engine.hybrid``) or ``gemma-3-270m-random``
+    (Gemma 3 270M's shapes, dense random weights from a fixed seed, bytes as tokens: speed and GPU
+    runs on machines without the model package; its text is meaningless)."""
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:

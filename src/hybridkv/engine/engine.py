@@ -26,6 +26,7 @@ import torch
 from hybridkv.core import KVCacheManager, Sequence
 from hybridkv.engine.batch import Batch, BatchBuilder
 from hybridkv.engine.config import EngineConfig, RequestOutput, Tokenizer
+from hybridkv.engine.graphs import DecodeGraphs
 from hybridkv.engine.kv_pool import group_windows, plan_kv_layout, pool_summary, state_groups
 from hybridkv.engine.metrics import EngineMetrics, MetricNames
 from hybridkv.engine.model import EngineModel, PagedKVCache, ScoringHead
@@ -137,6 +138,11 @@ class LLMEngine:
         self.model: EngineModel = weights.build_model(self.kv, self.layout, self.group_windows)
         self.scoring_head = self.model.scoring_head()
         self.batcher = BatchBuilder(self.block_size, self.group_windows, self.device, state_groups(self.layout))
+        self.graphs: DecodeGraphs | None = None
+        """Decode-only steps as CUDA graphs (on a GPU, unless ``enforce_eager``; not for recurrent models)."""
+        if self.device.type == "cuda" and not cfg.enforce_eager and not self.layout.recurrent_states:
+            self.graphs = DecodeGraphs(self.model, self.block_size, self.group_windows, cfg.max_num_seqs,
+                                       cfg.max_model_len, self.device)
         self.stop_token_ids = frozenset({tokenizer.eos_token_id})
         self.metrics = EngineMetrics(max_model_len=cfg.max_model_len)
         self._tracked: dict[str, _Tracked] = {}
@@ -301,11 +307,17 @@ class LLMEngine:
                 if self.connector is not None:
                     for sid, fetched in out.external.items():
                         self.connector.write(fetched, self.manager.block_table(sid), self.kv.write_block)
-                batch = self.batcher.build(out.num_scheduled_tokens, {s: self._tracked[s].seq for s in
-                                                                      out.num_scheduled_tokens},
-                                           self.manager.block_table, lambda s: self._tracked[s].every_row(),
-                                           self.manager.state_steps if self.layout.recurrent_states else None)
-                self._run(batch, out.num_scheduled_tokens, sampled, failed)
+                seqs = {s: self._tracked[s].seq for s in out.num_scheduled_tokens}
+                replayed = None if self.graphs is None else self.graphs.replay(
+                    out.num_scheduled_tokens, seqs, self.manager.block_table, self._every_row)
+                if replayed is not None:  # a decode-only step, run as a CUDA graph
+                    self._offer(out.num_scheduled_tokens)
+                    self._consume(replayed.batch, 0, replayed.logits, sampled, failed, replayed.argmax)
+                else:
+                    batch = self.batcher.build(out.num_scheduled_tokens, seqs, self.manager.block_table,
+                                               self._every_row,
+                                               self.manager.state_steps if self.layout.recurrent_states else None)
+                    self._run(batch, out.num_scheduled_tokens, sampled, failed)
             except Exception as exc:
                 logger.exception("the model step failed; ending every running request with an error")
                 sampled.clear()
@@ -364,13 +376,7 @@ class LLMEngine:
         if spans:
             batch.inputs.hidden_only = True
         hidden_or_logits = self.model.forward(batch.inputs)
-        if self.connector is not None:  # write-through: computed blocks go to the tiers at once
-            for sid, n in scheduled.items():
-                seq = self._tracked[sid].seq
-                first = seq.num_computed_tokens
-                # Offering the step's blocks vouches that it ran: the recurrent checkpoints it wrote
-                # register and are offered too (the scheduler advances the count after sampling).
-                self.connector.store(seq, first + n, self.manager.block_table(sid), self.kv.read_block, first)
+        self._offer(scheduled)
         if not spans:
             self._consume(batch, 0, hidden_or_logits, sampled, failed)
             return
@@ -379,9 +385,24 @@ class LLMEngine:
                 logits = self.scoring_head(hidden_or_logits[lo:lo + LOGITS_SLICE])
                 self._consume(batch, lo, logits, sampled, failed)
 
+    def _every_row(self, sid: str) -> bool:
+        return self._tracked[sid].every_row()
+
+    def _offer(self, scheduled: dict[str, int]) -> None:
+        """Write-through after a forward pass: the blocks it computed go to the tiers at once."""
+        if self.connector is None:
+            return
+        for sid, n in scheduled.items():
+            seq = self._tracked[sid].seq
+            first = seq.num_computed_tokens
+            # Offering the step's blocks vouches that it ran: the recurrent checkpoints it wrote
+            # register and are offered too (the scheduler advances the count after sampling).
+            self.connector.store(seq, first + n, self.manager.block_table(sid), self.kv.read_block, first)
+
     def _consume(self, batch: Batch, lo: int, logits: torch.Tensor, sampled: dict[str, list[int]],
-                 failed: dict[str, str]) -> None:
-        """Use logits rows ``lo .. lo + len(logits)``: score spans, sample sampling rows."""
+                 failed: dict[str, str], argmax: list[int] | None = None) -> None:
+        """Use logits rows ``lo .. lo + len(logits)``: score spans, sample sampling rows (``argmax``:
+        each row's greedy token, already computed on the device)."""
         hi = lo + len(logits)
         for sid, (first, count, position) in batch.spans.items():
             a, b = max(first, lo), min(first + count, hi)
@@ -400,7 +421,8 @@ class LLMEngine:
         for sid, row in batch.sampling_rows.items():
             if lo <= row < hi and sid not in failed:
                 try:
-                    sampled[sid] = [self._sample(self._tracked[sid], logits[row - lo])]
+                    greedy = None if argmax is None else argmax[row - lo]
+                    sampled[sid] = [self._sample(self._tracked[sid], logits[row - lo], greedy)]
                 except Exception as exc:
                     logger.exception("sampling request %s failed", sid)
                     failed[sid] = f"sampling failed: {exc!r}"
@@ -414,10 +436,14 @@ class LLMEngine:
             for i, entry in enumerate(token_logprobs(rows[:n], targets, k)):
                 t.prompt_logprobs[position + 1 + i] = entry
 
-    def _sample(self, t: _Tracked, logits: torch.Tensor) -> int:
+    def _sample(self, t: _Tracked, logits: torch.Tensor, argmax: int | None = None) -> int:
+        """The next token from ``logits`` (``argmax``: theirs, when already known)."""
         params = t.params
-        output_ids = t.seq.token_ids[t.seq.num_prompt_tokens:]
-        token = sample(apply_penalties(logits, params, t.prompt_ids, output_ids), params, t.generator)
+        if argmax is not None and params.greedy and not params.has_penalties:
+            token = argmax
+        else:
+            output_ids = t.seq.token_ids[t.seq.num_prompt_tokens:]
+            token = sample(apply_penalties(logits, params, t.prompt_ids, output_ids), params, t.generator)
         if params.logprobs is not None:
             t.logprobs.extend(token_logprobs(logits[None], [token], params.logprobs))
         return token
@@ -513,9 +539,10 @@ class LLMEngine:
         for rid, prompt, p in zip(rids, prompts, plist):
             self.add_request(rid, prompt, p, cache_salt=cache_salt)
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(rids):
+        mine = set(rids)
+        while len(final) < len(rids):  # requests added by others may finish in these steps too
             for o in self.step():
-                if o.finished:
+                if o.finished and o.request_id in mine:
                     final[o.request_id] = o
         return [final[r] for r in rids]
 

