@@ -16,15 +16,18 @@ from hybridkv.sizes import size_arg
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine options shared by ``generate``, ``engine-demo`` and ``serve`` (unset: ``EngineConfig``'s defaults)."""
     p.add_argument("--model", default="gemma-3-270m", metavar="NAME",
-                   help="built-in model: gemma-3-270m, or hybrid-tiny (attention and Mamba-2 layers, seeded "
-                        "weights, bytes as tokens: proves recurrent states exact in the paged cache) "
-                        "(default: %(default)s)")
+                   help="built-in model: gemma-3-270m; hybrid-tiny (attention and Mamba-2 layers, seeded "
+                        "weights, bytes as tokens: proves recurrent states exact in the paged cache); or "
+                        "gemma-3-270m-random (Gemma 3 270M's shapes, seeded random weights, bytes as tokens: speed "
+                        "and GPU runs without the model package; meaningless text) (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), default="bfloat16",
                    help="KV-cache and attention dtype; float32 runs the exact dense path (default: %(default)s)")
     p.add_argument("--weights", choices=("auto", "gguf", "dense"), default="auto",
                    help="gguf: the GGUF's own 4/8-bit codes on torch's int4 CPU kernels; dense: dequantized to "
                         "--dtype; auto: gguf for bfloat16 on the CPU, else dense (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--kv-cache-memory", type=size_arg, default=None, metavar="BYTES",
                    help="KV-cache budget the block pool is planned for: bytes, or e.g. 512MiB, 1GiB (default 256MiB)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
@@ -60,6 +63,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     return EngineConfig(model=getattr(args, "model", "gemma-3-270m"), dtype=args.dtype,
                         weights=getattr(args, "weights", "auto"), device=args.device,
                         enable_prefix_caching=not args.no_prefix_caching, kv_tiers=tuple(tiers),
+                        enforce_eager=getattr(args, "enforce_eager", False),
                         kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
                         kv_events_replay_endpoint=getattr(args, "kv_events_replay_endpoint", None), **options)
 
