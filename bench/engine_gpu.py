@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine import model, quant
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.graphs import DecodeGraphs
@@ -99,18 +100,68 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{agree}/{sum(len(x) for x in a)}"
 
 
+MODES = {
+    # name: (enforce_eager, DenseLinear's F.linear on a GPU, fused decode attention on a GPU)
+    "eager-before": (True, False, False),
+    "graphs-only": (False, False, False),
+    "graphs+linear": (False, True, False),
+    "graphs": (False, True, True),
+    "eager": (True, True, True),
+}
+"""``eager-before``: the engine before this change (the baseline the speed-ups are against);
+``graphs``: the default now; the others take one change at a time."""
+
+
+def use(mode: str) -> None:
+    _, linear, sdpa = MODES[mode]
+    quant.CUDA_LINEAR, model.CUDA_DECODE_SDPA = linear, sdpa
+
+
+def profile(engine: LLMEngine, mode: str, prompts: list[list[int]], out: str | None) -> None:
+    """Kernels per decode step and the costliest kernels, from the profiler over 16 steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    use(mode)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}-{time.monotonic_ns()}", p, params)
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(16):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished:
+        engine.step()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = len(events) / 16
+    busy = sum(e.device_time for e in events) / 16 / 1e3
+    print(f"profile {mode}, {len(prompts)} rows: {kernels:.0f} kernels per step, {busy:.3f} ms of kernel time per step")
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    print(table)
+    if out:
+        with open(out, "a") as f:
+            f.write(f"## {mode}, {len(prompts)} rows\n{table}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="a toy Gemma 3 (smoke test on a CPU)")
+    ap.add_argument("--profile", default=None, metavar="MODES", help="profile these modes' decode steps (GPU)")
+    ap.add_argument("--profile-out", default=None, metavar="FILE")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes.split(",")
     config = SMALL if args.small else GEMMA3_270M
     gen = torch.Generator().manual_seed(0)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
@@ -118,44 +169,49 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         weights = Gemma3Weights.generate(config, parse_dtype(dtype), device=args.device)
         engines = {}
-        for mode in ("eager", "graphs"):
-            cfg = EngineConfig(device=args.device, dtype=dtype, weights="dense", enforce_eager=mode == "eager",
+        for mode in modes:
+            cfg = EngineConfig(device=args.device, dtype=dtype, weights="dense", enforce_eager=MODES[mode][0],
                                max_num_seqs=max(batches), max_model_len=2048, kv_cache_memory=1 << 30,
                                max_num_batched_tokens=max(2048, args.prompt_len * max(batches)),
                                enable_prefix_caching=False)
-            engines[mode] = LLMEngine(weights, ByteTokenizer(), cfg)
-            if mode == "graphs" and engines[mode].graphs is None:  # a CPU: the padded inputs, run eagerly
-                e = engines[mode]
+            e = engines[mode] = LLMEngine(weights, ByteTokenizer(), cfg)
+            if not MODES[mode][0] and e.graphs is None:  # a CPU: the padded inputs, run eagerly
                 e.graphs = DecodeGraphs(e.model, e.block_size, e.group_windows, cfg.max_num_seqs, cfg.max_model_len,
                                         e.device, capture=False)
         for batch in batches:
             prompts = [[256] + torch.randint(0, 256, (args.prompt_len - 1,), generator=gen).tolist()
                        for _ in range(batch)]
             best: dict[str, tuple[float, list[list[int]], float]] = {}
-            for engine in engines.values():
+            for mode, engine in engines.items():
+                use(mode)
                 decode(engine, prompts, 4)  # warm-up: this batch's graphs captured
             for _ in range(args.repeat):
                 for mode, engine in engines.items():
+                    use(mode)
                     result = decode(engine, prompts, args.decode_tokens)
                     if mode not in best or result[0] > best[mode][0]:
                         best[mode] = result
-            row = {"device": device_name, "dtype": dtype, "batch": batch,
-                   "eager_tokens_per_s": round(best["eager"][0], 1), "graphs_tokens_per_s": round(best["graphs"][0], 1),
-                   "speedup": round(best["graphs"][0] / best["eager"][0], 2),
-                   "host_ms_per_step_outside_replay": round(best["graphs"][2] * 1e3, 3),
-                   "greedy_agreement": agreement(best["graphs"][1], best["eager"][1])}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        graphs = engines["graphs"].graphs
-        if graphs is not None:
-            print(f"{dtype}: {len(graphs.graphs)} graphs captured in {graphs.capture_seconds:.2f} s", flush=True)
+            base = modes[0]
+            for mode in modes:
+                row = {"device": device_name, "dtype": dtype, "batch": batch, "mode": mode,
+                       "tokens_per_s": round(best[mode][0], 1), "vs_" + base: round(best[mode][0] / best[base][0], 2),
+                       "host_ms_per_step_outside_replay": round(best[mode][2] * 1e3, 3),
+                       "greedy_agreement_with_" + base: agreement(best[mode][1], best[base][1])}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        if args.profile and args.device.startswith("cuda"):
+            for mode in args.profile.split(","):
+                if mode in engines:
+                    profile(engines[mode], mode, [[256] + list(range(100))], args.profile_out)
         del engines, weights
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    print(f"\n{'dtype':<9} {'batch':>5} {'eager tok/s':>12} {'graphs tok/s':>13} {'x':>6} {'host ms/step':>13} agree")
+    use("graphs")
+    print(f"\n{'dtype':<9} {'batch':>5} {'mode':<14} {'tok/s':>9} {'x':>6} {'host ms/step':>13} agree")
     for r in rows:
-        print(f"{r['dtype']:<9} {r['batch']:>5} {r['eager_tokens_per_s']:>12} {r['graphs_tokens_per_s']:>13} "
-              f"{r['speedup']:>6} {r['host_ms_per_step_outside_replay']:>13} {r['greedy_agreement']}")
+        ratio, agree = (v for k, v in r.items() if k.startswith("vs_") or k.startswith("greedy_"))
+        print(f"{r['dtype']:<9} {r['batch']:>5} {r['mode']:<14} {r['tokens_per_s']:>9} {ratio:>6} "
+              f"{r['host_ms_per_step_outside_replay']:>13} {agree}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -86,6 +86,22 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out.reshape(b, kvh, nq, h // kvh, d).transpose(1, 2).reshape(b, nq, h, d)
 
 
+CUDA_DECODE_SDPA = True
+"""On a GPU, single-query parts (decodes, in graphs and eagerly alike) use ``decode_attention``."""
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+                     ) -> torch.Tensor:
+    """``tiled_attention`` 's result for one query per row (``q`` ``[B, 1, H, D]``) as one fused float32
+    attention kernel (``scaled_dot_product_attention``) instead of ~17 small ones: on a GPU a decode
+    step is bound by kernel launches. The query heads sharing a KV head are that head's query rows."""
+    b, _, h, d = q.shape
+    kvh = k.shape[2]
+    out = F.scaled_dot_product_attention(q.reshape(b, kvh, h // kvh, d), k.float().transpose(1, 2),
+                                         v.float().transpose(1, 2), attn_mask=mask[:, None], scale=scale)
+    return out.reshape(b, 1, h, d)
+
+
 @dataclass
 class AttentionPart:
     """One attention call: some queries of the packed batch against keys gathered by slot."""
@@ -285,7 +301,8 @@ def paged_attention(kv: PagedKVCache, step: StepInputs, group: int, slot: int, w
         vp = v_cache.index_select(0, flat).view(gathered)
         if raw_pages:
             vp = vp.nan_to_num(0.0, 0.0, 0.0)
-        out[part.query_rows] = tiled_attention(q[part.query_rows], kp, vp, part.mask, scale)
+        attend = decode_attention if kp.is_cuda and CUDA_DECODE_SDPA and part.mask.shape[1] == 1 else tiled_attention
+        out[part.query_rows] = attend(q[part.query_rows], kp, vp, part.mask, scale)
     return out
 
 

@@ -205,6 +205,10 @@ class PackedLinear:
         return self.packed.numel() + self.scales_zeros.numel() * 2
 
 
+CUDA_LINEAR = True
+"""On a GPU, ``DenseLinear`` runs ``F.linear`` at every row count (``bench/engine_gpu.py`` compares)."""
+
+
 class DenseLinear:
     """``x @ weight.T`` with a float weight (fp32 or bf16); the input is cast to the weight's dtype."""
 
@@ -218,6 +222,8 @@ class DenseLinear:
         4x faster (measured on the 262,144 x 640 LM head: 2-4 rows in 35-45 ms instead of 125-170 ms);
         for many rows ``F.linear`` is as fast or faster."""
         x = x.to(self.weight.dtype)
+        if x.is_cuda and CUDA_LINEAR:  # one GEMM kernel, no transposed copy (what a CUDA graph replays)
+            return torch.nn.functional.linear(x, self.weight)
         if x.shape[0] <= 64:
             return torch.matmul(self.weight, x.T).T.contiguous()
         return torch.nn.functional.linear(x, self.weight)
