@@ -101,10 +101,10 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
 
 
 MODES = {
-    # name: (enforce_eager, DenseLinear's F.linear on a GPU, fused decode attention on a GPU)
+    # name: (enforce_eager, DenseLinear's F.linear on a GPU, decode_attention on a GPU)
     "eager-before": (True, False, False),
     "graphs-only": (False, False, False),
-    "graphs+linear": (False, True, False),
+    "graphs+linear": (False, True, False),  # graphs with one change of two
     "graphs": (False, True, True),
     "eager": (True, True, True),
 }
@@ -114,7 +114,7 @@ MODES = {
 
 def use(mode: str) -> None:
     _, linear, sdpa = MODES[mode]
-    quant.CUDA_LINEAR, model.CUDA_DECODE_SDPA = linear, sdpa
+    quant.CUDA_LINEAR, model.CUDA_DECODE_ATTENTION = linear, sdpa
 
 
 def profile(engine: LLMEngine, mode: str, prompts: list[list[int]], out: str | None) -> None:
@@ -201,8 +201,10 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
         if args.profile and args.device.startswith("cuda"):
             for mode in args.profile.split(","):
-                if mode in engines:
-                    profile(engines[mode], mode, [[256] + list(range(100))], args.profile_out)
+                for rows in (1, 8):
+                    if mode in engines:
+                        profile(engines[mode], mode, [[256] + list(range(100 + i)) for i in range(rows)],
+                                args.profile_out)
         del engines, weights
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -119,3 +119,22 @@ def test_the_random_model_has_gemma_3_270m_shapes() -> None:
     assert GEMMA3_270M.num_layers == 18 and GEMMA3_270M.vocab_size == 262_144
     again = Gemma3Weights.generate(SMALL, torch.bfloat16, seed=1)
     assert torch.equal(again.embed.weight, small.embed.weight)  # a seed gives the same weights
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_decode_attention_computes_what_tiled_attention_does(kv_heads: int) -> None:
+    # The GPU's few-kernel attention for one query per row against the CPU's tiled one, on windows
+    # that start mid-tile and rows of different lengths (masked keys, some in a tile of their own).
+    from hybridkv.engine.model import AttentionPart, decode_attention, tiled_attention
+
+    gen = torch.Generator().manual_seed(kv_heads)
+    rows, heads, dim, length = 5, 4, 32, 384
+    q = torch.randn(rows, 1, heads, dim, generator=gen)
+    k, v = (torch.randn(rows, length, kv_heads, dim, generator=gen) for _ in range(2))
+    positions = torch.tensor([0, 40, 127, 128, 383])
+    keys = torch.arange(length)
+    mask = (keys[None, None, :] <= positions[:, None, None]) & (keys[None, None, :] > positions[:, None, None] - 100)
+    part = AttentionPart(query_rows=torch.arange(rows)[:, None], mask=mask)
+    assert torch.equal(part.bias == 0, mask) and bool(torch.isinf(part.bias[~mask]).all())
+    got = decode_attention(q, k, v, part.bias, 0.125)
+    assert torch.allclose(got, tiled_attention(q, k, v, mask, 0.125), atol=1e-5)

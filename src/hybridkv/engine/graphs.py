@@ -184,7 +184,7 @@ class DecodeGraphs:
                 mask &= kpos[:, None, :] > qpos - w
             key_slots = {g: (blocks[g][:, :, None] * bs + torch.arange(bs, device=dev)).reshape(padded, -1)
                          for g, gw in enumerate(self.group_windows) if gw == w}
-            parts[w] = [AttentionPart(query_rows=rows, mask=mask, key_slots=key_slots)]
+            parts[w] = [AttentionPart(query_rows=rows, mask=mask, key_slots=key_slots, every_row=True)]
         return StepInputs(input_ids=ids, positions=positions, slot_mapping=slots, parts=parts,
                           logits_rows=rows[:, 0])
 

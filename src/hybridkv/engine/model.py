@@ -86,19 +86,28 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out.reshape(b, kvh, nq, h // kvh, d).transpose(1, 2).reshape(b, nq, h, d)
 
 
-CUDA_DECODE_SDPA = True
+CUDA_DECODE_ATTENTION = True
 """On a GPU, single-query parts (decodes, in graphs and eagerly alike) use ``decode_attention``."""
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
                      ) -> torch.Tensor:
-    """``tiled_attention`` 's result for one query per row (``q`` ``[B, 1, H, D]``) as one fused float32
-    attention kernel (``scaled_dot_product_attention``) instead of ~17 small ones: on a GPU a decode
-    step is bound by kernel launches. The query heads sharing a KV head are that head's query rows."""
+    """Float32 attention ``[B, 1, H, D]`` of one query per row (``q`` ``[B, 1, H, D]``) over ``k``, ``v``
+    ``[B, L, KVH, D]``, ``bias`` ``[B, 1, L]`` being 0 where a key is seen and -inf where not.
+
+    ``tiled_attention`` 's result in about 6 kernels instead of ~20 (a GPU decode step is bound by
+    the number of its kernels, each a few microseconds): scores, scale and mask in one ``baddbmm``,
+    one softmax, one ``bmm``; the query heads sharing a KV head are that head's rows. Its rounding
+    differs from ``tiled_attention`` 's (a GPU is not bitwise batch-invariant anyway); the CPU keeps
+    ``tiled_attention``."""
     b, _, h, d = q.shape
-    kvh = k.shape[2]
-    out = F.scaled_dot_product_attention(q.reshape(b, kvh, h // kvh, d), k.float().transpose(1, 2),
-                                         v.float().transpose(1, 2), attn_mask=mask[:, None], scale=scale)
+    length, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    qg = q.reshape(b * kvh, g, d)
+    kt = k.float().permute(0, 2, 3, 1).reshape(b * kvh, d, length)
+    mask = bias.expand(b, kvh, length).reshape(b * kvh, 1, length)
+    probs = torch.softmax(torch.baddbmm(mask, qg, kt, alpha=scale), dim=-1)
+    out = torch.bmm(probs, v.float().permute(0, 2, 1, 3).reshape(b * kvh, length, d))
     return out.reshape(b, 1, h, d)
 
 
@@ -114,6 +123,17 @@ class AttentionPart:
     key_slots: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per hybridkv group of this part's kind: ``[B, L]`` key slots (block id * block size + offset;
     slots of the null block where the window sees no key)."""
+    every_row: bool = False
+    """The part's queries are the step's rows in order, one each (a decode-only step): its result is
+    the attention output as it is, no gather or scatter (it is then its window's only part)."""
+    _bias: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """``mask`` as float32 0 / -inf, computed once per step (every layer of the part's window uses it)."""
+        if self._bias is None:
+            self._bias = torch.zeros(self.mask.shape, device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
+        return self._bias
 
 
 @dataclass(frozen=True)
@@ -294,6 +314,7 @@ def paged_attention(kv: PagedKVCache, step: StepInputs, group: int, slot: int, w
     nkv, hd = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
     for part in step.parts[window]:
+        query = q[:, None] if part.every_row else q[part.query_rows]
         key_slots = part.key_slots[group]
         flat = key_slots.reshape(-1)
         gathered = (*key_slots.shape, nkv, hd)
@@ -301,8 +322,13 @@ def paged_attention(kv: PagedKVCache, step: StepInputs, group: int, slot: int, w
         vp = v_cache.index_select(0, flat).view(gathered)
         if raw_pages:
             vp = vp.nan_to_num(0.0, 0.0, 0.0)
-        attend = decode_attention if kp.is_cuda and CUDA_DECODE_SDPA and part.mask.shape[1] == 1 else tiled_attention
-        out[part.query_rows] = attend(q[part.query_rows], kp, vp, part.mask, scale)
+        if kp.is_cuda and CUDA_DECODE_ATTENTION and part.mask.shape[1] == 1:
+            result = decode_attention(query, kp, vp, part.bias, scale)
+        else:
+            result = tiled_attention(query, kp, vp, part.mask, scale)
+        if part.every_row:
+            return result.view_as(q)
+        out[part.query_rows] = result
     return out
 
 
