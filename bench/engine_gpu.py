@@ -201,9 +201,9 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
         if args.profile and args.device.startswith("cuda"):
             for mode in args.profile.split(","):
-                for rows in (1, 8):
+                for count in (1, 8):
                     if mode in engines:
-                        profile(engines[mode], mode, [[256] + list(range(100 + i)) for i in range(rows)],
+                        profile(engines[mode], mode, [[256] + list(range(100 + i)) for i in range(count)],
                                 args.profile_out)
         del engines, weights
         if args.device.startswith("cuda"):
