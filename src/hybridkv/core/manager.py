@@ -372,8 +372,14 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         *,
         whole_sequence_must_fit: bool = False,
+        reserve_lookahead_tokens: int = 0,
     ) -> tuple[list[int], ...] | None:
         """Blocks for the next step of ``seq``: new block ids per group, or None if they do not fit.
+
+        ``num_lookahead_tokens`` (speculative drafts) get slots after the new tokens but are never
+        registered; after the step, ``release_lookahead`` frees what the rejected ones held.
+        ``reserve_lookahead_tokens``: the admission bound (``whole_sequence_must_fit``) counts that
+        many draft slots past the sequence's end, as its decode steps will hold them.
 
         In order: validate (the hit is verified against the sequence), free the blocks the windows
         no longer need, count the blocks needed per group and check them against the free blocks,
@@ -395,6 +401,9 @@ class KVCacheManager:
 
         # 1. Validate.
         self._check_step(seq, num_new_tokens, num_external_tokens, num_lookahead_tokens)
+        if type(reserve_lookahead_tokens) is not int or reserve_lookahead_tokens < 0:
+            raise InvalidInputError(
+                f"reserve_lookahead_tokens must be a non-negative integer, got {reserve_lookahead_tokens!r}")
         sid = seq.seq_id
         groups = self.groups
         pool = self.pool
@@ -446,7 +455,7 @@ class KVCacheManager:
             plans = [g.plan_indices(sid, (), computed, 0, total if g.holds_lookahead else known) for g in groups]
             need = sum(map(len, plans))
             if whole_sequence_must_fit:
-                need = self._whole_sequence_need(seq, plans, None, num_lookahead_tokens)
+                need = self._whole_sequence_need(seq, plans, None, num_lookahead_tokens + reserve_lookahead_tokens)
             if need and need > pool.num_free_blocks:
                 self._stats.allocation_failures += 1
                 return None
@@ -461,7 +470,8 @@ class KVCacheManager:
                      for g, blocks in zip(groups, hit_blocks)]
             need = sum(map(len, plans))
             if whole_sequence_must_fit:
-                need = self._whole_sequence_need(seq, plans, hit_blocks, num_lookahead_tokens)
+                need = self._whole_sequence_need(seq, plans, hit_blocks,
+                                                 num_lookahead_tokens + reserve_lookahead_tokens)
             # Null entries lead a hit (window hits are mostly null): a list without one is kept as is.
             live = list(chain.from_iterable(b if not b or b[0] else filter(None, b) for b in hit_blocks))
             ref = pool.ref_cnt
@@ -499,7 +509,10 @@ class KVCacheManager:
             if group_limit < limit:
                 limit = group_limit
         self._idle_until[seq] = limit
-        self._progress[sid] = (computed, known, known if known > limit else limit)
+        ceiling = known if known > limit else limit
+        if num_lookahead_tokens and total > ceiling:
+            ceiling = total  # verified drafts advance the count into the step's lookahead slots
+        self._progress[sid] = (computed, known, ceiling)
         if adopted is not None:
             st = self._stats
             st.admissions += 1
@@ -513,6 +526,47 @@ class KVCacheManager:
             if self._tracks_admissions:
                 self.retainer.on_admit(seq, adopted)
         return new_blocks
+
+    def release_lookahead(self, seq: Sequence) -> int:
+        """After a step with draft (lookahead) slots was verified: free every block wholly past the
+        verified tokens; returns how many blocks were freed.
+
+        The caller has advanced ``seq.num_computed_tokens`` over the step's token and the accepted
+        drafts (at most the slots the step held) and appended the accepted tokens. Drafts were never
+        registered in the prefix cache (``allocate`` registers the ``num_new_tokens`` only); a block
+        holding verified tokens and rejected drafts keeps only the verified ones: it is registered
+        once its verified tokens fill it, and its rejected slots are written again before any step
+        reads them. The next ``allocate`` starts from the verified count."""
+        self._check_sequence(seq)
+        sid = seq.seq_id
+        if self._seqs.get(sid) is not seq:
+            raise UnknownSequenceError(f"sequence {sid!r} is not running in this manager")
+        computed = seq.num_computed_tokens
+        _, known, ceiling = self._progress[sid]
+        if type(computed) is not int or not known <= computed <= ceiling:
+            raise InvalidInputError(
+                f"sequence {sid!r}: num_computed_tokens={computed!r}, but after a step with drafts it can only be "
+                f"{known}..{ceiling} (the step's token, then the accepted drafts)"
+            )
+        if computed > seq.num_tokens:
+            raise InvalidInputError(
+                f"sequence {sid!r}: {computed} computed tokens but only {seq.num_tokens} tokens: append the "
+                f"accepted tokens first"
+            )
+        freed: list[int] = []
+        for g in self.groups:
+            if not g.holds_lookahead:
+                continue
+            table = g.tables[sid]
+            keep = -(-computed // g.block_size)
+            if len(table) > keep:
+                freed.extend(b for b in table[keep:] if b != NULL_BLOCK)
+                del table[keep:]
+        if freed:
+            self.pool.free(freed)
+        self._idle_until.pop(seq, None)  # the next allocate takes the checked path
+        self._progress[sid] = (computed, computed, computed)
+        return len(freed)
 
     def _whole_sequence_need(self, seq: Sequence, plans: list[range | list[int]],
                              hit_blocks: list[list[int]] | None, num_lookahead_tokens: int) -> int:

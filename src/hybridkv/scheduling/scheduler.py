@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 _LOADING = object()
 """``_fetch_external``'s answer while a request's tier load is in flight."""
 
+MAX_DRAFT_TOKENS = 16
+"""Most draft tokens per sequence and step (``SchedulerConfig.num_speculative_tokens``)."""
+
 Policy = Literal["fcfs", "priority"]
 Admission = Literal["max_utilization", "guaranteed_no_preemption"]
 
@@ -60,6 +63,9 @@ class SchedulerConfig:
     admission: Admission = "max_utilization"
     max_self_preemptions: int = 3
     """A sequence preempting itself this many times is rejected."""
+    num_speculative_tokens: int = 0
+    """Most draft tokens a decode step verifies (``set_draft_tokens``); 0: no speculation. Admission
+    counts that many draft slots past each sequence (``reserve_lookahead_tokens``)."""
     keep_finished: bool = False
     """Keep finished, rejected and aborted requests in ``requests`` (until ``forget``). By default the
     scheduler forgets a request once it has told the caller it ended (``update``'s return value,
@@ -70,6 +76,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise InvalidInputError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
+        if type(self.num_speculative_tokens) is not int or not 0 <= self.num_speculative_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidInputError(f"SchedulerConfig.num_speculative_tokens must be an integer in "
+                                    f"0..{MAX_DRAFT_TOKENS}, got {self.num_speculative_tokens!r}")
         if type(self.long_prefill_token_threshold) is not int or self.long_prefill_token_threshold < 0:
             raise InvalidInputError(
                 f"SchedulerConfig.long_prefill_token_threshold must be a non-negative integer, "
@@ -113,6 +122,8 @@ class Request:
     prefill_weight: int = 1
     """Step-budget tokens each of its prompt tokens takes: above 1 for a sequence whose prompt tokens
     cost more than a plain prefill's (prompt scoring), so a step never costs more than a plain chunk."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens proposed for its next decode step (``Scheduler.set_draft_tokens``), used once."""
     load: Any = None
     """The external tier load of a waiting request (``connectors.loads.PendingLoad``): in flight, or
     done for an admission that did not fit yet, reused while the local hit is unchanged."""
@@ -142,10 +153,15 @@ class SchedulerOutput:
     rejected: list[tuple[str, str]] = field(default_factory=list)
     external: dict[str, Any] = field(default_factory=dict)
     """Per admitted sequence, the connector's ``FetchedKV`` to write into its new blocks before the step runs."""
+    draft_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Per decoding sequence with drafts this step: the draft tokens the step computes after its one
+    scheduled token (they hold lookahead slots and take step budget; ``update`` takes the tokens
+    the verification accepted)."""
 
     @property
     def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
+        """Tokens the step computes, drafts included."""
+        return sum(self.num_scheduled_tokens.values()) + sum(map(len, self.draft_tokens.values()))
 
 
 @dataclass
@@ -170,6 +186,11 @@ class Scheduler:
             raise InvalidInputError(
                 f"scheduler max_num_batched_tokens={self.config.max_num_batched_tokens} exceeds the manager's "
                 f"{manager.max_num_batched_tokens}: the manager's per-request bounds would not hold"
+            )
+        if self.config.num_speculative_tokens and manager.layout.recurrent_states:
+            raise InvalidInputError(
+                "speculative decoding on a layout with recurrent states is not supported: a step writes the "
+                "state after its last draft, and a rejected draft would leave it wrong"
             )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -253,7 +274,11 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            new = mgr.allocate(seq, n)
+            drafts = self._drafts(req, n, budget)
+            new = mgr.allocate(seq, n, num_lookahead_tokens=len(drafts))
+            if new is None and drafts:  # drafts yield before anything is preempted
+                drafts = []
+                new = mgr.allocate(seq, n)
             while new is None:
                 victim = self._victim()
                 idx = self.running.index(victim)
@@ -267,7 +292,9 @@ class Scheduler:
                 continue
             out.num_scheduled_tokens[seq.seq_id] = n
             out.new_block_ids[seq.seq_id] = new
-            budget -= self._cost(req, seq.num_computed_tokens, n)
+            if drafts:
+                out.draft_tokens[seq.seq_id] = drafts
+            budget -= self._cost(req, seq.num_computed_tokens, n) + len(drafts)
             i += 1
         if not out.preempted:
             self._admit(out, budget)
@@ -276,6 +303,36 @@ class Scheduler:
             self._forget_ended(sid)
         self._unapplied = out
         return out
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The draft tokens ``req`` verifies this step (taken off it: drafts are used once): only on a
+        decode, within the step budget, ``max_model_len`` and the tokens it may still generate."""
+        drafts, req.draft_token_ids = req.draft_token_ids, []
+        seq = req.seq
+        if not drafts or n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
+            return []
+        k = min(len(drafts), budget - n, self.manager.max_model_len - seq.num_tokens,
+                req.max_new_tokens - seq.num_output_tokens - 1)
+        return drafts[:k] if k > 0 else []
+
+    def set_draft_tokens(self, seq_id: str, token_ids: Iterable[int]) -> None:
+        """Propose draft tokens for the next decode step of running sequence ``seq_id`` (at most
+        ``num_speculative_tokens``; replaces any earlier proposal). The step computes them after the
+        sequence's last token and ``update`` takes the accepted ones with the token sampled after."""
+        req = self.requests.get(seq_id)
+        if req is None or req.status is not Status.RUNNING:
+            raise InvalidInputError(f"sequence {seq_id!r} is not running: drafts are for running sequences")
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+            raise InvalidInputError(f"draft tokens must be an iterable of token ids, got {token_ids!r}")
+        drafts = list(token_ids)
+        limit = self.config.num_speculative_tokens
+        if len(drafts) > limit:
+            raise InvalidInputError(f"sequence {seq_id!r}: {len(drafts)} draft tokens; num_speculative_tokens "
+                                    f"is {limit}")
+        for t in drafts:
+            if type(t) is not int or t < 0:
+                raise InvalidInputError(f"sequence {seq_id!r}: draft token {t!r} is not a non-negative integer")
+        req.draft_token_ids = drafts
 
     def _chunk(self, req: Request, start: int, budget: int) -> int:
         """Tokens ``req`` computes this step from token ``start`` on (prompt chunks capped and weighted)."""
@@ -311,7 +368,8 @@ class Scheduler:
                 break
             if cfg.admission == "guaranteed_no_preemption" and not self._growth_fits(req, hit.num_blocks):
                 break
-            new = mgr.allocate(seq, n, hit=hit, num_external_tokens=external, whole_sequence_must_fit=True)
+            new = mgr.allocate(seq, n, hit=hit, num_external_tokens=external, whole_sequence_must_fit=True,
+                               reserve_lookahead_tokens=cfg.num_speculative_tokens)
             if new is None:
                 break
             self.waiting.pop(i)
@@ -429,6 +487,13 @@ class Scheduler:
             tokens: list[int] | None = None
             if seq.num_computed_tokens + n == seq.num_tokens:
                 tokens = _sampled_tokens(seq.seq_id, sampled.get(seq.seq_id))
+                drafts = out.draft_tokens.get(seq.seq_id, [])
+                if len(tokens) > 1 + len(drafts) or tokens[:-1] != drafts[:len(tokens) - 1]:
+                    raise InvalidInputError(
+                        f"sequence {seq.seq_id!r}: sampled {tokens} after drafts {drafts}: a step samples one "
+                        f"token after the accepted drafts, which lead it"
+                    )
+                tokens = self._kept(req, tokens)
                 if seq.num_tokens + len(tokens) > self.manager.max_model_len + 1:
                     raise InvalidInputError(
                         f"sequence {seq.seq_id!r}: {len(tokens)} sampled tokens would pass max_model_len "
@@ -443,6 +508,7 @@ class Scheduler:
             seq.num_computed_tokens += n
             if tokens is None:
                 continue
+            seq.num_computed_tokens += len(tokens) - 1  # the accepted drafts (a step samples one more)
             seq.append_token_ids(tokens)
             reason = self._finish_reason(req, tokens)
             if reason:
@@ -451,12 +517,23 @@ class Scheduler:
                 self.manager.free(seq)
                 self.stats.finished += 1
                 finished.append(req)
+            elif seq.seq_id in out.draft_tokens:
+                self.manager.release_lookahead(seq)  # the rejected drafts' blocks
         if finished:
             done = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in done]
             for req in finished:
                 self._forget_ended(req.seq_id)
         return finished
+
+    def _kept(self, req: Request, tokens: list[int]) -> list[int]:
+        """``tokens`` up to the first stop token and the request's ``max_new_tokens``."""
+        room = req.max_new_tokens - req.seq.num_output_tokens
+        kept = tokens[:max(1, room)]
+        for i, t in enumerate(kept):
+            if t in req.stop_token_ids:
+                return kept[:i + 1]
+        return kept
 
     def _finish_reason(self, req: Request, tokens: list[int]) -> str | None:
         seq = req.seq
