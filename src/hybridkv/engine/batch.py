@@ -35,6 +35,9 @@ class Batch:
     """Per request that needs every position's logits: (first logits row, rows, first position)."""
     num_prompt_tokens: int = 0
     """Prompt tokens (first computation or recomputation) in the step."""
+    drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    """Per request with draft tokens this step: (the logits row of its last token, its drafts); the
+    drafts' rows follow it, each predicting the token after its draft."""
 
     @property
     def num_logits_rows(self) -> int:
@@ -78,10 +81,12 @@ class BatchBuilder:
             self.windows.append(None)
 
     def build(self, scheduled: Mapping[str, int], seqs: Mapping[str, Sequence], tables: Callable[[str], Tables],
-              every_row: Callable[[str], bool], state_steps: StateSteps | None = None) -> Batch:
+              every_row: Callable[[str], bool], state_steps: StateSteps | None = None,
+              drafts: Mapping[str, list[int]] | None = None) -> Batch:
         """The batch of ``scheduled`` (request -> tokens this step); ``every_row(request)`` asks for
         the logits of every position it computes, not only the one it samples from; ``state_steps``
-        for a model with recurrent layers."""
+        for a model with recurrent layers; ``drafts`` (request -> draft tokens after its last token,
+        on the slots the manager gave its lookahead) for speculative decoding."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -93,12 +98,20 @@ class BatchBuilder:
         decodes: list[tuple[int, int, Tables]] = []  # (row, position, tables)
         parts: dict[int | None, list[AttentionPart]] = {w: [] for w in self.windows}
         states: list[StateSpan] = []
+        batch_drafts: dict[str, tuple[int, list[int]]] = {}
         for sid, n in scheduled.items():
             seq = seqs[sid]
             start = seq.num_computed_tokens
             num_prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
             row = len(ids)
             ids.extend(seq.token_ids[start:start + n])
+            draft = drafts.get(sid) if drafts else None
+            if draft:  # the step's token, then its drafts: each row's logits check the next draft
+                batch_drafts[sid] = (len(logits_rows), draft)
+                sampling_rows[sid] = len(logits_rows)
+                ids.extend(draft)
+                n += len(draft)
+                logits_rows.extend(range(row, row + n))
             positions.extend(range(start, start + n))
             table = tables(sid)
             for g, group_table in enumerate(table):
@@ -106,7 +119,9 @@ class BatchBuilder:
                     slots[g].extend(group_table[p // bs] * bs + p % bs for p in range(start, start + n))
             if state_steps is not None:
                 states.append(StateSpan(row, start, n, state_steps(sid, start, start + n)))
-            if every_row(sid):
+            if draft:
+                pass  # its rows are all logits rows already
+            elif every_row(sid):
                 spans[sid] = (len(logits_rows), n, start)
                 logits_rows.extend(range(row, row + n))
                 if start + n == seq.num_tokens:
@@ -131,7 +146,7 @@ class BatchBuilder:
         inputs = StepInputs(input_ids=index(ids), positions=index(positions),
                             slot_mapping=[index(s) for s in slots], parts=parts, logits_rows=index(logits_rows),
                             states=states)
-        return Batch(inputs, sampling_rows, spans, num_prompt_tokens)
+        return Batch(inputs, sampling_rows, spans, num_prompt_tokens, batch_drafts)
 
     def _part(self, members: list[tuple[int, int, int, Tables]], window: int | None) -> AttentionPart:
         """One attention call for ``members`` = (first row, first position, tokens, block tables), all

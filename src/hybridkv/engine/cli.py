@@ -26,6 +26,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="gguf: the GGUF's own 4/8-bit codes on torch's int4 CPU kernels; dense: dequantized to "
                         "--dtype; auto: gguf for bfloat16 on the CPU, else dense (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    p.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="speculative decoding: ngram drafts each decode step's next tokens by prompt lookup "
+                        "and the model verifies them in the same step (greedy output unchanged; default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens per step with --speculative, 1..8 (default 4)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--kv-cache-memory", type=size_arg, default=None, metavar="BYTES",
@@ -64,8 +69,18 @@ def engine_config(args: argparse.Namespace) -> Any:
                         weights=getattr(args, "weights", "auto"), device=args.device,
                         enable_prefix_caching=not args.no_prefix_caching, kv_tiers=tuple(tiers),
                         enforce_eager=getattr(args, "enforce_eager", False),
+                        speculative=getattr(args, "speculative", None),
+                        num_speculative_tokens=_speculative_tokens(args),
                         kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
                         kv_events_replay_endpoint=getattr(args, "kv_events_replay_endpoint", None), **options)
+
+
+def _speculative_tokens(args: argparse.Namespace) -> int:
+    """``--num-speculative-tokens`` (4 with ``--speculative`` alone; EngineConfig checks the range)."""
+    k = getattr(args, "num_speculative_tokens", None)
+    if k is None:
+        return 4 if getattr(args, "speculative", None) else 0
+    return int(k)
 
 
 def add_parser(sub: Any) -> None:

@@ -56,6 +56,11 @@ class EngineConfig:
     """Publish KV-cache events (vLLM's wire format) on this ZMQ endpoint, e.g. ``tcp://127.0.0.1:5557``."""
     kv_events_replay_endpoint: str | None = None
     """Serve missed event batches on this ZMQ endpoint (needs ``kv_events_endpoint``)."""
+    speculative: str | None = None
+    """``ngram``: each decode step verifies up to ``num_speculative_tokens`` draft tokens proposed by
+    prompt lookup (``hybridkv.engine.speculative``); None: one token per step."""
+    num_speculative_tokens: int = 0
+    """Draft tokens per step with ``speculative`` (1..8)."""
     enforce_eager: bool = False
     """Run every step eagerly; otherwise, on a GPU, decode-only steps replay CUDA graphs (as vLLM's flag)."""
     model: str = "gemma-3-270m"
@@ -73,6 +78,17 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidInputError(f"device {self.device!r}: this torch build ({torch.__version__}) has no CUDA "
                                     f"device available; use --device cpu")
+        from hybridkv.engine.speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
+
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise InvalidInputError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} (or unset), "
+                                    f"got {self.speculative!r}")
+        k = self.num_speculative_tokens
+        if type(k) is not int or (self.speculative is None and k) or (
+                self.speculative is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise InvalidInputError(
+                f"num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS} with speculative decoding and 0 "
+                f"without, got {k!r}" + ("" if self.speculative else " (set speculative='ngram')"))
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise InvalidInputError("kv_events_replay_endpoint needs kv_events_endpoint")
         for name in ("kv_cache_memory", "max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):

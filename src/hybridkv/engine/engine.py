@@ -36,10 +36,12 @@ from hybridkv.engine.sampling import (
     SamplingParams,
     TokenLogprob,
     apply_penalties,
+    distribution,
     make_generator,
     sample,
     token_logprobs,
 )
+from hybridkv.engine.speculative import NgramProposer, accept_greedy, accept_or_resample
 from hybridkv.engine.tiers import build_connector, parse_tier
 from hybridkv.engine.weights import parse_dtype
 from hybridkv.errors import InvalidInputError
@@ -111,6 +113,15 @@ class LLMEngine:
                 f"max_model_len={cfg.max_model_len} exceeds the model's context of {weights.max_position_embeddings}"
             )
         self.layout = plan_kv_layout(weights.layer_specs(cfg), cfg)
+        self.proposer: NgramProposer | None = None
+        """Draft tokens for each decode step (``speculative``)."""
+        if cfg.speculative is not None:
+            if self.layout.recurrent_states:
+                raise InvalidInputError(
+                    f"speculative decoding is not supported with {cfg.model}: its recurrent layers write their "
+                    f"state after a step's last draft, and a rejected draft would leave the state wrong"
+                )
+            self.proposer = NgramProposer(cfg.num_speculative_tokens)
         self.manager = KVCacheManager(
             self.layout, cfg.max_model_len, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
             retention=cfg.retention, hash_algorithm=cfg.hash_algorithm,  # type: ignore[arg-type]
@@ -129,6 +140,7 @@ class LLMEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             policy=cfg.policy,  # type: ignore[arg-type]  # validated by SchedulerConfig
+            num_speculative_tokens=cfg.num_speculative_tokens,
         ))
         self.group_windows = group_windows(self.layout)
         self.block_size = self.layout.groups[0].spec.block_size
@@ -293,6 +305,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs for every request that progressed or ended."""
         start = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         now = time.monotonic()
         for sid in out.admitted:
@@ -308,7 +322,7 @@ class LLMEngine:
                     for sid, fetched in out.external.items():
                         self.connector.write(fetched, self.manager.block_table(sid), self.kv.write_block)
                 seqs = {s: self._tracked[s].seq for s in out.num_scheduled_tokens}
-                replayed = None if self.graphs is None else self.graphs.replay(
+                replayed = None if self.graphs is None or out.draft_tokens else self.graphs.replay(
                     out.num_scheduled_tokens, seqs, self.manager.block_table, self._every_row)
                 if replayed is not None:  # a decode-only step, run as a CUDA graph
                     self._offer(out.num_scheduled_tokens)
@@ -316,7 +330,8 @@ class LLMEngine:
                 else:
                     batch = self.batcher.build(out.num_scheduled_tokens, seqs, self.manager.block_table,
                                                self._every_row,
-                                               self.manager.state_steps if self.layout.recurrent_states else None)
+                                               self.manager.state_steps if self.layout.recurrent_states else None,
+                                               out.draft_tokens)
                     self._run(batch, out.num_scheduled_tokens, sampled, failed)
             except Exception as exc:
                 logger.exception("the model step failed; ending every running request with an error")
@@ -333,10 +348,12 @@ class LLMEngine:
             self.scheduler.abort(sid)
             t = self._tracked[sid]
             t.stopped, t.error = "error", message
+        before = {sid: self._tracked[sid].seq.num_tokens for sid in sampled}
         finished = set()
         for r in self.scheduler.update(out, sampled):
             finished.add(r.seq_id)
             self._tracked[r.seq_id].finish_reason = r.finish_reason
+        generated = sum(self._tracked[sid].seq.num_tokens - n for sid, n in before.items())
         for sid, reason in out.rejected:
             if sid in self._tracked:
                 self._tracked[sid].finish_reason = reason
@@ -353,7 +370,7 @@ class LLMEngine:
         if self.events is not None:
             tiers = self.connector.take_events() if self.connector is not None else ()
             self.events.publish_manager(self.manager, tiers=tiers)
-        self.metrics.generation_tokens += len(sampled)
+        self.metrics.generation_tokens += generated
         self.metrics.steps += 1
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         return list(outputs.values())
@@ -383,7 +400,10 @@ class LLMEngine:
         with torch.inference_mode():
             for lo in range(0, batch.num_logits_rows, LOGITS_SLICE):
                 logits = self.scoring_head(hidden_or_logits[lo:lo + LOGITS_SLICE])
-                self._consume(batch, lo, logits, sampled, failed)
+                self._consume(batch, lo, logits, sampled, failed, verify=False)
+            for sid, (first, drafts) in batch.drafts.items():  # whole: a slice could split them
+                self._verify(sid, self.scoring_head(hidden_or_logits[first:first + len(drafts) + 1]), drafts,
+                             sampled, failed)
 
     def _every_row(self, sid: str) -> bool:
         return self._tracked[sid].every_row()
@@ -400,9 +420,10 @@ class LLMEngine:
             self.connector.store(seq, first + n, self.manager.block_table(sid), self.kv.read_block, first)
 
     def _consume(self, batch: Batch, lo: int, logits: torch.Tensor, sampled: dict[str, list[int]],
-                 failed: dict[str, str], argmax: list[int] | None = None) -> None:
+                 failed: dict[str, str], argmax: list[int] | None = None, *, verify: bool = True) -> None:
         """Use logits rows ``lo .. lo + len(logits)``: score spans, sample sampling rows (``argmax``:
-        each row's greedy token, already computed on the device)."""
+        each row's greedy token, already computed on the device), verify drafts (unless ``verify``
+        is False: the caller does it)."""
         hi = lo + len(logits)
         for sid, (first, count, position) in batch.spans.items():
             a, b = max(first, lo), min(first + count, hi)
@@ -418,14 +439,72 @@ class LLMEngine:
             except Exception as exc:
                 logger.exception("scoring request %s failed", sid)
                 failed[sid] = f"scoring the prompt failed: {exc!r}"
+        for sid, (first, drafts) in batch.drafts.items() if verify else ():
+            if sid not in failed:
+                self._verify(sid, logits[first - lo:first - lo + len(drafts) + 1], drafts, sampled, failed)
         for sid, row in batch.sampling_rows.items():
-            if lo <= row < hi and sid not in failed:
+            if lo <= row < hi and sid not in failed and sid not in batch.drafts:
                 try:
                     greedy = None if argmax is None else argmax[row - lo]
                     sampled[sid] = [self._sample(self._tracked[sid], logits[row - lo], greedy)]
                 except Exception as exc:
                     logger.exception("sampling request %s failed", sid)
                     failed[sid] = f"sampling failed: {exc!r}"
+
+    def _propose(self) -> None:
+        """Draft tokens for the next step of every decoding sequence (logits sinks excepted: they take
+        one row per position)."""
+        assert self.proposer is not None
+        for req in self.scheduler.running:
+            seq = req.seq
+            if seq.num_computed_tokens + 1 != seq.num_tokens or seq.num_computed_tokens < seq.num_prompt_tokens:
+                continue
+            t = self._tracked.get(seq.seq_id)
+            if t is None or t.logits_sink is not None:
+                continue
+            drafts = self.proposer.propose(seq.token_ids)
+            if drafts:
+                self.scheduler.set_draft_tokens(seq.seq_id, drafts)
+
+    def _verify(self, sid: str, rows: torch.Tensor, drafts: list[int], sampled: dict[str, list[int]],
+                failed: dict[str, str]) -> None:
+        """The tokens a step with ``drafts`` emits from its logits ``rows`` (``speculative``); a
+        failure ends the request."""
+        try:
+            sampled[sid] = self._accept(self._tracked[sid], rows, drafts)
+        except Exception as exc:
+            logger.exception("verifying the drafts of request %s failed", sid)
+            failed[sid] = f"sampling failed: {exc!r}"
+
+    def _accept(self, t: _Tracked, rows: torch.Tensor, drafts: list[int]) -> list[int]:
+        """Accepted drafts then one token (``hybridkv.engine.speculative``'s rules)."""
+        params = t.params
+        if params.greedy and not params.has_penalties:
+            tokens = accept_greedy(drafts, rows.argmax(-1).tolist())
+        else:
+            output_ids = t.seq.token_ids[t.seq.num_prompt_tokens:]
+            tokens = []
+            for i, row in enumerate(rows):
+                logits = apply_penalties(row, params, t.prompt_ids, output_ids + tokens)
+                if i == len(drafts):  # every draft accepted: the token after the last
+                    tokens.append(sample(logits, params, t.generator))
+                    break
+                probs = None if params.greedy else distribution(logits, params)
+                if probs is None:  # greedy (or a degenerate distribution): the argmax decides
+                    best = int(torch.argmax(logits))
+                    tokens.append(best)
+                    if best != drafts[i]:
+                        break
+                    continue
+                accepted, token = accept_or_resample(probs, drafts[i], t.generator)
+                tokens.append(token)
+                if not accepted:
+                    break
+        if params.logprobs is not None:
+            for row, token in zip(rows, tokens):
+                t.logprobs.extend(token_logprobs(row[None], [token], params.logprobs))
+        self.metrics.on_drafts(len(drafts), len(tokens) - 1)
+        return tokens
 
     def _score_prompt(self, t: _Tracked, position: int, rows: torch.Tensor) -> None:
         """Prompt log-probabilities from the logits of positions ``position ..`` (row i predicts token i + 1)."""
@@ -506,7 +585,7 @@ class LLMEngine:
             num_cached_tokens=t.num_cached_tokens or 0, num_external_tokens=t.num_external_tokens,
             ttft=None if t.first_token_at is None else t.first_token_at - t.arrival,
             latency=now - t.arrival if finished else None,
-            logprobs=list(t.logprobs) if t.params.logprobs is not None else None,
+            logprobs=list(t.logprobs[:len(out_ids)]) if t.params.logprobs is not None else None,
             prompt_logprobs=prompt_logprobs, error=t.error,
         )
 

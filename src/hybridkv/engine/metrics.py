@@ -40,6 +40,8 @@ VLLM_METRICS = frozenset({
     "request_queue_time_seconds", "request_inference_time_seconds", "request_prefill_time_seconds",
     "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens",
     "request_params_max_tokens", "request_params_n", "iteration_tokens_total",
+    "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_accepted_tokens_per_pos_total",
 })
 """The metrics vLLM exports under ``vllm:<name>`` (the name as rendered, counters with ``_total``)."""
 
@@ -139,6 +141,12 @@ class EngineMetrics:
     request_n: Histogram = field(default_factory=lambda: Histogram(REQUEST_PARAMS_N_BUCKETS))
     iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))
     step_seconds: Histogram = field(default_factory=Histogram)
+    spec_drafts: int = 0
+    """Decode steps of a request that verified drafts (speculative decoding)."""
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: Counter[int] = field(default_factory=Counter)
+    """Accepted drafts by their position in the step's drafts (0: the first)."""
 
     def __post_init__(self) -> None:
         buckets = token_buckets(self.max_model_len)
@@ -180,6 +188,14 @@ class EngineMetrics:
             self.decode_seconds.observe(decode)
             self.request_prompt_tokens.observe(num_prompt)
             self.request_generation_tokens.observe(num_generated)
+
+    def on_drafts(self, drafted: int, accepted: int) -> None:
+        """One request's step verified ``drafted`` draft tokens and accepted the first ``accepted``."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+        for position in range(accepted):
+            self.spec_accepted_per_position[position] += 1
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -225,6 +241,9 @@ class EngineMetrics:
             "computed_tokens_total": (self.computed_tokens,
                                       "Tokens the model ran (prompt chunks, recomputation, decodes)."),
             "engine_steps_total": (self.steps, "Engine steps run."),
+            "spec_decode_num_drafts_total": (self.spec_drafts, "Number of spec decoding drafts."),
+            "spec_decode_num_draft_tokens_total": (self.spec_draft_tokens, "Number of draft tokens."),
+            "spec_decode_num_accepted_tokens_total": (self.spec_accepted_tokens, "Number of accepted tokens."),
         }
         for name, (value, help_text) in plain.items():
             family(name, "counter", help_text, [("", value)])
@@ -233,6 +252,10 @@ class EngineMetrics:
         family("prefix_cache_lost_tokens_total", "counter",
                "Prompt tokens the full-attention layers held but the prefix hit did not serve, by the cause "
                "that cut the hit.", [(f'cause="{c}"', self.lost_hits[c]) for c in LOSS_CAUSES])
+        if self.spec_accepted_per_position:
+            family("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted tokens per draft position.",
+                   [(f'position="{p}"', self.spec_accepted_per_position[p])
+                    for p in range(max(self.spec_accepted_per_position) + 1)])
         family("request_success_total", "counter", "Count of successfully processed requests.",
                [(f'finished_reason="{r}"', self.finished[r]) for r in FINISH_REASONS])
         histograms = (

@@ -189,6 +189,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """One token from float32 ``logits [vocab]`` (penalties already applied)."""
     if params.greedy:
         return int(torch.argmax(logits))
+    probs = distribution(logits, params)
+    if probs is None:
+        return int(torch.argmax(logits))  # a degenerate distribution (NaN logits): fall back to greedy
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """The probabilities ``sample`` draws from (temperature, top-k, top-p applied to ``logits``,
+    penalties already applied); None for a degenerate one (NaN logits). Not for greedy params."""
     scaled = logits / params.temperature
     if 0 < params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -201,8 +210,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         scaled = scaled.index_put((order[drop],), torch.tensor(float("-inf")))
     probs = torch.softmax(scaled, dim=-1)
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-        return int(torch.argmax(logits))  # a degenerate distribution (NaN logits): fall back to greedy
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+        return None
+    return probs
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:

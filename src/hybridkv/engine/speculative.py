@@ -1,0 +1,74 @@
+"""Speculative decoding: n-gram (prompt-lookup) drafts and their verification.
+
+Each decode step of a sequence with drafts computes its last token and the ``k`` draft tokens in
+one row each of the packed batch; row ``i``'s logits give the token after draft ``i``. Drafts are
+accepted left to right while each is what the target model chooses there:
+
+* greedy: the draft equals the row's argmax; the first that differs is replaced by the argmax, and
+  when all are accepted the last row's argmax follows (so the tokens are exactly those of decoding
+  one token per step);
+* sampling (temperature > 0): the draft ``d`` proposed with certainty is accepted with probability
+  ``p(d)`` (the target distribution after temperature, top-k and top-p); on rejection the token is
+  drawn from ``p`` with ``d`` removed and renormalized. For a proposal that puts all its mass on
+  ``d`` this is the speculative-sampling rule (accept with ``min(1, p/q)``, resample from
+  ``(p - q)+``): every emitted token has the target distribution. The request's seeded generator
+  draws the acceptance tests and the samples, so a seed gives the same text every run (not the
+  same text as without speculation: the draws differ).
+
+The manager never registers a draft: a step's drafts sit on lookahead slots, and only the accepted
+ones, once the scheduler advances the sequence over them, enter the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+MAX_SPECULATIVE_TOKENS = 8
+"""Most draft tokens per step the engine proposes (``--num-speculative-tokens``)."""
+SPECULATIVE_METHODS = ("ngram",)
+
+
+class NgramProposer:
+    """Prompt-lookup drafts: the tokens that followed the latest earlier occurrence of the sequence's
+    last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``), at most ``k`` of them."""
+
+    def __init__(self, k: int, min_n: int = 1, max_n: int = 4) -> None:
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, tokens: Seq[int]) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``tokens`` (empty when no n-gram recurs)."""
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            pattern = list(tokens[length - n:])
+            last = pattern[-1]
+            for j in range(length - 2, n - 2, -1):  # where an earlier occurrence ends, latest first
+                if tokens[j] == last and list(tokens[j - n + 1:j + 1]) == pattern:
+                    return list(tokens[j + 1:j + 1 + self.k])
+        return []
+
+
+def accept_greedy(drafts: list[int], argmax: list[int]) -> list[int]:
+    """The tokens a greedy step emits: drafts while they equal the row's argmax, then the argmax of
+    the first row that differs (or of the row after the last draft)."""
+    out: list[int] = []
+    for d, best in zip(drafts, argmax):
+        if d != best:
+            break
+        out.append(d)
+    out.append(argmax[len(out)])
+    return out
+
+
+def accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generator) -> tuple[bool, int]:
+    """Speculative sampling for a draft proposed with certainty: ``(True, draft)`` with probability
+    ``probs[draft]``, else ``(False, t)`` with ``t`` drawn from ``probs`` without ``draft``."""
+    p = probs.double().cpu()
+    if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(p[draft]):
+        return True, draft
+    rest = p.clone()
+    rest[draft] = 0.0
+    if float(rest.sum()) <= 0:  # the draft had all the mass (and lost to rounding): it stands
+        return True, draft
+    return False, int(torch.multinomial(rest / rest.sum(), 1, generator=generator))
