@@ -1,5 +1,5 @@
-"""The README's examples run as a newcomer pastes them: every ```bash and ```python block, and the
-example trace file.
+"""The examples of the README and of ``docs/`` run as a newcomer pastes them: every ```bash and
+```python block, and the example trace file.
 
 A block preceded by ``<!-- readme-test: skip (reason) -->`` is not run (it installs packages or
 needs something outside the repository); one preceded by ``<!-- readme-test: model -->`` needs the
@@ -26,6 +26,8 @@ import pytest
 from hybridkv.planning import get_preset
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = [README, *sorted((README.parent / "docs").glob("*.md"))]
+"""The README and the documents it points to: their examples run, their links resolve."""
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _MARK = re.compile(r"^<!-- readme-test: (\w+)")
 
@@ -36,16 +38,19 @@ class Example:
     lang: str
     code: str
     mark: str  # "run", "model" or "skip"
+    path: Path = README
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}:{self.lang}"
+        return f"{self.path.relative_to(README.parent)}:{self.line}:{self.lang}"
 
 
-def examples() -> list[Example]:
-    """Every fenced block of the README with its language and mark."""
+def examples(path: Path | None = None) -> list[Example]:
+    """Every fenced block of ``path`` (default: the README and every document) with its language and mark."""
+    if path is None:
+        return [e for doc in DOCS for e in examples(doc)]
     out: list[Example] = []
-    lines = README.read_text().splitlines()
+    lines = path.read_text().splitlines()
     i = 0
     while i < len(lines):
         fence = _FENCE.match(lines[i])
@@ -61,7 +66,8 @@ def examples() -> list[Example]:
         i += 1
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         mark = _MARK.match(before)
-        out.append(Example(start + 1, fence.group(1), "\n".join(body) + "\n", mark.group(1) if mark else "run"))
+        out.append(Example(start + 1, fence.group(1), "\n".join(body) + "\n", mark.group(1) if mark else "run",
+                           path))
     return out
 
 
@@ -128,7 +134,7 @@ def test_the_examples_that_need_the_model(workdir: Path) -> None:
         assert "Traceback" not in done.stderr
         if "examples/tiers/" in example.code:  # the external-tier example reproduces what the README says of it
             tiers, total = re.findall(r"\*\*(\d+) of its (\d+) from the tiers\*\*",
-                                       " ".join(README.read_text().split()))[0]
+                                       " ".join(example.path.read_text().split()))[0]
             assert f"[p3: {total} prompt tokens (0 from the prefix cache, {tiers} from KV tiers)" in done.stderr, \
                 done.stderr
 
@@ -151,12 +157,32 @@ def test_the_example_trace_simulates(workdir: Path) -> None:
     assert json.loads(done.stdout)["finished"] == 5
 
 
-def test_the_readme_links_nothing_outside_the_repository() -> None:
-    text = README.read_text()
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_the_docs_link_nothing_outside_the_repository(doc: Path) -> None:
+    text = doc.read_text()
     assert "shared/" not in text and "/work/" not in text
     for target in re.findall(r"\]\(([^)]+)\)", text):
-        if not target.startswith(("http://", "https://", "#")):
-            assert (README.parent / target).exists(), target
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = doc.parent / path if path else doc
+        assert linked.exists(), target
+        if anchor:
+            assert anchor in _anchors(linked), f"{target}: no such heading"
+
+
+def _anchors(doc: Path) -> set[str]:
+    """The anchors a Markdown renderer gives ``doc``'s headings (GitHub's rule)."""
+    out = set()
+    for line in doc.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
+def test_the_readme_stays_short() -> None:
+    assert len(README.read_text().splitlines()) <= 300  # details live in docs/
 
 
 def test_the_commands_after_make_demo_say_to_activate_the_virtual_environment_first() -> None:
@@ -164,7 +190,7 @@ def test_the_commands_after_make_demo_say_to_activate_the_virtual_environment_fi
     `hybridkv` commands start, and every example then calls the command the same way."""
     lines = README.read_text().splitlines()
     make = next(i for i, line in enumerate(lines) if line.startswith("make demo"))
-    first = min(e.line for e in RUNNABLE if e.lang == "bash" and e.line > make
+    first = min(e.line for e in RUNNABLE if e.path == README and e.lang == "bash" and e.line > make
                 and re.search(r"^hybridkv ", e.code, re.MULTILINE))
     between = "\n".join(lines[make:first])
     assert ". .venv/bin/activate" in between and "`.venv/bin/hybridkv`" in between, between

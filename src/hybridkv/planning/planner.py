@@ -78,7 +78,7 @@ class Plan:
     report: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        """A machine-readable document with stable keys (documented in the README)."""
+        """A machine-readable document with stable keys (documented in docs/SIMULATOR.md)."""
         return self.report
 
 
