@@ -223,3 +223,34 @@ def test_the_embedded_model_repeats_a_document_with_drafts_and_the_same_tokens()
             assert eng.metrics.spec_accepted_tokens >= 10  # it copies: most drafts are right
             assert eng.metrics.steps < 32
     assert outs[1] == outs[0]
+
+
+def test_the_server_speculates_and_exports_the_counters(weights: Gemma3Weights) -> None:
+    # A server started with speculation (what `serve --speculative ngram` builds) answers, and its
+    # /metrics carries the draft counters under vLLM's names.
+    import asyncio
+
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from hybridkv.server.app import build_app
+    from hybridkv.server.async_engine import AsyncEngine
+
+    eng = engine(weights, 4)
+    async_engine = AsyncEngine(eng, "tiny", metrics_names="vllm")
+
+    async def main() -> tuple[Any, str]:
+        transport = httpx.ASGITransport(app=build_app(async_engine, "tiny"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompts(8)[0],
+                                                              "max_tokens": 40, "temperature": 0})
+            metrics = await client.get("/metrics")
+            return resp, metrics.text
+
+    try:
+        resp, metrics = asyncio.run(main())
+    finally:
+        async_engine.shutdown(False)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 40
+    drafted = next(x for x in metrics.splitlines() if x.startswith("vllm:spec_decode_num_draft_tokens_total"))
+    assert float(drafted.rsplit(" ", 1)[1]) > 0
