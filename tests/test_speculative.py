@@ -60,10 +60,10 @@ def test_a_draft_is_never_a_prefix_hit() -> None:
     step(sched, [901] * 8, [901] * 8 + [7])  # all accepted: 31 + 9 tokens, 39 computed
     mgr = sched.manager
     assert seq.num_computed_tokens == 39
-    # Verified blocks register at the next allocate; block 2 (slots 32..47) holds verified tokens
-    # up to 40 only and the rest were drafts' slots: not a full block, not cached.
+    # Block 1 (16..31), full of verified tokens, is registered once they are verified; block 2
+    # (slots 32..47) holds verified tokens up to 39 only and the rest were drafts' slots: not cached.
     probe = Sequence("p", seq.token_ids + [1] * 20)
-    assert mgr.lookup(probe).num_tokens == 16
+    assert mgr.lookup(probe).num_tokens == 32
     step(sched, [], [8])
     assert mgr.lookup(probe).num_tokens == 32
 
@@ -168,11 +168,12 @@ def test_verified_drafts_are_stored_with_their_tokens_and_rejected_ones_never() 
     out = sched.schedule()
     assert not mgr.take_events()  # block 1 (16..31) ends at draft position 31: not yet verified
     sched.update(out, {"a": [901, 902, 5]})
-    assert not any(isinstance(e, BlockRemoved) for e in mgr.take_events())  # draft blocks were never stored
-    sched.update(sched.schedule(), {"a": [6]})
-    stored = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
-    assert [e.token_ids for e in stored] == [tuple(range(16, 30)) + (900, 901)]
-    assert all(77 not in e.token_ids for e in stored)
+    events = mgr.take_events()  # verified: block 1 holds 900 and 901; block 2 (32..47) only 902
+    assert not any(isinstance(e, BlockRemoved) for e in events)  # draft blocks were never stored
+    assert [e.token_ids for e in events if isinstance(e, BlockStored)] == [tuple(range(16, 30)) + (900, 901)]
+    sched.set_draft_tokens("a", [77] * 8)
+    sched.update(sched.schedule(), {"a": [6]})  # all rejected: block 2 holds 902, 5 and rejected drafts
+    assert not mgr.take_events()
 
 
 def test_release_frees_exactly_the_blocks_wholly_past_the_verified_tokens() -> None:
@@ -386,4 +387,19 @@ def test_release_after_a_step_planned_again_keeps_its_registered_blocks() -> Non
     mgr.check_invariants()
     mgr.free(seq)
     assert mgr.pool.num_cached_blocks == 0
+    mgr.check_invariants()
+
+
+def test_blocks_accepted_drafts_fill_are_cached_when_the_request_finishes() -> None:
+    # The last step accepts drafts that fill block 1; the request ends there (max_new_tokens) and
+    # the next turn, its prompt and answer, hits them.
+    mgr = manager(64, full(16), swa(32, 16), max_model_len=512, batch=256)
+    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=256, num_speculative_tokens=8))
+    seq = Sequence("a", tokens(0, 30))
+    sched.add(seq, max_new_tokens=6)
+    sched.update(sched.schedule(), {"a": [900]})
+    sched.set_draft_tokens("a", [901, 902, 903, 904])
+    finished = sched.update(sched.schedule(), {"a": [901, 902, 903, 904, 905]})
+    assert [r.seq_id for r in finished] == ["a"] and seq.num_computed_tokens == 35
+    assert mgr.lookup(Sequence("turn2", seq.token_ids + tokens(700, 10))).num_tokens == 32
     mgr.check_invariants()

@@ -548,8 +548,8 @@ class KVCacheManager:
         drafts (at most the slots the step held) and appended the accepted tokens. Drafts were never
         registered in the prefix cache (``allocate`` registers the ``num_new_tokens`` only); a block
         holding verified tokens and rejected drafts keeps only the verified ones: it is registered
-        once its verified tokens fill it, and its rejected slots are written again before any step
-        reads them. The next ``allocate`` starts from the verified count."""
+        once its verified tokens fill it (here, or at a later step), and its rejected slots are written
+        again before any step reads them. The next ``allocate`` starts from the verified count."""
         self._check_sequence(seq)
         sid = seq.seq_id
         if self._seqs.get(sid) is not seq:
@@ -582,6 +582,7 @@ class KVCacheManager:
                 del table[keep:]
         if freed:
             self.pool.free(freed)
+        self._register_verified(seq, computed)
         self._idle_until.pop(seq, None)  # the next allocate takes the checked path
         self._progress[sid] = (computed, computed, computed)
         self._reach[sid] = (tokens, tokens)
@@ -645,6 +646,15 @@ class KVCacheManager:
                 g.register(sid, self.block_hashes(seq, g), computed, known,
                            self._event_tokens(seq) if self.pool.enable_events else None)
 
+    def _register_verified(self, seq: Sequence, computed: int) -> None:
+        """Enter the attention blocks the first ``computed`` tokens fill that are not in yet: those
+        accepted drafts completed (verified, so their KV is the sequence's own)."""
+        sid = seq.seq_id
+        for g in self._caching:
+            if not g.registers_when_computed and computed // g.block_size > g.num_cached[sid]:
+                g.register(sid, self.block_hashes(seq, g), computed, computed,
+                           self._event_tokens(seq) if self.pool.enable_events else None)
+
     def _register_computed(self, seq: Sequence, computed: int) -> None:
         """Enter the recurrent checkpoints of the first ``computed`` tokens (those the caller reports computed)."""
         for g in self._deferred:
@@ -687,6 +697,8 @@ class KVCacheManager:
         computed = self._computed_tokens(stored)
         if self._deferred:
             self._register_computed(stored, computed)
+        if computed > self._progress[sid][1]:  # accepted drafts past the last step's tokens
+            self._register_verified(stored, computed)
         for g in self._caching:
             stale = g.uncomputed_blocks(sid, computed)
             if stale:
