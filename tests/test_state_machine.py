@@ -6,6 +6,8 @@
   tokens, chunked prefill, decode, finish, preemption and cache resets. Every step is checked
   against an independent model of the expected hit, block tables and free-block accounting,
   and ``check_invariants()`` runs after every step.
+  Speculative decode steps allocate up to 8 draft slots, accept a random number of them and
+  release the rest (``release_lookahead``); a layout with a recurrent state refuses them.
 * ``TestBlockPoolStateMachine`` drives ``BlockPool`` directly against a full model of its free
   tiers (uncached, fresh, low, lru, retained), reference counts, hash index and events.
 * Focused properties: cache salts; minimal reproductions of the bugs the machines found.
@@ -34,6 +36,7 @@ from hybridkv import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    InvalidInputError,
     KVCacheGroup,
     KVCacheLayout,
     KVCacheManager,
@@ -244,6 +247,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.plans: dict[str, list[tuple[int, int]]] = {}
         self.checkpoint_blocks = min((g.spec().checkpoint_blocks for g in self.groups  # type: ignore[attr-defined]
                                       if g.kind == "mamba_align"), default=0)
+        # A recurrent state cannot verify drafts: such a layout refuses lookahead tokens.
+        self.drafts = not any(g.kind.startswith("mamba") for g in self.groups)
 
     # ------------------------------------------------------------------ helpers
     def _hashes(self, seq: Sequence) -> list[list[bytes]]:
@@ -641,7 +646,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
 
     def _lookahead(self, data: st.DataObject, seq: Sequence, n: int) -> int:
         room = min(self.mnbt - n, self.mml - seq.num_computed_tokens - n, 3)
-        if room <= 0:
+        if room <= 0 or not self.drafts:
             return 0
         return data.draw(st.integers(0, room), label="lookahead")
 
@@ -665,6 +670,60 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         seq = self.running[data.draw(st.sampled_from(self._decodable()), label="sequence")]
         seq.append_token_ids([data.draw(st.integers(0, VOCAB - 1), label="token")])
         self._step(seq, 1, self._lookahead(data, seq, 1))
+
+    def speculate(self, data: st.DataObject) -> None:
+        """A speculative decode step: append the step's token, allocate it with 0..8 draft slots, accept
+        a random number of the drafts (their tokens appended, the count advanced over them) and release
+        the rejected ones' slots; a layout with a recurrent state refuses the drafts."""
+        mgr = self.mgr
+        assert mgr is not None
+        seq = self.running[data.draw(st.sampled_from(self._decodable()), label="sequence")]
+        sid = seq.seq_id
+        seq.append_token_ids([data.draw(st.integers(0, VOCAB - 1), label="token")])
+        room = min(8, self.mnbt - 1, self.mml - seq.num_tokens)
+        if not self.drafts:
+            before = pool_state(self.pool)
+            tables = self._tables()
+            with pytest.raises(InvalidInputError, match="recurrent state"):
+                mgr.allocate(seq, 1, num_lookahead_tokens=max(1, room))
+            with pytest.raises(InvalidInputError, match="recurrent state"):
+                mgr.release_lookahead(seq)
+            assert pool_state(self.pool) == before and self._tables() == tables, "a refused draft step changed things"
+            self._step(seq, 1, 0)
+            return
+        k = data.draw(st.integers(0, max(0, room)), label="drafts")
+        failures = self.expected_stats["allocation_failures"]
+        self._step(seq, 1, k)  # checks the allocation against the model, advances the count over the step's token
+        if self.expected_stats["allocation_failures"] > failures:
+            return  # did not fit: the sequence stays as it was (the scheduler retries without drafts)
+        accepted = data.draw(st.integers(0, k), label="accepted")
+        seq.append_token_ids(data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=accepted, max_size=accepted),
+                                       label="accepted tokens"))
+        seq.num_computed_tokens += accepted
+        if data.draw(st.integers(0, 5), label="keep the draft slots") == 0:
+            # A caller may keep the slots (the next steps write them again): nothing is freed.
+            self._record_contents(seq, mgr.block_table(sid), (), seq.num_computed_tokens, 0)
+            return
+        own = mgr.block_table(sid)
+        others = {k_: v for k_, v in self._tables().items() if k_ != sid}
+        ref_before = list(self.pool.ref_cnt)
+        free_before = mgr.num_free_blocks
+        freed = mgr.release_lookahead(seq)
+        tables = mgr.block_table(sid)
+        expected = []
+        for g, table in zip(self.groups, own):
+            keep = cdiv(seq.num_computed_tokens, g.block_size) if g.kind != "cross" else len(table)
+            expected.append(table[:keep])
+        assert tables == tuple(expected), f"release_lookahead left {tables}, expected {tuple(expected)}"
+        gone = [b for table, kept in zip(own, tables) for b in table[len(kept):] if b != NULL]
+        assert freed == len(gone), f"release_lookahead reported {freed} blocks, freed {gone}"
+        for b in gone:
+            assert ref_before[b] == 1 and self.pool.ref_cnt[b] == 0, f"draft block {b} shared or not released"
+            assert self.pool.block_hash[b] is None, f"draft block {b} was cached"
+            self.contents.pop(b, None)
+        assert mgr.num_free_blocks == free_before + freed, "free-block accounting"
+        assert {k_: v for k_, v in self._tables().items() if k_ != sid} == others, "another sequence's table changed"
+        self._record_contents(seq, tables, (), seq.num_computed_tokens, 0)
 
     def _release(self, sid: str, by_id: bool) -> Sequence:
         mgr = self.mgr
@@ -723,7 +782,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         if self._prefilling():
             actions += ["continue_prefill"] * 4
         if self._decodable():
-            actions += ["decode"] * 4
+            actions += ["decode"] * 4 + ["speculate"] * 3
         if self.running:
             actions += ["finish", "preempt"]
         getattr(self, data.draw(st.sampled_from(actions), label="action"))(data)

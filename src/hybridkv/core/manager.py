@@ -173,6 +173,13 @@ class KVCacheManager:
         # be re-planned or run in part. ``free`` trusts a count between ``base`` and ``ceiling`` and
         # otherwise takes ``base`` (the step never ran).
         self._progress: dict[str, tuple[int, int, int]] = {}
+        # Per running sequence, (tokens, slots): the most tokens any allocation gave slots to as
+        # computed, external or new tokens (never drafts: no block is registered past them), and the
+        # most slots, lookahead included, any allocation gave since its admission or its last
+        # ``release_lookahead`` (which keeps the blocks of the verified tokens only). A table that
+        # holds lookahead slots has no entry past what these slots need.
+        self._reach: dict[str, tuple[int, int]] = {}
+        self._draft_blockers = [g for g in self.groups if not g.supports_drafts]
         self._whole_steps = bool(self._deferred)
         # Running sequences whose hit took blocks another sequence was to compute in the same step,
         # freed before it ran: that KV will never be written, so they cannot go on (free them).
@@ -392,10 +399,12 @@ class KVCacheManager:
             idle = None
         if idle is not None and hit is None and not num_external_tokens and not whole_sequence_must_fit:
             computed = seq.num_computed_tokens
-            if (type(num_new_tokens) is int and type(num_lookahead_tokens) is int and type(computed) is int
-                    and 0 < num_new_tokens <= self.max_num_batched_tokens - num_lookahead_tokens
-                    and num_lookahead_tokens >= 0 and computed >= self._progress[seq.seq_id][self._whole_steps]
-                    and computed + num_new_tokens + num_lookahead_tokens <= idle
+            # A step with drafts takes the checked path: release_lookahead needs its exact progress.
+            if (type(num_new_tokens) is int and type(num_lookahead_tokens) is int and not num_lookahead_tokens
+                    and type(computed) is int
+                    and 0 < num_new_tokens <= self.max_num_batched_tokens
+                    and computed >= self._progress[seq.seq_id][self._whole_steps]
+                    and computed + num_new_tokens <= idle
                     and computed + num_new_tokens <= seq.num_tokens <= self.max_model_len):
                 return self._no_new_blocks()  # the step has nothing to allocate, register or drop
 
@@ -404,6 +413,8 @@ class KVCacheManager:
         if type(reserve_lookahead_tokens) is not int or reserve_lookahead_tokens < 0:
             raise InvalidInputError(
                 f"reserve_lookahead_tokens must be a non-negative integer, got {reserve_lookahead_tokens!r}")
+        if (num_lookahead_tokens or reserve_lookahead_tokens) and self._draft_blockers:
+            self._refuse_drafts(num_lookahead_tokens or reserve_lookahead_tokens)
         sid = seq.seq_id
         groups = self.groups
         pool = self.pool
@@ -513,6 +524,8 @@ class KVCacheManager:
         if num_lookahead_tokens and total > ceiling:
             ceiling = total  # verified drafts advance the count into the step's lookahead slots
         self._progress[sid] = (computed, known, ceiling)
+        reach = self._reach.get(sid)
+        self._reach[sid] = (known, total) if reach is None else (max(reach[0], known), max(reach[1], total))
         if adopted is not None:
             st = self._stats
             st.admissions += 1
@@ -535,12 +548,14 @@ class KVCacheManager:
         drafts (at most the slots the step held) and appended the accepted tokens. Drafts were never
         registered in the prefix cache (``allocate`` registers the ``num_new_tokens`` only); a block
         holding verified tokens and rejected drafts keeps only the verified ones: it is registered
-        once its verified tokens fill it, and its rejected slots are written again before any step
-        reads them. The next ``allocate`` starts from the verified count."""
+        once its verified tokens fill it (here, or at a later step), and its rejected slots are written
+        again before any step reads them. The next ``allocate`` starts from the verified count."""
         self._check_sequence(seq)
         sid = seq.seq_id
         if self._seqs.get(sid) is not seq:
             raise UnknownSequenceError(f"sequence {sid!r} is not running in this manager")
+        if self._draft_blockers:
+            self._refuse_drafts(0)
         computed = seq.num_computed_tokens
         _, known, ceiling = self._progress[sid]
         if type(computed) is not int or not known <= computed <= ceiling:
@@ -553,20 +568,34 @@ class KVCacheManager:
                 f"sequence {sid!r}: {computed} computed tokens but only {seq.num_tokens} tokens: append the "
                 f"accepted tokens first"
             )
+        # The verified tokens' blocks stay, and those of tokens an earlier allocation of a step that
+        # was planned again gave slots as new tokens (they may be registered: they are computed later).
+        tokens = max(computed, self._reach[sid][0])
         freed: list[int] = []
         for g in self.groups:
             if not g.holds_lookahead:
                 continue
             table = g.tables[sid]
-            keep = -(-computed // g.block_size)
+            keep = -(-tokens // g.block_size)
             if len(table) > keep:
                 freed.extend(b for b in table[keep:] if b != NULL_BLOCK)
                 del table[keep:]
         if freed:
             self.pool.free(freed)
+        self._register_verified(seq, computed)
         self._idle_until.pop(seq, None)  # the next allocate takes the checked path
         self._progress[sid] = (computed, computed, computed)
+        self._reach[sid] = (tokens, tokens)
         return len(freed)
+
+    def _refuse_drafts(self, num_tokens: int) -> None:
+        """Raise: a group of this layout cannot verify draft tokens (recurrent state)."""
+        g = self._draft_blockers[0]
+        what = f"{num_tokens} lookahead tokens" if num_tokens else "draft slots to release"
+        raise InvalidInputError(
+            f"{what}, but group {g.group} ({g.spec.kind}) keeps a recurrent state: a step writes it after "
+            f"its last draft, so a rejected draft would leave it wrong (speculative decoding is not supported)"
+        )
 
     def _whole_sequence_need(self, seq: Sequence, plans: list[range | list[int]],
                              hit_blocks: list[list[int]] | None, num_lookahead_tokens: int) -> int:
@@ -617,6 +646,15 @@ class KVCacheManager:
                 g.register(sid, self.block_hashes(seq, g), computed, known,
                            self._event_tokens(seq) if self.pool.enable_events else None)
 
+    def _register_verified(self, seq: Sequence, computed: int) -> None:
+        """Enter the attention blocks the first ``computed`` tokens fill that are not in yet: those
+        accepted drafts completed (verified, so their KV is the sequence's own)."""
+        sid = seq.seq_id
+        for g in self._caching:
+            if not g.registers_when_computed and computed // g.block_size > g.num_cached[sid]:
+                g.register(sid, self.block_hashes(seq, g), computed, computed,
+                           self._event_tokens(seq) if self.pool.enable_events else None)
+
     def _register_computed(self, seq: Sequence, computed: int) -> None:
         """Enter the recurrent checkpoints of the first ``computed`` tokens (those the caller reports computed)."""
         for g in self._deferred:
@@ -659,6 +697,8 @@ class KVCacheManager:
         computed = self._computed_tokens(stored)
         if self._deferred:
             self._register_computed(stored, computed)
+        if computed > self._progress[sid][1]:  # accepted drafts past the last step's tokens
+            self._register_verified(stored, computed)
         for g in self._caching:
             stale = g.uncomputed_blocks(sid, computed)
             if stale:
@@ -669,6 +709,7 @@ class KVCacheManager:
         self._losses.pop(sid, None)
         self._idle_until.pop(stored, None)
         self._progress.pop(sid, None)
+        self._reach.pop(sid, None)
         tables = [g.pop_table(sid) for g in self.groups]
         self.retainer.release_sequence(stored, tables, computed)
 
@@ -791,7 +832,10 @@ class KVCacheManager:
         the tables listing it; a block in two tables is cached; every registered table block holds the
         sequence's own hash; each group's per-kind rules (at most the per-request bound held, dropped
         entries null, a recurrent group's running state present); the idle limits are not above what
-        the tables allow.
+        the tables allow; draft state: no table that holds lookahead slots has an entry past what the
+        sequence's slots need (after ``release_lookahead``, the verified tokens'; exactly those in a
+        group that drops nothing), and no block is registered past the tokens given slots as
+        computed, external or new tokens (drafts never are).
         """
         self.pool.check_invariants()
         self.retainer.check_invariants()
@@ -836,6 +880,24 @@ class KVCacheManager:
         assert self._losses.keys() <= self._seqs.keys(), "hit losses of sequences that hold no blocks"
         for sid, (base, known, ceiling) in self._progress.items():
             assert 0 <= base <= known <= ceiling, f"{sid!r}: progress {base}, {known}, {ceiling}"
+        assert self._reach.keys() == self._seqs.keys(), "slot counts of sequences that hold no blocks"
+        for g in self.groups:
+            for sid, table in g.tables.items():
+                known, slots = self._reach[sid]
+                if g.holds_lookahead:
+                    # Draft slots last one step: after release_lookahead only the verified tokens' blocks
+                    # stay. A table that drops blocks may stop short (its last blocks already skipped).
+                    need = -(-slots // g.block_size)
+                    assert len(table) == need or (g.drops_blocks and len(table) < need), (
+                        f"sequence {sid!r} group {g.group}: {len(table)} table entries, but its slots ({slots}) "
+                        f"need {need}"
+                    )
+                if g.caching and not g.registers_when_computed:
+                    # Drafts are never registered: only blocks full of tokens given slots as new (or hit).
+                    assert g.num_cached[sid] * g.block_size <= known, (
+                        f"sequence {sid!r} group {g.group}: {g.num_cached[sid]} blocks registered, but only "
+                        f"{known} tokens were given slots as computed, external or new tokens"
+                    )
         assert len(self._idle_until) <= len(self._seqs) and all(
             self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
         ), "idle limits of sequences that hold no blocks"

@@ -13,6 +13,7 @@ from hybridkv.cli_args import (
     add_recurrent_pages_arg,
     count_arg,
     fraction_arg,
+    non_negative_int_arg,
     output_path_arg,
     positive_int_arg,
     write_output,
@@ -45,6 +46,7 @@ def plan(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tp, weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, reserve_bytes=args.reserve,
         block_size=args.block_size, num_params=args.num_params, recurrent_pages=args.recurrent_pages,
+        num_speculative_tokens=args.num_speculative_tokens,
     ))
     beyond = [n for n in args.request_len or () if n > result.max_model_len]
     if beyond:
@@ -98,6 +100,13 @@ def _print_plan(result: object) -> None:
     cap += [(f"max concurrency at {n} tokens", str(c)) for n, c in r["concurrency_at_request_len"].items()]
     cap += [("blocks per max-length request", str(r["blocks_per_request"])),
             ("share of them in bounded groups", f"{r['bounded_groups_share']:.1%}")]
+    spec = r["speculative"]
+    if spec["num_speculative_tokens"]:
+        k = spec["num_speculative_tokens"]
+        cap += [(f"draft slots ({k} tokens): blocks per request, at most", str(spec["draft_blocks_per_request"])),
+                (f"max concurrency with {k} draft slots each", str(spec["max_concurrency"]))]
+        cap += [(f"max concurrency at {n} tokens + {k} draft slots", str(c))
+                for n, c in spec["concurrency_at_request_len"].items()]
     print_table("capacity", ("what", "value"), cap, header=False)
 
 
@@ -128,6 +137,9 @@ def add_parser(sub: Any) -> None:
                    help="activation/workspace reserve per GPU")
     p.add_argument("--block-size", type=positive_int_arg, default=16, metavar="TOKENS", help="tokens per KV block")
     add_recurrent_pages_arg(p)
+    p.add_argument("--num-speculative-tokens", type=non_negative_int_arg, default=0, metavar="K",
+                   help="speculative decoding: each decode step verifies K draft tokens (at most 16); reports the "
+                        "blocks their slots reserve per request and the concurrency left")
     p.add_argument("--num-params", type=count_arg, default=None, metavar="COUNT",
                    help="parameter count, e.g. 27e9 or 27B (needed for a config.json; presets know theirs)")
     p.add_argument("--json", type=output_path_arg, default=None, metavar="PATH",

@@ -17,6 +17,7 @@ from hybridkv.errors import DoesNotFitError, InvalidInputError
 from hybridkv.planning import get_preset
 from hybridkv.planning.hardware import GiB, Hardware, get_hardware
 from hybridkv.planning.hf_config import layer_specs, load_config, parse_config
+from hybridkv.scheduling.scheduler import MAX_DRAFT_TOKENS
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int4": 0.5}
 
@@ -44,10 +45,16 @@ class PlanInput:
     """How a recurrent state shares the pool's pages (``hybridkv.core.layout.RecurrentPages``)."""
     num_params: int | None = None
     """Parameter count; required for a config path, taken from the preset otherwise."""
+    num_speculative_tokens: int = 0
+    """Draft tokens a decode step verifies (speculative decoding): the admission bound reserves their slots."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "max_num_batched_tokens", "block_size"):
             _require_int(name, getattr(self, name), minimum=1)
+        _require_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0)
+        if self.num_speculative_tokens > MAX_DRAFT_TOKENS:
+            raise InvalidInputError(f"num_speculative_tokens must be at most {MAX_DRAFT_TOKENS}, "
+                                    f"got {self.num_speculative_tokens}")
         _require_int("reserve_bytes", self.reserve_bytes, minimum=0)
         for name in ("max_model_len", "num_params", "gpu_memory_bytes"):
             if getattr(self, name) is not None:
@@ -183,6 +190,10 @@ def make_plan(inp: PlanInput) -> Plan:
                                                               "max_model_len_that_fits": exc.max_model_len_that_fits,
                                                               "error": str(exc)}
         return plan
+    if inp.num_speculative_tokens and layout.recurrent_states:
+        raise InvalidInputError(
+            f"{name} keeps recurrent state: speculative decoding is not supported (a step writes the state after "
+            f"its last draft; see docs/ARCHITECTURE.md, Speculative decoding)")
     plan.layout = layout
     plan.report = _full_report(plan, layout, batch, model.num_layers)
     return plan
@@ -254,6 +265,31 @@ def _full_report(plan: Plan, layout: KVCacheLayout, batch: int, num_layers: int)
                               "state_bytes": st.state_bytes, "pages_per_state": len(st.groups),
                               "part_bytes": st.part_bytes} for st in layout.recurrent_states],
         "uncached_layers": list(layout.uncached_layers),
+        "speculative": _speculative(layout, inp.num_speculative_tokens, batch, plan.max_model_len, per_request, lens),
+    }
+
+
+def _speculative(layout: KVCacheLayout, k: int, batch: int, max_model_len: int, per_request: int,
+                 lens: list[int]) -> dict[str, Any]:
+    """What ``k`` draft slots per request cost (the scheduler's admission bound reserves them): the most
+    blocks they add to one request, the concurrency of max-length requests each holding that many more,
+    and per request length ``n`` the concurrency with blocks for ``min(n + k, max_model_len)`` slots
+    (drafts never pass ``max_model_len``)."""
+    usable = layout.num_blocks - 1
+    specs = [g.spec for g in layout.groups]
+
+    def blocks(n: int) -> int:
+        return sum(s.blocks_for_tokens(n, batch, max_model_len) for s in specs)
+
+    # The worst case: the request's tokens end on a block boundary, below every window's bound.
+    draft = sum(s.blocks_for_tokens(k, batch, max_model_len) - s.blocks_for_tokens(0, batch, max_model_len)
+                for s in specs) if k else 0
+    return {
+        "num_speculative_tokens": k,
+        "draft_blocks_per_request": draft,
+        "max_concurrency": usable // (per_request + draft) if per_request + draft else 0,
+        "concurrency_at_request_len": {str(n): usable // blocks(min(n + k, max_model_len))
+                                       for n in lens if n <= max_model_len},
     }
 
 
@@ -301,6 +337,12 @@ def render_text(plan: Plan) -> str:
     ]
     for n, c in r["concurrency_at_request_len"].items():
         lines.append(f"max concurrency at {n} tokens: {c}")
+    spec = r["speculative"]
+    if spec["num_speculative_tokens"]:
+        lines.append(f"speculative decoding, {spec['num_speculative_tokens']} draft tokens: up to "
+                     f"{spec['draft_blocks_per_request']} more blocks per request, max concurrency "
+                     f"{spec['max_concurrency']}"
+                     + "".join(f", {c} at {n} tokens" for n, c in spec["concurrency_at_request_len"].items()))
     for st in r["recurrent_states"]:
         if st["pages_per_state"] > 1:
             lines.append(f"recurrent state of {st['state_bytes']} bytes per layer: {st['pages_per_state']} pages "

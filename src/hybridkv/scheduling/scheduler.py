@@ -65,7 +65,9 @@ class SchedulerConfig:
     """A sequence preempting itself this many times is rejected."""
     num_speculative_tokens: int = 0
     """Most draft tokens a decode step verifies (``set_draft_tokens``); 0: no speculation. Admission
-    counts that many draft slots past each sequence (``reserve_lookahead_tokens``)."""
+    counts that many draft slots past each sequence (``reserve_lookahead_tokens``; fewer for one that
+    may generate fewer tokens or reaches ``max_model_len``). A step's drafts never pass a request's
+    final length, so ``guaranteed_no_preemption`` needs no more room."""
     keep_finished: bool = False
     """Keep finished, rejected and aborted requests in ``requests`` (until ``forget``). By default the
     scheduler forgets a request once it has told the caller it ended (``update``'s return value,
@@ -315,6 +317,14 @@ class Scheduler:
                 req.max_new_tokens - seq.num_output_tokens - 1)
         return drafts[:k] if k > 0 else []
 
+    def _draft_room(self, req: Request) -> int:
+        """Draft slots a decode step of ``req`` may hold at its current length: what admission reserves
+        (``num_speculative_tokens``, less when the request may generate fewer tokens or reaches
+        ``max_model_len``; ``_drafts`` caps each step's drafts the same way)."""
+        seq = req.seq
+        return max(0, min(self.config.num_speculative_tokens, self.manager.max_model_len - seq.num_tokens,
+                          req.max_new_tokens - seq.num_output_tokens - 1))
+
     def set_draft_tokens(self, seq_id: str, token_ids: Iterable[int]) -> None:
         """Propose draft tokens for the next decode step of running sequence ``seq_id`` (at most
         ``num_speculative_tokens``; replaces any earlier proposal). The step computes them after the
@@ -369,7 +379,7 @@ class Scheduler:
             if cfg.admission == "guaranteed_no_preemption" and not self._growth_fits(req, hit.num_blocks):
                 break
             new = mgr.allocate(seq, n, hit=hit, num_external_tokens=external, whole_sequence_must_fit=True,
-                               reserve_lookahead_tokens=cfg.num_speculative_tokens)
+                               reserve_lookahead_tokens=self._draft_room(req))
             if new is None:
                 break
             self.waiting.pop(i)
@@ -428,8 +438,10 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, victim: Request, out: SchedulerOutput, *, itself: bool) -> int:
-        """Free ``victim`` and queue it again; returns the step budget its tokens this step had taken."""
+        """Free ``victim`` and queue it again; returns the step budget its tokens (drafts included)
+        this step had taken."""
         returned = self._cost(victim, victim.seq.num_computed_tokens, out.num_scheduled_tokens.pop(victim.seq_id, 0))
+        returned += len(out.draft_tokens.pop(victim.seq_id, ()))
         self.running.remove(victim)
         self.manager.free(victim.seq)
         victim.seq.num_computed_tokens = 0

@@ -77,6 +77,13 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("max concurrency (plan) / peak running", lambda s: f"{s['max_concurrency']} / {s['peak_running']}"),
 ]
 
+SPEC_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("speculative tokens / drafts accepted",
+     lambda s: f"{s['spec_decode']['num_speculative_tokens']} / {s['spec_decode']['acceptance_rate']:.1%}"),
+    ("tokens per decode step", lambda s: f"{s['spec_decode']['tokens_per_step']:.2f}"),
+]
+"""Rows added to the summary when any variant speculates."""
+
 TIER_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("KV tiers", lambda s: " + ".join(s["tiers"]) or "none"),
     ("tier / total hit rate (tokens)", lambda s: f"{s['tier_hit_rate']:.1%} / {s['total_hit_rate']:.1%}"),
@@ -180,6 +187,12 @@ def add_parser(sub: Any) -> None:
                              "time is added to the step that admits it")
     system.add_argument("--tier-load-timeout", type=positive_float_arg, default=None, metavar="SECONDS",
                         help="a tier load longer than this is a miss (the prompt is computed)")
+    system.add_argument("--speculative-tokens", type=non_negative_int_arg, default=0, metavar="K",
+                        help="speculative decoding: each decode step verifies K draft tokens (at most 16; admission "
+                             "reserves K draft slots per request); needs --acceptance-rate")
+    system.add_argument("--acceptance-rate", type=non_negative_float_arg, default=None, metavar="A",
+                        help="with --speculative-tokens: the probability that a draft is accepted, drafts after the "
+                             "first rejection are lost (seeded by --seed)")
     cl = p.add_argument_group("a cluster of replicas (sim.cluster)")
     cl.add_argument("--instances", type=positive_int_arg, default=None, metavar="N",
                     help="simulate N replicas of the engine behind a router (each its own device pool; net tiers "
@@ -314,7 +327,18 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
                      tier_storage=args.tier_storage, tier_checkpoint_interval=args.tier_checkpoint_interval,
                      tier_end_align=args.tier_end_align, tier_loads=args.tier_loads,
                      tier_load_timeout_s=args.tier_load_timeout, recurrent_pages=args.recurrent_pages,
-                     block_size=args.block_size)
+                     block_size=args.block_size, speculative_tokens=args.speculative_tokens,
+                     acceptance_rate=_acceptance_rate(args), speculative_seed=args.seed)
+
+
+def _acceptance_rate(args: argparse.Namespace) -> float:
+    """``--acceptance-rate``, required with ``--speculative-tokens`` (0.0 without speculation)."""
+    if args.acceptance_rate is None:
+        if args.speculative_tokens:
+            raise InvalidInputError(f"--speculative-tokens {args.speculative_tokens} needs --acceptance-rate A "
+                                    f"(the probability that a draft is accepted, e.g. 0.7)")
+        return 0.0
+    return float(args.acceptance_rate)
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -481,6 +505,8 @@ def print_summary(workload: Workload, results: list[tuple[str, SimResult]]) -> N
              + (f", closed loop x{workload.concurrency}" if workload.concurrency else ""))
     labels = [lbl or "result" for lbl, _ in results]
     spec_rows = SUMMARY_ROWS + (TIER_ROWS if any(r.summary["tiers"] for _, r in results) else [])
+    if any(r.summary.get("spec_decode", {}).get("num_speculative_tokens") for _, r in results):
+        spec_rows = spec_rows + SPEC_ROWS
     if any("instances" in r.summary for _, r in results):
         spec_rows = spec_rows + CLUSTER_ROWS
     if any(r.summary.get("routing_breakdown") for _, r in results):

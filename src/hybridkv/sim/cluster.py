@@ -514,6 +514,9 @@ def _sequence(req: SimRequest) -> Sequence:
 def simulate_cluster(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, *,
                      progress: Callable[[int, int], None] | None = None) -> SimResult:
     """Run ``workload`` on ``cluster.instances`` replicas of the system ``cfg`` behind ``cluster.router``."""
+    if cfg.speculative_tokens:
+        raise InvalidInputError("speculative decoding is simulated on one engine: drop --instances, or "
+                                "--speculative-tokens")
     with collector_paused():
         return _simulate_cluster(workload, cfg, cluster, progress)
 

@@ -91,7 +91,8 @@ when the vocabulary is known, as for every preset; the one-roofline model defaul
 ``per_token``). The generic roofline
 above charges every parameter as a matmul for every new token. An engine computes the output
 projection (``vocab_size x hidden_size``) only for the rows it samples (one per sequence that
-finishes its known tokens this step: a decode or a last prefill chunk; ``SeqWork.sampled``), and the
+finishes its known tokens this step: a decode or a last prefill chunk; ``SeqWork.sampled``; and one
+per draft token a speculative decode step verifies, ``SeqWork.num_draft_tokens``), and the
 input embedding is a lookup, not a matmul. With ``lm_head="per_sample"``: the per-token matmul
 FLOPs are ``2 * (active_params - lm_head_params - embedding_params) / tp``; each sampled sequence
 adds ``2 * lm_head_params / tp``; the weights read per step are the body (as above, without the
@@ -183,12 +184,18 @@ class SeqWork:
     """Tokens an external KV tier loads for this sequence this step; they precede the new tokens."""
     sampled: bool = True
     """Whether the step samples a token for this sequence (a decode or a last prefill chunk)."""
+    num_draft_tokens: int = 0
+    """Of ``num_new_tokens``, the draft tokens a speculative decode step verifies after its token: the
+    LM head scores each of them, and a step whose sequences compute one token plus drafts is still a
+    decode step (a CUDA graph replays it)."""
 
     def __post_init__(self) -> None:
-        if self.num_new_tokens < 0 or self.context_len < 0 or self.num_loaded_tokens < 0:
+        if (self.num_new_tokens < 0 or self.context_len < 0 or self.num_loaded_tokens < 0
+                or not 0 <= self.num_draft_tokens < max(1, self.num_new_tokens)):
             raise InvalidInputError(
-                f"SeqWork counts must be >= 0, got num_new_tokens={self.num_new_tokens}, "
-                f"context_len={self.context_len}, num_loaded_tokens={self.num_loaded_tokens}"
+                f"SeqWork counts must be >= 0 (drafts fewer than the new tokens), got num_new_tokens="
+                f"{self.num_new_tokens}, context_len={self.context_len}, num_loaded_tokens={self.num_loaded_tokens}, "
+                f"num_draft_tokens={self.num_draft_tokens}"
             )
 
 
@@ -563,8 +570,8 @@ class CostModel:
         half = eff.gemm_m_half
         norm = eff.roofline_norm
         gpu = _roof(st.body_flops * (st.tokens + half) / st.tokens * spf, st.weight_bytes * spb, norm)
-        if st.sampled and st.head_flops:
-            gpu += _roof(st.head_flops * (st.sampled + half) / st.sampled * spf, st.head_bytes * spb, norm)
+        if st.head_rows and st.head_flops:
+            gpu += _roof(st.head_flops * (st.head_rows + half) / st.head_rows * spf, st.head_bytes * spb, norm)
         gpu += (st.attn_flops * self._seconds_per_attention_flop
                 + (st.kv_bytes + st.tokens * self.activation_bytes_per_token * eff.activation_traffic) * spb)
         if graph is None:
@@ -589,8 +596,8 @@ class CostModel:
             half = eff.gemm_m_half
             compute_s = st.body_flops * (st.tokens + half) / st.tokens * spf
             memory_s = st.weight_bytes * spb
-            if st.sampled and st.head_flops:
-                compute_s += st.head_flops * (st.sampled + half) / st.sampled * spf
+            if st.head_rows and st.head_flops:
+                compute_s += st.head_flops * (st.head_rows + half) / st.head_rows * spf
                 memory_s += st.head_bytes * spb
             attention_s = st.attn_flops * self._seconds_per_attention_flop + st.kv_bytes * spb
             activation_s = st.tokens * self.activation_bytes_per_token * eff.activation_traffic * spb
@@ -611,7 +618,7 @@ class CostModel:
         window = lc.sliding_window
         masked = self.window_kernel == "masked"
         chunk = lc.attention_chunk_size
-        tokens = seqs = loaded = loaded_seqs = sampled = 0
+        tokens = seqs = loaded = loaded_seqs = sampled = head_rows = 0
         decode_only = True
         global_pairs2 = global_read = 0  # global_pairs2 is twice the (query, key) pairs
         sliding_pairs = sliding_read = chunked_pairs = chunked_read = 0
@@ -628,7 +635,8 @@ class CostModel:
             tokens += n
             seqs += 1
             sampled += w.sampled
-            if n > 1:
+            head_rows += w.sampled + w.num_draft_tokens
+            if n - w.num_draft_tokens > 1:
                 decode_only = False
             end = c + n
             global_pairs2 += n * (c + end + 1)
@@ -671,10 +679,10 @@ class CostModel:
         kv_bytes = (2 * tokens * lc.kv_bytes_per_token + seqs * 2 * lc.recurrent_state_bytes
                     + global_read * lc.global_kv_bytes_per_token + sliding_read * lc.sliding_kv_bytes_per_token
                     + chunked_read * lc.chunked_kv_bytes_per_token)
-        head_flops = sampled * 2.0 * head / tp
-        head_bytes = head * bpp if head and sampled else 0.0
+        head_flops = head_rows * 2.0 * head / tp
+        head_bytes = head * bpp if head and head_rows else 0.0
         return StepTotals(tokens, sampled, tokens * self._flops_per_token, weights, head_flops, head_bytes,
-                          attn_flops, kv_bytes, load_bytes, decode_only)
+                          attn_flops, kv_bytes, load_bytes, decode_only, head_rows)
 
 
 def _roof(compute: float, memory: float, norm: float) -> float:
@@ -705,7 +713,9 @@ class StepTotals(NamedTuple):
     load_bytes: float = 0.0
     """External-tier bytes."""
     decode_only: bool = False
-    """Every sequence computes at most one token."""
+    """Every sequence computes at most one token (and the drafts it verifies)."""
+    head_rows: int = 0
+    """Rows of the LM head: one per sampling sequence and one per draft it verifies."""
 
 
 # ---------------------------------------------------------------------- calibration
@@ -934,7 +944,7 @@ class _Row(NamedTuple):
     tokens: int
     weights: float  # weight seconds at full bandwidth
     head: float
-    sampled: int
+    sampled: int  # rows of the LM head
     head_w: float
     attn: float
     kv: float
@@ -960,7 +970,7 @@ def _rows(model: CostModel, steps: Sequence[ProfileStep], prior: Efficiency) -> 
         fixed = (prior.step_overhead_s + st.sampled * prior.sample_overhead_s + model._forward_overhead_s
                  + st.load_bytes * model._seconds_per_tier_byte)
         rows.append(_Row(st.body_flops / hw.bf16_flops, st.tokens, st.weight_bytes / hw.bandwidth,
-                         st.head_flops / hw.bf16_flops, st.sampled, st.head_bytes / hw.bandwidth,
+                         st.head_flops / hw.bf16_flops, st.head_rows, st.head_bytes / hw.bandwidth,
                          st.attn_flops / hw.bf16_flops, st.kv_bytes / hw.bandwidth,
                          st.tokens * model.activation_bytes_per_token / hw.bandwidth,
                          model.num_layers, graph, fixed,

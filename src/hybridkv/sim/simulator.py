@@ -35,6 +35,17 @@ Summary keys for the tiers (present in every run; zeros and empty without tiers)
   evict) and ``low_promotions`` (low entries that served a hit).
 
 ``SimResult.requests`` entries also carry ``tier_tokens`` (tokens loaded at the first admission).
+
+Speculative decoding (``SimConfig.speculative_tokens`` K > 0, ``acceptance_rate`` A): every decode
+step of a sequence proposes K drafts (``Scheduler.set_draft_tokens``; the scheduler caps and drops
+them as it would a real engine's), each accepted with probability A until the first rejection (a
+seeded random stream per request, so a run is reproducible and variants see the same draws); the
+step computes the token and its drafts (the cost model's ``SeqWork.num_draft_tokens``) and the
+sequence advances by the accepted drafts plus one. Admission reserves K draft slots per request.
+``spec_decode`` in the summary (zeros without speculation): ``drafted`` and ``accepted`` draft
+tokens, ``acceptance_rate`` (accepted / drafted: below A, as drafts after a rejection are lost),
+``tokens_per_step`` (tokens a sequence's decode step emits, on average: 1 without speculation).
+ITL stays the time between a request's steps that emit tokens (a speculative step emits several).
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import random
 from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -62,7 +74,14 @@ from hybridkv.errors import InvalidInputError, SequenceTooLongError
 from hybridkv.planning.hardware import get_hardware
 from hybridkv.planning.hf_config import layer_specs, parse_config
 from hybridkv.planning.planner import DTYPE_BYTES, PlanInput, load_model, make_plan
-from hybridkv.scheduling.scheduler import Admission, Policy, Scheduler, SchedulerConfig, SchedulerOutput
+from hybridkv.scheduling.scheduler import (
+    MAX_DRAFT_TOKENS,
+    Admission,
+    Policy,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from hybridkv.sim.cost_model import CostModel, Efficiency, LMHead, SeqWork, calibrate
 from hybridkv.sim.synthetic import SyntheticSequence, TierKeyedSequence
 from hybridkv.sim.tiers import SimTiers, TierSpec
@@ -123,6 +142,19 @@ class SimConfig:
     """A tier load longer than this is a miss (the request computes its prompt after waiting this long)."""
     num_params: int | None = None
     """Parameter count (all experts) of a ``config.json`` model; a preset knows its own."""
+    speculative_tokens: int = 0
+    """Draft tokens each decode step verifies (speculative decoding); 0: none."""
+    acceptance_rate: float = 0.0
+    """With ``speculative_tokens``: the probability that a draft is accepted (given the drafts before it were)."""
+    speculative_seed: int = 0
+    """Seed of the acceptance draws (one stream per request)."""
+
+    def __post_init__(self) -> None:
+        k, a = self.speculative_tokens, self.acceptance_rate
+        if type(k) is not int or not 0 <= k <= MAX_DRAFT_TOKENS:
+            raise InvalidInputError(f"speculative_tokens must be an integer in 0..{MAX_DRAFT_TOKENS}, got {k!r}")
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            raise InvalidInputError(f"acceptance_rate must be a probability in [0, 1], got {a!r}")
 
 
 @dataclass
@@ -265,11 +297,61 @@ def step_work(sched: Scheduler, out: SchedulerOutput, hits: dict[str, int], tier
         if out.external:
             load_s = tiers.admit(out.external)
     work = []
+    drafts = out.draft_tokens
     for sid, n in out.num_scheduled_tokens.items():
         seq = sched.requests[sid].seq
         c = seq.num_computed_tokens
-        work.append(SeqWork(n, c, sampled=c + n == seq.num_tokens))
+        d = len(drafts[sid]) if drafts and sid in drafts else 0
+        work.append(SeqWork(n + d, c, sampled=c + n == seq.num_tokens, num_draft_tokens=d))
     return work, load_s
+
+
+class Speculation:
+    """Speculative decoding in the loop: K drafts for every decoding sequence, each accepted with
+    probability A until the first rejection (one seeded stream per request), and the counts."""
+
+    __slots__ = ("k", "rate", "seed", "drafts", "rngs", "drafted", "accepted", "decode_steps", "decode_tokens")
+
+    def __init__(self, k: int, rate: float, seed: int) -> None:
+        self.k = k
+        self.rate = rate
+        self.seed = seed
+        self.drafts = [0] * k
+        self.rngs: dict[str, random.Random] = {}
+        self.drafted = self.accepted = self.decode_steps = self.decode_tokens = 0
+
+    def propose(self, sched: Scheduler) -> None:
+        """Drafts for the next step of every running sequence that decodes."""
+        if not self.k:
+            return
+        for req in sched.running:
+            seq = req.seq
+            if seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_output_tokens:
+                sched.set_draft_tokens(req.seq_id, self.drafts)
+
+    def sample(self, sid: str, drafts: list[int] | None) -> tuple[int, ...]:
+        """What a step that reached the end of ``sid``'s tokens samples: the accepted drafts and one token."""
+        if not drafts:
+            return (1,)
+        rng = self.rngs.get(sid)
+        if rng is None:
+            rng = self.rngs[sid] = random.Random(f"{self.seed}/{sid}")
+        n = 0
+        while n < len(drafts) and rng.random() < self.rate:
+            n += 1
+        self.drafted += len(drafts)
+        self.accepted += n
+        return (*drafts[:n], 1)
+
+    def count(self, emitted: int) -> None:
+        """A decode step of one sequence emitted ``emitted`` tokens."""
+        self.decode_steps += 1
+        self.decode_tokens += emitted
+
+    def summary(self) -> dict[str, float]:
+        return {"num_speculative_tokens": self.k, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "tokens_per_step": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0}
 
 
 def simulate(workload: Workload, cfg: SimConfig, *,
@@ -310,8 +392,11 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
     tiered = tiers is not None
     sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=batch, max_num_seqs=cfg.max_num_seqs,
                                            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-                                           policy=cfg.policy, admission=cfg.admission),
+                                           policy=cfg.policy, admission=cfg.admission,
+                                           num_speculative_tokens=cfg.speculative_tokens),
                       connector=tiers.connector if tiers is not None else None)
+    spec = Speculation(cfg.speculative_tokens, cfg.acceptance_rate, cfg.speculative_seed)
+    stored_to: dict[str, int] = {}  # with speculation and tiers: where each sequence's last offer ended
     cost = cost_model(cfg)
     if cfg.calibration is not None:
         cost = calibrate(cost, cfg.calibration)
@@ -378,6 +463,7 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
             continue
         if tiers is not None:
             tiers.clock.now = now
+        spec.propose(sched)
         out = sched.schedule()
         work, load_s = step_work(sched, out, hits, tier_tokens, tiers, lost)
         if not work and not load_s and not out.rejected:  # every waiting request waits for its tier load
@@ -387,31 +473,44 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
         steps += 1
         peak_running = max(peak_running, len(sched.running))
         sampled = {}
+        emitting: list[tuple[Sequence, int, bool]] = []  # (sequence, output tokens before, a decode step)
         stores: list[tuple[str, Sequence, int, int]] = []
         for sid, n in out.num_scheduled_tokens.items():
             seq = sched.requests[sid].seq
             if tiers is not None:
-                stores.append((sid, seq, seq.num_computed_tokens, n))
+                c = seq.num_computed_tokens
+                # Blocks that accepted drafts filled are registered at the sequence's next step: offer
+                # them then (the write-through starts where the previous step's offer ended).
+                begin = min(c, stored_to.get(sid, c)) if spec.k else c
+                stores.append((sid, seq, begin, c + n - begin))
+                if spec.k:
+                    stored_to[sid] = c + n
             if seq.num_computed_tokens + n == seq.num_tokens:
-                sampled[sid] = (1,)
+                sampled[sid] = spec.sample(sid, out.draft_tokens.get(sid))
+                emitting.append((seq, seq.num_output_tokens, sid in first_token))
                 if sid in first_token:
                     itl.append(now - last_token[sid])
                 else:
                     first_token[sid] = now
                 last_token[sid] = now
-                output_tokens += 1
         if stores:  # write-through of what the step computed
             # After the step is reported computed (a recurrent state enters the cache only then), but a
             # sequence this step finishes is freed by ``update``: its blocks are stored before.
             later = []
             for sid, seq, start, n in stores:
                 scheduled = sched.requests[sid]
-                if sid in sampled and (seq.num_output_tokens + 1 >= scheduled.max_new_tokens
-                                       or seq.num_tokens + 1 >= mgr.max_model_len):
+                emits = len(sampled[sid]) if sid in sampled else 0  # may finish it
+                if emits and (seq.num_output_tokens + emits >= scheduled.max_new_tokens
+                              or seq.num_tokens + emits >= mgr.max_model_len):
                     tiers.store(seq, start, n)  # type: ignore[union-attr]
                 else:
                     later.append((seq, start, n))
         finished = sched.update(out, sampled)
+        for seq, before, decode in emitting:
+            emitted = seq.num_output_tokens - before
+            output_tokens += emitted
+            if decode:
+                spec.count(emitted)
         if stores:
             for seq, start, n in later:
                 tiers.store(seq, start, n)  # type: ignore[union-attr]
@@ -420,6 +519,7 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
         rejected += len(out.rejected)
         for sid in ended:
             finish[sid] = now
+            stored_to.pop(sid, None)
             done += 1
             in_flight -= 1
             nxt = blocked_by.get(sid)
@@ -489,6 +589,7 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
         "tier_lookup_probes": tiers.connector.stats.probes if tiers is not None else 0,
         "rejected_too_long": too_long,
         "tier_stats": tiers.summary() if tiers is not None else {},
+        "spec_decode": spec.summary(),
     }
     if cfg.kv_cache_tokens is not None:
         rep = capacity_report(mgr.layout, max_model_len=mgr.max_model_len, max_num_batched_tokens=batch)

@@ -103,8 +103,12 @@ class KindManager:
     kind-specific table rules."""
 
     holds_lookahead = True
-    """Do lookahead (speculative) tokens get slots in this group? Recurrent state does not: the
-    state is written at the step's end, and draft tokens that are rejected would corrupt it."""
+    """Do lookahead (speculative) tokens get slots in this group's table (a table that follows the
+    decoder's tokens)? Cross attention, encoder-only attention and recurrent state do not."""
+    supports_drafts = True
+    """Can a step verify draft tokens with this group? Recurrent state cannot: a step writes the state
+    after its last token, drafts included, so a rejected draft would leave it wrong (the manager
+    refuses lookahead tokens on a layout with such a group)."""
 
     drops_blocks = False
     """Does the kind stop reading leading blocks as a sequence grows (a window, a chunk, a superseded

@@ -29,6 +29,7 @@ class EncoderRule(KindRule):
 class CrossAttentionManager(KindManager):
     """Cross attention: blocks for the encoder tokens, allocated once, never prefix-cached."""
 
+    holds_lookahead = False  # its table holds the encoder's tokens, not the decoder's
     prepares = True
     __slots__ = ("encoder_tokens",)
 
@@ -60,6 +61,7 @@ class CrossAttentionManager(KindManager):
 class EncoderOnlyManager(KindManager):
     """Encoder-only attention: no KV cache, no blocks."""
 
+    holds_lookahead = False
     __slots__ = ()
 
     def _new_indices(self, length: int, num_computed: int, num_tokens: int) -> Indices:

@@ -86,6 +86,7 @@ class MambaManager(KindManager):
     """The tables of a recurrent group with checkpoints (modes ``align`` and ``all``)."""
 
     holds_lookahead = False
+    supports_drafts = False
     drops_blocks = True
     prepares = True
     __slots__ = ("align", "checkpoint_blocks", "plans", "pending")
@@ -255,6 +256,8 @@ class MambaNoCacheRule(KindRule):
 class MambaNoCacheManager(KindManager):
     """Recurrent state without checkpoints (mode ``none``): one block per sequence."""
 
+    holds_lookahead = False
+    supports_drafts = False
     __slots__ = ()
 
     def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,
