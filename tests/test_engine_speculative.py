@@ -21,7 +21,7 @@ from hybridkv.engine.config import EngineConfig  # noqa: E402
 from hybridkv.engine.engine import LLMEngine  # noqa: E402
 from hybridkv.engine.hybrid import ByteTokenizer  # noqa: E402
 from hybridkv.engine.sampling import SamplingParams  # noqa: E402
-from hybridkv.engine.speculative import NgramProposer, accept_greedy, accept_or_resample  # noqa: E402
+from hybridkv.engine.speculative import Backoff, NgramProposer, accept_greedy, accept_or_resample  # noqa: E402
 from hybridkv.engine.weights import Gemma3Config, Gemma3Weights  # noqa: E402
 from hybridkv.errors import InvalidInputError  # noqa: E402
 
@@ -178,7 +178,23 @@ def test_ngram_proposer_finds_the_latest_earlier_occurrence() -> None:
     assert p.propose([1, 2, 3, 4, 5, 1, 2, 3, 9, 1, 2, 3]) == [9, 1, 2]  # the latest match of (1, 2, 3)
     assert p.propose([1, 2, 3, 4, 1, 2]) == [3, 4, 1]
     assert p.propose([7, 8, 9]) == [] and p.propose([]) == []
-    assert NgramProposer(2, max_n=1).propose([4, 5, 4]) == [5, 4]
+    assert NgramProposer(2, min_n=1, max_n=1).propose([4, 5, 4]) == [5, 4]
+    assert NgramProposer(2).propose([4, 5, 4]) == []  # one recurring token is too weak a match
+
+
+def test_drafts_back_off_after_rejections() -> None:
+    b = Backoff()
+
+    def skipped_after(accepted: int) -> int:
+        """Verify a step, then count the decode steps skipped before the next proposal."""
+        b.verified(accepted)
+        n = 0
+        while not b.ready():
+            n += 1
+        return n
+
+    assert [skipped_after(0) for _ in range(6)] == [1, 2, 4, 8, 16, 16]
+    assert skipped_after(3) == 0 and b.misses == 0  # an accepted draft resets it
 
 
 def test_metrics_use_the_reference_engine_names(weights: Gemma3Weights) -> None:

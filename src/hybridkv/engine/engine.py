@@ -41,7 +41,7 @@ from hybridkv.engine.sampling import (
     sample,
     token_logprobs,
 )
-from hybridkv.engine.speculative import NgramProposer, accept_greedy, accept_or_resample
+from hybridkv.engine.speculative import Backoff, NgramProposer, accept_greedy, accept_or_resample
 from hybridkv.engine.tiers import build_connector, parse_tier
 from hybridkv.engine.weights import parse_dtype
 from hybridkv.errors import InvalidInputError
@@ -89,6 +89,8 @@ class _Tracked:
     """Output tokens already timed (first token, inter-token latency)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    drafts: Backoff = field(default_factory=Backoff)
+    """When to propose speculative drafts for it."""
 
     def every_row(self) -> bool:
         """Whether this step needs the logits of every position it computes (sinks, prompt scoring)."""
@@ -460,7 +462,7 @@ class LLMEngine:
             if seq.num_computed_tokens + 1 != seq.num_tokens or seq.num_computed_tokens < seq.num_prompt_tokens:
                 continue
             t = self._tracked.get(seq.seq_id)
-            if t is None or t.logits_sink is not None:
+            if t is None or t.logits_sink is not None or not t.drafts.ready():
                 continue
             drafts = self.proposer.propose(seq.token_ids)
             if drafts:
@@ -504,6 +506,7 @@ class LLMEngine:
             for row, token in zip(rows, tokens):
                 t.logprobs.extend(token_logprobs(row[None], [token], params.logprobs))
         self.metrics.on_drafts(len(drafts), len(tokens) - 1)
+        t.drafts.verified(len(tokens) - 1)
         return tokens
 
     def _score_prompt(self, t: _Tracked, position: int, rows: torch.Tensor) -> None:

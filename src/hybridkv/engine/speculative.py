@@ -32,9 +32,14 @@ SPECULATIVE_METHODS = ("ngram",)
 
 class NgramProposer:
     """Prompt-lookup drafts: the tokens that followed the latest earlier occurrence of the sequence's
-    last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``), at most ``k`` of them."""
+    last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``), at most ``k`` of them.
 
-    def __init__(self, k: int, min_n: int = 1, max_n: int = 4) -> None:
+    ``min_n`` is 2: a single recurring token predicts the next ones too rarely to pay for their
+    verification (measured on free continuation with ``min_n=1``: 8.5% of drafts accepted, 0.75x the
+    decode speed). The engine also backs off a request whose drafts were all rejected
+    (``Backoff``)."""
+
+    def __init__(self, k: int, min_n: int = 2, max_n: int = 4) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
     def propose(self, tokens: Seq[int]) -> list[int]:
@@ -47,6 +52,34 @@ class NgramProposer:
                 if tokens[j] == last and list(tokens[j - n + 1:j + 1]) == pattern:
                     return list(tokens[j + 1:j + 1 + self.k])
         return []
+
+
+class Backoff:
+    """When to propose drafts for one request: after a step whose drafts were all rejected it skips
+    1, then 2, 4, ... up to ``MAX_SKIP`` decode steps; any accepted draft resets it. Drafts that keep
+    failing (text with nothing to look up) then cost almost nothing."""
+
+    MAX_SKIP = 16
+
+    __slots__ = ("misses", "skip")
+
+    def __init__(self) -> None:
+        self.misses = 0
+        self.skip = 0
+
+    def ready(self) -> bool:
+        """Whether to propose for this step (counts a skipped step)."""
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def verified(self, accepted: int) -> None:
+        if accepted:
+            self.misses = 0
+        else:
+            self.misses += 1
+            self.skip = min(1 << (self.misses - 1), self.MAX_SKIP)
 
 
 def accept_greedy(drafts: list[int], argmax: list[int]) -> list[int]:
