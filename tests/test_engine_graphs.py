@@ -30,14 +30,14 @@ than a key tile so windows start mid-tile, and prompts longer than several tiles
 
 
 @pytest.fixture(scope="module")
-def weights() -> Gemma3Weights:
+def tiny() -> Gemma3Weights:
     return Gemma3Weights.generate(SMALL, torch.float32, seed=3)
 
 
-def engine(weights: Gemma3Weights, graphs: bool, **kw: Any) -> LLMEngine:
+def engine(tiny: Gemma3Weights, graphs: bool, **kw: Any) -> LLMEngine:
     cfg = EngineConfig(**{"dtype": "float32", "weights": "dense", "max_model_len": 1024, "block_size": 16,
                           "kv_cache_memory": 4 << 20, "max_num_seqs": 8, **kw})
-    eng = LLMEngine(weights, ByteTokenizer(), cfg)
+    eng = LLMEngine(tiny, ByteTokenizer(), cfg)
     if graphs:
         eng.graphs = DecodeGraphs(eng.model, eng.block_size, eng.group_windows, cfg.max_num_seqs, cfg.max_model_len,
                                   eng.device, capture=False)
@@ -58,12 +58,12 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=0)
 
 
 @pytest.mark.parametrize("lengths", [[5], [3, 130, 47], [17, 200, 64, 1, 300]])
-def test_padded_decode_steps_give_the_eager_tokens_and_logprobs(weights: Gemma3Weights, lengths: list[int]) -> None:
+def test_padded_decode_steps_give_the_eager_tokens_and_logprobs(tiny: Gemma3Weights, lengths: list[int]) -> None:
     # Batches of 1, 3 and 5 (padded to 1, 4 and 8 rows), contexts crossing key tiles (128) and the
     # window (48) while they decode.
     batch = prompts(lengths, seed=len(lengths))
-    eager = outputs(engine(weights, graphs=False), batch, GREEDY)
-    graphed_engine = engine(weights, graphs=True)
+    eager = outputs(engine(tiny, graphs=False), batch, GREEDY)
+    graphed_engine = engine(tiny, graphs=True)
     graphed = outputs(graphed_engine, batch, GREEDY)
     assert graphed_engine.graphs is not None and graphed_engine.graphs.replays >= 39  # every decode step
     widths = graphed_engine.graphs.width_buckets
@@ -74,14 +74,14 @@ def test_padded_decode_steps_give_the_eager_tokens_and_logprobs(weights: Gemma3W
         assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
 
 
-def test_prefix_hits_and_mixed_steps_keep_the_graph_path_exact(weights: Gemma3Weights) -> None:
+def test_prefix_hits_and_mixed_steps_keep_the_graph_path_exact(tiny: Gemma3Weights) -> None:
     # A shared prefix served from the cache, and requests arriving while another decodes: steps that
     # mix a prefill chunk with decodes run eagerly, the decode-only ones replay; tokens unchanged.
     shared = prompts([150], seed=9)[0]
     batch = [shared + p for p in prompts([20, 33, 70], seed=10)]
     runs = []
     for graphs in (False, True):
-        eng = engine(weights, graphs=graphs)
+        eng = engine(tiny, graphs=graphs)
         first = eng.generate(batch[:1], GREEDY)
         eng.add_request("late", batch[1], GREEDY)
         for _ in range(5):
@@ -96,8 +96,8 @@ def test_prefix_hits_and_mixed_steps_keep_the_graph_path_exact(weights: Gemma3We
     assert runs[1] == runs[0]
 
 
-def test_steps_the_graphs_do_not_take_run_eagerly(weights: Gemma3Weights) -> None:
-    eng = engine(weights, graphs=True, max_num_seqs=2)
+def test_steps_the_graphs_do_not_take_run_eagerly(tiny: Gemma3Weights) -> None:
+    eng = engine(tiny, graphs=True, max_num_seqs=2)
     assert eng.graphs is not None
     eng.graphs.row_buckets = [1]  # a step of two decodes no longer fits a bucket
     scored = SamplingParams(max_tokens=3, prompt_logprobs=1)  # every prompt row: eager

@@ -31,15 +31,15 @@ SMALL = Gemma3Config(num_layers=6, hidden_size=64, intermediate_size=128, num_he
 
 
 @pytest.fixture(scope="module")
-def weights() -> Gemma3Weights:
+def tiny() -> Gemma3Weights:
     return Gemma3Weights.generate(SMALL, torch.float32, seed=11)
 
 
-def engine(weights: Gemma3Weights, k: int = 0, **kw: Any) -> LLMEngine:
+def engine(tiny: Gemma3Weights, k: int = 0, **kw: Any) -> LLMEngine:
     cfg = EngineConfig(**{"dtype": "float32", "weights": "dense", "max_model_len": 1024, "kv_cache_memory": 4 << 20,
                           "max_num_seqs": 8, "speculative": "ngram" if k else None, "num_speculative_tokens": k,
                           **kw})
-    return LLMEngine(weights, ByteTokenizer(), cfg)
+    return LLMEngine(tiny, ByteTokenizer(), cfg)
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -85,11 +85,11 @@ def run(eng: LLMEngine, batch: list[list[int]], params: SamplingParams = GREEDY)
 
 
 @pytest.mark.parametrize("caching", [False, True])
-def test_greedy_tokens_equal_one_token_per_step(weights: Gemma3Weights, caching: bool) -> None:
+def test_greedy_tokens_equal_one_token_per_step(tiny: Gemma3Weights, caching: bool) -> None:
     batch = prompts(1)
-    want = run(engine(weights, enable_prefix_caching=caching), batch)
+    want = run(engine(tiny, enable_prefix_caching=caching), batch)
     for k in (1, 4, 8):
-        eng = oracle(engine(weights, k, enable_prefix_caching=caching), batch, want)
+        eng = oracle(engine(tiny, k, enable_prefix_caching=caching), batch, want)
         assert run(eng, batch) == want
         again = run(eng, batch)  # the second time from the prefix cache (when caching)
         assert again == want
@@ -98,21 +98,21 @@ def test_greedy_tokens_equal_one_token_per_step(weights: Gemma3Weights, caching:
         assert m.generation_tokens == 2 * sum(map(len, want))  # every token counted once
 
 
-def test_logprobs_equal_one_token_per_step(weights: Gemma3Weights) -> None:
+def test_logprobs_equal_one_token_per_step(tiny: Gemma3Weights) -> None:
     batch = prompts(2)
-    plain = engine(weights).generate(batch, GREEDY)
-    spec = oracle(engine(weights, 4), batch, [o.token_ids for o in plain]).generate(batch, GREEDY)
+    plain = engine(tiny).generate(batch, GREEDY)
+    spec = oracle(engine(tiny, 4), batch, [o.token_ids for o in plain]).generate(batch, GREEDY)
     for a, b in zip(spec, plain):
         assert a.token_ids == b.token_ids
         assert [x.logprob for x in a.logprobs or []] == pytest.approx([x.logprob for x in b.logprobs or []], abs=1e-5)
 
 
-def test_mixed_batches_and_preemption_keep_greedy_tokens(weights: Gemma3Weights) -> None:
+def test_mixed_batches_and_preemption_keep_greedy_tokens(tiny: Gemma3Weights) -> None:
     # Requests arrive while others decode with drafts (steps mixing prefill chunks and drafts), and
     # one is preempted mid-decode and recomputed.
     batch = prompts(3) + prompts(4)
-    want = run(engine(weights), batch)
-    eng = oracle(engine(weights, 6, max_num_batched_tokens=64), batch, want)
+    want = run(engine(tiny), batch)
+    eng = oracle(engine(tiny, 6, max_num_batched_tokens=64), batch, want)
     for i, p in enumerate(batch[:3]):
         eng.add_request(f"r{i}", p, GREEDY)
     done: dict[str, list[int]] = {}
@@ -132,22 +132,22 @@ def test_mixed_batches_and_preemption_keep_greedy_tokens(weights: Gemma3Weights)
     eng.manager.check_invariants()
 
 
-def test_stop_tokens_and_max_tokens_cut_accepted_drafts(weights: Gemma3Weights) -> None:
+def test_stop_tokens_and_max_tokens_cut_accepted_drafts(tiny: Gemma3Weights) -> None:
     batch = prompts(5)[:1]
-    want = run(engine(weights), batch)[0]
+    want = run(engine(tiny), batch)[0]
     stop = want[17]
     params = SamplingParams(max_tokens=60, ignore_eos=True, stop_token_ids=(stop,))
-    plain = run(engine(weights), batch, params)[0]
-    assert run(oracle(engine(weights, 8), batch, [want]), batch, params)[0] == plain == want[:want.index(stop) + 1]
+    plain = run(engine(tiny), batch, params)[0]
+    assert run(oracle(engine(tiny, 8), batch, [want]), batch, params)[0] == plain == want[:want.index(stop) + 1]
     short = SamplingParams(max_tokens=13, ignore_eos=True)
-    assert run(oracle(engine(weights, 8), batch, [want]), batch, short)[0] == want[:13]
+    assert run(oracle(engine(tiny, 8), batch, [want]), batch, short)[0] == want[:13]
 
 
-def test_seeded_sampling_is_reproducible(weights: Gemma3Weights) -> None:
+def test_seeded_sampling_is_reproducible(tiny: Gemma3Weights) -> None:
     batch = prompts(6)
     params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.7, top_k=20, seed=123)
-    first = run(engine(weights, 4), batch, params)
-    assert run(engine(weights, 4), batch, params) == first
+    first = run(engine(tiny, 4), batch, params)
+    assert run(engine(tiny, 4), batch, params) == first
 
 
 def test_speculative_sampling_keeps_the_target_distribution() -> None:
@@ -174,9 +174,11 @@ def test_greedy_acceptance_rule() -> None:
 
 
 def test_ngram_proposer_finds_the_latest_earlier_occurrence() -> None:
-    p = NgramProposer(3)
+    p = NgramProposer(3, min_n=1)
     assert p.propose([1, 2, 3, 4, 5, 1, 2, 3, 9, 1, 2, 3]) == [9, 1, 2]  # the latest match of (1, 2, 3)
     assert p.propose([1, 2, 3, 4, 1, 2]) == [3, 4, 1]
+    assert NgramProposer(3).propose([1, 2, 3, 4, 1, 2]) == []  # a 2-token match is too weak by default
+    assert NgramProposer(3).propose([7, 1, 2, 3, 4, 1, 2, 3]) == [4, 1, 2]
     assert p.propose([7, 8, 9]) == [] and p.propose([]) == []
     assert NgramProposer(2, min_n=1, max_n=1).propose([4, 5, 4]) == [5, 4]
     assert NgramProposer(2).propose([4, 5, 4]) == []  # one recurring token is too weak a match
@@ -197,8 +199,8 @@ def test_drafts_back_off_after_rejections() -> None:
     assert skipped_after(3) == 0 and b.misses == 0  # an accepted draft resets it
 
 
-def test_metrics_use_the_reference_engine_names(weights: Gemma3Weights) -> None:
-    eng = engine(weights, 4)
+def test_metrics_use_the_reference_engine_names(tiny: Gemma3Weights) -> None:
+    eng = engine(tiny, 4)
     run(eng, prompts(7))
     text = eng.metrics_text(names="vllm")
     for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
@@ -208,9 +210,9 @@ def test_metrics_use_the_reference_engine_names(weights: Gemma3Weights) -> None:
     assert float(line.rsplit(" ", 1)[1]) == eng.metrics.spec_accepted_tokens > 0
 
 
-def test_bad_settings_are_one_clear_error(weights: Gemma3Weights) -> None:
+def test_bad_settings_are_one_clear_error(tiny: Gemma3Weights) -> None:
     with pytest.raises(InvalidInputError, match=r"1\.\.8"):
-        engine(weights, 9)
+        engine(tiny, 9)
     with pytest.raises(InvalidInputError, match="speculative"):
         EngineConfig(num_speculative_tokens=3)
     with pytest.raises(InvalidInputError, match="speculative must be"):
@@ -241,7 +243,7 @@ def test_the_embedded_model_repeats_a_document_with_drafts_and_the_same_tokens()
     assert outs[1] == outs[0]
 
 
-def test_the_server_speculates_and_exports_the_counters(weights: Gemma3Weights) -> None:
+def test_the_server_speculates_and_exports_the_counters(tiny: Gemma3Weights) -> None:
     # A server started with speculation (what `serve --speculative ngram` builds) answers, and its
     # /metrics carries the draft counters under vLLM's names.
     import asyncio
@@ -251,7 +253,7 @@ def test_the_server_speculates_and_exports_the_counters(weights: Gemma3Weights) 
     from hybridkv.server.app import build_app
     from hybridkv.server.async_engine import AsyncEngine
 
-    eng = engine(weights, 4)
+    eng = engine(tiny, 4)
     async_engine = AsyncEngine(eng, "tiny", metrics_names="vllm")
 
     async def main() -> tuple[Any, str]:
