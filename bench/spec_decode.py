@@ -30,16 +30,14 @@ issue's targets are printed as PASS/MISS at the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from engine_speed import quiet  # the same silencing of llama.cpp's load log
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.gguf_file import GGUFFile
 from hybridkv.engine.sampling import SamplingParams
@@ -205,19 +203,6 @@ class LlamaCpp(Side):
             if len(tokens) == max_tokens:
                 break
         return Run(tokens, first, time.perf_counter() - start - first)
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Silence C-level stderr (llama.cpp's load log) while loading."""
-    fd = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(fd, 2)
-        os.close(fd)
 
 
 @dataclass

@@ -313,14 +313,13 @@ class Scheduler:
         seq = req.seq
         if not drafts or n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
             return []
-        k = min(len(drafts), budget - n, self.manager.max_model_len - seq.num_tokens,
-                req.max_new_tokens - seq.num_output_tokens - 1)
+        k = min(len(drafts), budget - n, self._draft_room(req))
         return drafts[:k] if k > 0 else []
 
     def _draft_room(self, req: Request) -> int:
         """Draft slots a decode step of ``req`` may hold at its current length: what admission reserves
         (``num_speculative_tokens``, less when the request may generate fewer tokens or reaches
-        ``max_model_len``; ``_drafts`` caps each step's drafts the same way)."""
+        ``max_model_len``; ``_drafts`` caps each step's drafts with it)."""
         seq = req.seq
         return max(0, min(self.config.num_speculative_tokens, self.manager.max_model_len - seq.num_tokens,
                           req.max_new_tokens - seq.num_output_tokens - 1))
