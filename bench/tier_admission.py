@@ -100,10 +100,10 @@ def main() -> None:
     host = admissions(conn, mgr, prefix, args.repeat, tier)
     smgr = manager()
     sim = SimTiers(parse_tiers("host:1TiB"), smgr, namespace="bench")
-    from hybridkv.sim.synthetic import TierKeyedSequence
+    from hybridkv.sim.synthetic import SyntheticSequence
 
     def synthetic(sid: str, tail: int) -> Any:
-        return TierKeyedSequence(sid, (("prefix", args.prefix), (f"tail-{tail}", 200)))
+        return SyntheticSequence(sid, (("prefix", args.prefix), (f"tail-{tail}", 200)))
 
     for j in range(2):
         compute(sim.connector, smgr, synthetic(f"p{j}", j))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv import (
+    BlockHasher,
     BlockStored,
     CacheHit,
     CrossAttentionSpec,
@@ -371,3 +372,57 @@ def test_stored_events_describe_the_blocks_with_parent_and_tokens() -> None:
     assert full_events[0].parent_block_hash is None and full_events[1].parent_block_hash == hashes[3]
     assert full_events[1].token_ids == tuple(tokens(64, 32)) and full_events[1].block_size == 16
     assert list(full_events[0].block_hashes + full_events[1].block_hashes) == hashes[:6]
+
+
+# ---------------------------------------------------------------------- the sequence protocol
+
+
+class HashOnlySequence:
+    """A ``KVSequence`` by composition, known only by its block hashes (as a simulator's requests are):
+    it wraps a real sequence's hashes and has no token ids."""
+
+    token_ids = None
+    num_encoder_tokens = 0
+
+    def __init__(self, seq_id: str, inner: Sequence) -> None:
+        self.seq_id = seq_id
+        self.inner = inner
+        self.num_tokens = self.num_prompt_tokens = inner.num_tokens
+        self.num_computed_tokens = 0
+
+    def block_hashes(self, hasher: BlockHasher, block_size: int) -> list[bytes]:
+        return self.inner.block_hashes(hasher, block_size)
+
+
+def test_a_sequence_known_only_by_its_hashes_is_served_like_one_with_token_ids() -> None:
+    mgr = manager(100, full(16), swa(32, 16), max_model_len=512, batch=128, enable_events=True)
+    real = Sequence("real", tokens(0, 96))
+    run_prefill(mgr, real, 128)
+    mgr.free(real)
+    mgr.take_events()
+    shadow = HashOnlySequence("shadow", Sequence("x", tokens(0, 96)))
+    hit = mgr.lookup(shadow)
+    assert hit.num_tokens == mgr.lookup(Sequence("probe", tokens(0, 96))).num_tokens > 0
+    assert mgr.allocate(shadow, 96 - hit.num_tokens, hit=hit) is not None
+    shadow.num_computed_tokens = 96
+    other = HashOnlySequence("other", Sequence("y", tokens(500, 64)))
+    assert mgr.allocate(other, 64) is not None
+    other.num_computed_tokens = 64
+    assert mgr.allocate(other, 0) is not None  # registers its computed blocks
+    stored = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+    assert stored and all(e.token_ids == () for e in stored)  # no token ids to report
+    mgr.free(shadow)
+    mgr.free("other")
+    mgr.check_invariants()
+    assert mgr.num_sequences == 0
+
+
+@pytest.mark.parametrize("bad", [object(), "a-string", 7, tokens(0, 16)])
+def test_an_object_that_is_not_a_sequence_is_refused_with_its_type(bad: object) -> None:
+    mgr = manager(20, full(16), max_model_len=256, batch=64)
+    with pytest.raises(InvalidInputError, match="expected a sequence"):
+        mgr.lookup(bad)
+    with pytest.raises(InvalidInputError, match="expected a sequence"):
+        mgr.allocate(bad, 16)
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == 19

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
 from typing import Any, Protocol
 
-from hybridkv.core import BlockHasher, HashAlgorithm
-from hybridkv.core import Sequence as KVSequence
+from hybridkv.core import BlockHasher, HashAlgorithm, Sequence
 from hybridkv.errors import InvalidInputError
 
 VLLM_DEFAULT_SEED = "vllm-none-hash"
@@ -36,11 +36,11 @@ class HashScheme(Protocol):
     name: str
     """A short label, unique per distinct scheme (replicas with equal names share request hashes)."""
 
-    def chain(self, token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+    def chain(self, token_ids: SequenceABC[int], block_size: int, cache_salt: str | None) -> list[bytes]:
         """The hashes of every full ``block_size``-token block of ``token_ids``, chained."""
         ...
 
-    def check_block(self, parent: bytes | None, token_ids: Sequence[int]) -> bytes | None:
+    def check_block(self, parent: bytes | None, token_ids: SequenceABC[int]) -> bytes | None:
         """The hash of one block after ``parent`` (None: the first block, no salt), or None when this
         scheme cannot recompute it from these inputs."""
         ...
@@ -53,10 +53,10 @@ class HybridkvHashes:
         self.hasher = BlockHasher(algorithm)
         self.name = f"hybridkv-{algorithm}"
 
-    def chain(self, token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
-        return list(KVSequence("index", token_ids, cache_salt=cache_salt).block_hashes(self.hasher, block_size))
+    def chain(self, token_ids: SequenceABC[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+        return list(Sequence("index", token_ids, cache_salt=cache_salt).block_hashes(self.hasher, block_size))
 
-    def check_block(self, parent: bytes | None, token_ids: Sequence[int]) -> bytes | None:
+    def check_block(self, parent: bytes | None, token_ids: SequenceABC[int]) -> bytes | None:
         # A first block's extra keys (the salt) are not in the event: only later blocks can be checked.
         return None if parent is None else self.hasher.hash_block(parent, token_ids)
 
@@ -96,7 +96,7 @@ class VllmHashes:
         self.none_hash = digest(self.seed)
         self.name = f"vllm-{algorithm}-{self.seed}"
 
-    def chain(self, token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+    def chain(self, token_ids: SequenceABC[int], block_size: int, cache_salt: str | None) -> list[bytes]:
         digest = self._digest
         tokens = tuple(token_ids)
         out: list[bytes] = []
@@ -108,7 +108,7 @@ class VllmHashes:
             extra = None
         return out
 
-    def check_block(self, parent: bytes | None, token_ids: Sequence[int]) -> bytes | None:
+    def check_block(self, parent: bytes | None, token_ids: SequenceABC[int]) -> bytes | None:
         return self._digest((self.none_hash if parent is None else parent, tuple(token_ids), None))
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from hybridkv.cluster.events import MEDIUM_GPU, AllClearedEvent, BlockRemovedEvent, BlockStoredEvent, WireEvent
 from hybridkv.cluster.hashes import HashScheme
 from hybridkv.cluster.layouts import ReplicaLayout
-from hybridkv.core import Sequence as KVSequence
+from hybridkv.core import KVSequence, Sequence
 
 if TYPE_CHECKING:
     from hybridkv.cluster.inverted import JointKey, ReplicaMasks
@@ -59,9 +59,10 @@ class RequestKeys:
     __slots__ = ("sequence", "token_ids", "cache_salt", "_chains", "_groups")
 
     def __init__(self, token_ids: list[int], cache_salt: str | None = None) -> None:
-        self.sequence = KVSequence("request", token_ids, cache_salt=cache_salt)
-        """The request as a core ``Sequence`` (its construction validates the token ids)."""
-        self.token_ids = self.sequence.token_ids
+        seq = Sequence("request", token_ids, cache_salt=cache_salt)  # validates the token ids
+        self.sequence: KVSequence = seq
+        """The request as the core sees it (the simulator's requests have no token ids)."""
+        self.token_ids = seq.token_ids
         self.cache_salt = cache_salt
         self._chains: dict[tuple[str, int], list[bytes]] = {}
         self._groups: dict[tuple[str, int, int, bool], list[bytes]] = {}

@@ -51,7 +51,7 @@ from hybridkv.connectors.loads import BackgroundLoads, DoneLoad, PendingLoad
 from hybridkv.connectors.lookup import by_position, positions, probe_hit
 from hybridkv.connectors.storage import JunctionMemory, Offer, StoragePolicy, StoreSpansSpill
 from hybridkv.connectors.tier_events import TierEvents
-from hybridkv.core import NULL_BLOCK, KVCacheEvent, KVCacheLayout, KVCacheManager, Sequence
+from hybridkv.core import NULL_BLOCK, KVCacheEvent, KVCacheLayout, KVCacheManager, KVSequence
 from hybridkv.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class KVConnector:
         prefix = self._prefix[group]
         return [prefix + h.hex().encode() for h in block_hashes]
 
-    def keys(self, seq: Sequence, group: int) -> list[bytes]:
+    def keys(self, seq: KVSequence, group: int) -> list[bytes]:
         """Tier keys of every full block of ``seq`` in ``group`` (an index into the layout's groups)."""
         return self.keys_of(group, self.manager.block_hashes(seq, group))
 
@@ -217,9 +217,10 @@ class KVConnector:
         span = self.manager.hit_span(group, end)
         return range(max(span.start, start // self._block_size[group]), span.stop)
 
-    def _check_range(self, seq: Sequence, start: int, num_tokens: int) -> int:
-        if not isinstance(seq, Sequence):
-            raise InvalidInputError(f"expected a hybridkv.Sequence, got {type(seq).__name__}")
+    def _check_range(self, seq: KVSequence, start: int, num_tokens: int) -> int:
+        if not isinstance(seq, KVSequence):
+            raise InvalidInputError(f"expected a sequence (hybridkv.Sequence or another KVSequence), "
+                                    f"got {type(seq).__name__}")
         for name, value in (("start_token", start), ("num_tokens", num_tokens)):
             if not isinstance(value, int) or value < 0 or value % self._align:
                 raise InvalidInputError(f"{name}={value!r} must be a non-negative multiple of {self._align}")
@@ -230,17 +231,17 @@ class KVConnector:
             )
         return end
 
-    def _cap(self, seq: Sequence, start: int, max_tokens: int | None) -> int:
+    def _cap(self, seq: KVSequence, start: int, max_tokens: int | None) -> int:
         cap = (seq.num_tokens - 1) // self._align * self._align
         if max_tokens is not None:
             cap = min(cap, start + max_tokens // self._align * self._align)
         return cap
 
-    def _hashes(self, seq: Sequence) -> dict[int, list[bytes]]:
+    def _hashes(self, seq: KVSequence) -> dict[int, list[bytes]]:
         return {g: self.manager.block_hashes(seq, g) for g in self._groups}
 
     # ------------------------------------------------------------------ lookup
-    def num_external_tokens(self, seq: Sequence, local_hit_tokens: int, max_tokens: int | None = None) -> int:
+    def num_external_tokens(self, seq: KVSequence, local_hit_tokens: int, max_tokens: int | None = None) -> int:
         """Tokens past ``local_hit_tokens`` the tiers can supply for every group (aligned, capped).
 
         Never covers the last token nor more than ``max_tokens``; checks existence only, in a
@@ -250,7 +251,7 @@ class KVConnector:
         self._check_range(seq, local_hit_tokens, 0)
         return self._lookup(seq, self._hashes(seq), local_hit_tokens, self._cap(seq, local_hit_tokens, max_tokens))
 
-    def _lookup(self, seq: Sequence, hashes: dict[int, list[bytes]], start: int, cap: int) -> int:
+    def _lookup(self, seq: KVSequence, hashes: dict[int, list[bytes]], start: int, cap: int) -> int:
         with self._lock:
             self.stats.lookups += 1
         if not self._possible or cap <= start:
@@ -288,7 +289,7 @@ class KVConnector:
         return found
 
     # ------------------------------------------------------------------ load
-    def start_load(self, seq: Sequence, local_hit_tokens: int, max_tokens: int | None = None) -> PendingLoad:
+    def start_load(self, seq: KVSequence, local_hit_tokens: int, max_tokens: int | None = None) -> PendingLoad:
         """Look up and read what the tiers hold past ``local_hit_tokens``: on the worker thread with
         ``BackgroundLoads`` (a failure or a timeout is a miss), else at once. Touches no manager state."""
         self._check_range(seq, local_hit_tokens, 0)
@@ -306,7 +307,7 @@ class KVConnector:
             return DoneLoad(work() if cap > start else miss)
         return self.loads.submit(work, miss, lambda: self._fault("timeout", "a tier load outlasted its timeout"))
 
-    def fetch(self, seq: Sequence, start_token: int, num_tokens: int) -> FetchedKV:
+    def fetch(self, seq: KVSequence, start_token: int, num_tokens: int) -> FetchedKV:
         """Read and verify the blocks for tokens ``[start_token, start_token + num_tokens)``.
 
         Returns the longest aligned prefix every group can resume from; a fault, a missing entry
@@ -315,7 +316,7 @@ class KVConnector:
         end = self._check_range(seq, start_token, num_tokens)
         return self._fetch(seq, self._hashes(seq), start_token, end)
 
-    def _fetch(self, seq: Sequence, hashes: dict[int, list[bytes]], start_token: int, end: int) -> FetchedKV:
+    def _fetch(self, seq: KVSequence, hashes: dict[int, list[bytes]], start_token: int, end: int) -> FetchedKV:
         payloads: dict[tuple[int, int], bytes] = {}
         stop = start_token
         if end > start_token and self._possible:
@@ -344,7 +345,7 @@ class KVConnector:
             self.stats.fetched_tokens += stop - start_token
         return FetchedKV(seq.seq_id, start_token, stop - start_token, payloads)
 
-    def _get(self, keys: list[bytes], seq: Sequence | None = None) -> list[bytes | None]:
+    def _get(self, keys: list[bytes], seq: KVSequence | None = None) -> list[bytes | None]:
         """Verified payloads of ``keys`` (blocks of ``seq``) from the first tier that serves each,
         promoting upwards."""
         out: list[bytes | None] = [None] * len(keys)
@@ -428,13 +429,13 @@ class KVConnector:
             if fetched.num_tokens:
                 st.recent_loads.append(LoadRecord(fetched.seq_id, fetched.start_token, fetched.num_tokens, per_group))
 
-    def load(self, seq: Sequence, start_token: int, num_tokens: int, block_tables: BlockTables,
+    def load(self, seq: KVSequence, start_token: int, num_tokens: int, block_tables: BlockTables,
              write_block: WriteBlock) -> int:
         """``fetch`` then ``write``: the tokens loaded, a block-aligned prefix of ``num_tokens``."""
         return self.write(self.fetch(seq, start_token, num_tokens), block_tables, write_block)
 
     # ------------------------------------------------------------------ store
-    def offered(self, seq: Sequence, num_tokens: int, start_token: int = 0) -> list[tuple[int, int, bytes]]:
+    def offered(self, seq: KVSequence, num_tokens: int, start_token: int = 0) -> list[tuple[int, int, bytes]]:
         """``(group, block id, key)`` of the blocks ``store`` offers for tokens ``(start_token, num_tokens]``:
         the storage policy's choice among the blocks the device cache has registered under the
         sequence's hash (so superseded Mamba states are never stored), junction checkpoints included;
@@ -442,7 +443,7 @@ class KVConnector:
         normal, low = self.offered_by_priority(seq, num_tokens, start_token)
         return normal + low
 
-    def offered_by_priority(self, seq: Sequence, num_tokens: int, start_token: int = 0, *, with_low: bool = True
+    def offered_by_priority(self, seq: KVSequence, num_tokens: int, start_token: int = 0, *, with_low: bool = True
                             ) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int, bytes]]]:
         """``offered``, split into ``(normal, low)`` priority (``StoragePolicy.prioritized``)."""
         normal, low = self.chosen_by_priority(seq, num_tokens, start_token, with_low=with_low)
@@ -453,7 +454,7 @@ class KVConnector:
         key = self.key
         return [(g, b, key(g, h)) for g, blocks in offers.items() for _, b, h in blocks]
 
-    def chosen_by_priority(self, seq: Sequence, num_tokens: int, start_token: int = 0, *, with_low: bool = True
+    def chosen_by_priority(self, seq: KVSequence, num_tokens: int, start_token: int = 0, *, with_low: bool = True
                            ) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
         """The storage policy's choice for tokens ``(start_token, num_tokens]``, per group, before keying:
         ``(normal, low)`` priority ``Offer`` lists (junctions the lookups found included).
@@ -472,7 +473,7 @@ class KVConnector:
                                                       start_token, num_tokens)
         return self.storage.prioritized(self.manager, seq, start_token, num_tokens, junctions, with_low=with_low)
 
-    def store(self, seq: Sequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock,
+    def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock,
               start_token: int = 0) -> int:
         """Offer the blocks computed in ``(start_token, num_tokens]`` (``offered``); returns blocks stored.
 
@@ -519,7 +520,7 @@ class KVConnector:
         self._touch_prompt(seq, start_token, num_tokens, targets)
         return len(stored)
 
-    def chosen_in_order(self, seq: Sequence, num_tokens: int, start_token: int, targets: SequenceABC[KVTier]
+    def chosen_in_order(self, seq: KVSequence, num_tokens: int, start_token: int, targets: SequenceABC[KVTier]
                         ) -> Iterator[tuple[bool, dict[int, list[Offer]]]]:
         """``(is_low, offers)``: the storage policy's normal-priority choice, then its low-priority
         one, chosen only if one of ``targets`` can take a low put (``takes_low_puts``): asked first
@@ -537,7 +538,7 @@ class KVConnector:
         when none can, a store neither chooses nor offers them (each would be skipped)."""
         return any(t.priorities and t.takes_low_puts(self._smallest_payload) for t in targets)
 
-    def _touch_prompt(self, seq: Sequence, start: int, end: int, targets: list[KVTier]) -> None:
+    def _touch_prompt(self, seq: KVSequence, start: int, end: int, targets: list[KVTier]) -> None:
         """When ``(start, end]`` completes the prompt: touch its growing chain in the tiers, tail first."""
         prompt = seq.num_prompt_tokens
         if not start < prompt <= end or not self._growing:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from hybridkv.core import HitRules, Sequence
+from hybridkv.core import HitRules, KVSequence
 
 Probe = Callable[[list[tuple[int, int]]], list[bool]]
 """Whether some tier holds block ``index`` of ``group``, for each ``(group, index)``: one probe."""
@@ -147,7 +147,7 @@ def chain_end(group: int, first: int, end: int, probe: Probe, fanout: int) -> in
     return lo
 
 
-def probe_hit(rules: HitRules, seq: Sequence, start: int, cap: int, probe: Probe,
+def probe_hit(rules: HitRules, seq: KVSequence, start: int, cap: int, probe: Probe,
               fanout: int = 16) -> tuple[int, int]:
     """``(hit, chain)``: the longest hit in ``[start, cap]`` every group can serve from the tiers (or
     ``start``), and how far the growing groups' chain reaches (a junction when ``hit < chain < cap``).

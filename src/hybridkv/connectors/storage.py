@@ -53,7 +53,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hybridkv.core import KVCacheManager, MambaSpec, Sequence
+from hybridkv.core import KVCacheManager, KVSequence, MambaSpec
 from hybridkv.errors import InvalidInputError
 
 Offer = tuple[int, int, bytes]
@@ -65,14 +65,14 @@ class StoragePolicy:
 
     name = "policy"
 
-    def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+    def offers(self, manager: KVCacheManager, seq: KVSequence, start: int, end: int,
                junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
         """Per caching group, the blocks to store after a step computed tokens ``[start, end)``.
 
         ``junctions`` are extra checkpoint positions (token counts) the caller knows of."""
         raise NotImplementedError
 
-    def prioritized(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+    def prioritized(self, manager: KVCacheManager, seq: KVSequence, start: int, end: int,
                     junctions: Iterable[int] = (), *, with_low: bool = True
                     ) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
         """``(normal, low)``: the blocks to store at normal and at low priority (evicted first). A policy
@@ -87,7 +87,7 @@ class StoreAll(StoragePolicy):
 
     name = "all"
 
-    def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+    def offers(self, manager: KVCacheManager, seq: KVSequence, start: int, end: int,
                junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
         return {g: manager.registered_blocks(seq, g, start, end) for g in manager.caching_groups}
 
@@ -116,20 +116,20 @@ class StoreHitSpans(StoragePolicy):
         if not isinstance(self.answer_ends, bool):
             raise InvalidInputError(f"StoreHitSpans.answer_ends must be a bool, got {self.answer_ends!r}")
 
-    def checkpoints(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+    def checkpoints(self, manager: KVCacheManager, seq: KVSequence, start: int, end: int,
                     junctions: Iterable[int] = ()) -> list[int]:
         """Checkpoint positions in ``(start, end]`` (ascending, multiples of the hit alignment, > 0)."""
         return sorted({*self._points(manager, seq, start, end, junctions), *self._answer_points(manager, seq, start,
                                                                                                   end)})
 
-    def _answer_points(self, manager: KVCacheManager, seq: Sequence, start: int, end: int) -> range:
+    def _answer_points(self, manager: KVCacheManager, seq: KVSequence, start: int, end: int) -> range:
         """The answer's boundaries in ``(start, end]`` (none without ``answer_ends``)."""
         align, prompt = manager.hit_alignment, seq.num_prompt_tokens
         if not self.answer_ends or end <= prompt:
             return range(0)
         return range((max(start, prompt) // align + 1) * align, end + 1, align)
 
-    def _points(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+    def _points(self, manager: KVCacheManager, seq: KVSequence, start: int, end: int,
                 junctions: Iterable[int] = ()) -> set[int]:
         """The checkpoints in ``(start, end]`` but the answer's boundaries."""
         align = manager.hit_alignment
@@ -147,11 +147,11 @@ class StoreHitSpans(StoragePolicy):
         points.discard(0)
         return points
 
-    def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+    def offers(self, manager: KVCacheManager, seq: KVSequence, start: int, end: int,
                junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
         return self._split(manager, seq, start, end, junctions, spill=False)[0]
 
-    def _split(self, manager: KVCacheManager, seq: Sequence, start: int, end: int, junctions: Iterable[int],
+    def _split(self, manager: KVCacheManager, seq: KVSequence, start: int, end: int, junctions: Iterable[int],
                *, spill: bool) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
         """``(spans, rest)``: per group the blocks hits need (every registered block of a growing or
         recurrent group; the window or chunk before each checkpoint otherwise), and with ``spill``
@@ -198,12 +198,12 @@ class StoreSpansSpill(StoreHitSpans):
 
     name = "spans+spill"
 
-    def offers(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+    def offers(self, manager: KVCacheManager, seq: KVSequence, start: int, end: int,
                junctions: Iterable[int] = ()) -> dict[int, list[Offer]]:
         normal, low = self.prioritized(manager, seq, start, end, junctions)
         return {g: normal[g] + low.get(g, []) for g in normal}
 
-    def prioritized(self, manager: KVCacheManager, seq: Sequence, start: int, end: int,
+    def prioritized(self, manager: KVCacheManager, seq: KVSequence, start: int, end: int,
                     junctions: Iterable[int] = (), *, with_low: bool = True
                     ) -> tuple[dict[int, list[Offer]], dict[int, list[Offer]]]:
         """``StoreHitSpans.offers`` at normal priority; the rest of each window group's registered

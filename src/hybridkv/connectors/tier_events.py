@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
 from hybridkv.connectors.base import Change, KVTier
-from hybridkv.core import BlockRemoved, BlockStored, KVCacheEvent, KVCacheManager, Sequence
+from hybridkv.core import BlockRemoved, BlockStored, KVCacheEvent, KVCacheManager, KVSequence
 
 
 def publishing(tier: KVTier) -> bool:
@@ -39,13 +39,13 @@ class TierEvents:
     def __init__(self, tiers: SequenceABC[KVTier], manager: KVCacheManager) -> None:
         self.tiers = [t for t in tiers if publishing(t)]
         self.manager = manager
-        self._notes: dict[bytes, Sequence] = {}
-        self._older: dict[bytes, Sequence] = {}
+        self._notes: dict[bytes, KVSequence] = {}
+        self._older: dict[bytes, KVSequence] = {}
         self._lock = threading.Lock()  # a background load notes the blocks it promotes
         for tier in self.tiers:
             tier.record_changes(True)
 
-    def note(self, seq: Sequence, keys: Iterable[bytes]) -> None:
+    def note(self, seq: KVSequence, keys: Iterable[bytes]) -> None:
         """``keys`` about to be put hold blocks of ``seq`` (kept until the next ``take`` but one, so
         a put that lands after a ``take`` still finds its sequence)."""
         with self._lock:
@@ -72,13 +72,13 @@ class TierEvents:
         for tier in self.tiers:
             tier.record_changes(False)
 
-    def _events(self, changes: list[Change], notes: dict[bytes, Sequence], older: dict[bytes, Sequence],
+    def _events(self, changes: list[Change], notes: dict[bytes, KVSequence], older: dict[bytes, KVSequence],
                 positions: dict[tuple[int, int], dict[bytes, int]]) -> list[KVCacheEvent]:
         """One tier's changes as events: a run of consecutive blocks of one group and sequence stored
         together is one ``BlockStored``; each removal a ``BlockRemoved`` (the publisher joins runs)."""
         out: list[KVCacheEvent] = []
         run: list[bytes] = []
-        run_at: tuple[int, Sequence | None, int] = (-1, None, -1)  # group, sequence, next index
+        run_at: tuple[int, KVSequence | None, int] = (-1, None, -1)  # group, sequence, next index
         first = -1
 
         def flush() -> None:
@@ -106,7 +106,7 @@ class TierEvents:
         flush()
         return out
 
-    def _position(self, seq: Sequence, group: int, block_hash: bytes,
+    def _position(self, seq: KVSequence, group: int, block_hash: bytes,
                   positions: dict[tuple[int, int], dict[bytes, int]]) -> int:
         """The table index of ``block_hash`` in ``seq``'s blocks of ``group`` (-1: not one of them)."""
         found = positions.get((id(seq), group))
@@ -115,16 +115,14 @@ class TierEvents:
             found = positions[(id(seq), group)] = {h: i for i, h in enumerate(hashes)}
         return found.get(block_hash, -1)
 
-    def _stored(self, group: int, hashes: tuple[bytes, ...], seq: Sequence | None, first: int) -> BlockStored:
+    def _stored(self, group: int, hashes: tuple[bytes, ...], seq: KVSequence | None, first: int) -> BlockStored:
         """The store of ``hashes`` (blocks ``first..`` of ``seq`` in ``group``; unknown when None)."""
         size = self.manager.group_block_size(group)
         if seq is None:
             return BlockStored(group, hashes, (), None, (), size)
         parent = self.manager.block_hashes(seq, group)[first - 1] if first else None
-        try:
-            tokens = tuple(seq.token_ids[first * size : (first + len(hashes)) * size])
-        except TypeError:  # a simulated sequence has no token ids
-            tokens = ()
+        ids = seq.token_ids  # None for a sequence known only by its hashes
+        tokens = () if ids is None else tuple(ids[first * size : (first + len(hashes)) * size])
         return BlockStored(group, hashes, (), parent, tokens, size)
 
 

@@ -19,7 +19,7 @@ from hybridkv.core.layout import (
 )
 from hybridkv.core.manager import KVCacheManager, KVCacheStats, StateStep
 from hybridkv.core.retention import NoRetention, RetentionPolicy, WindowRetention
-from hybridkv.core.sequence import Sequence
+from hybridkv.core.sequence import KVSequence, Sequence
 from hybridkv.core.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -57,6 +57,7 @@ __all__ = [
     "KVCacheManager",
     "KVCacheSpec",
     "KVCacheStats",
+    "KVSequence",
     "MLAAttentionSpec",
     "MambaMode",
     "MambaSpec",

@@ -29,7 +29,7 @@ from hybridkv.core.hits import LOSS_CAUSES, CacheHit, HitRules, agreed_hit, hit_
 from hybridkv.core.kinds import KindManager, KindRule, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
 from hybridkv.core.retention import RetentionPolicy, make_policy
-from hybridkv.core.sequence import Sequence
+from hybridkv.core.sequence import KVSequence, is_kv_sequence
 from hybridkv.core.specs import ChunkedLocalAttentionSpec
 from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequenceError
 
@@ -160,11 +160,11 @@ class KVCacheManager:
         self._checkpointing = [g for g in self._deferred if g.checkpoints]
         self._preparing = [g for g in self.groups if g.prepares]
         self._tracks_admissions = self.retainer.tracks_admissions
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, KVSequence] = {}
         # Per running Sequence object (keyed by identity): the slot count up to which a step has
         # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
         # return at once.
-        self._idle_until: dict[Sequence, int] = {}
+        self._idle_until: dict[KVSequence, int] = {}
         # Per running sequence, from its last allocation: (base, known, ceiling): the tokens computed
         # before it, the tokens it gave slots to (the step's end), and the most slots the idle steps
         # after it may reach. The next allocation must report at least ``base`` computed tokens
@@ -281,7 +281,7 @@ class KVCacheManager:
         """Non-null blocks the sequence holds, over all groups (0 for one that holds none)."""
         return sum(g.held_blocks(seq_id) for g in self.groups) if seq_id in self._seqs else 0
 
-    def block_hashes(self, seq: Sequence, group: KindManager | KindRule | int) -> list[bytes]:
+    def block_hashes(self, seq: KVSequence, group: KindManager | KindRule | int) -> list[bytes]:
         """The sequence's full-block hashes at ``group``'s block size (empty for a group that keeps
         no prefix cache). The list is cached on the sequence: do not mutate it."""
         return self.rules.block_hashes(seq, group if isinstance(group, int) else group.group)
@@ -292,7 +292,7 @@ class KVCacheManager:
         attention, the state there for a recurrent group, none for a group that keeps no cache."""
         return self.rules.hit_span(group, num_tokens)
 
-    def registered_blocks(self, seq: Sequence, group: int, start_token: int, end_token: int
+    def registered_blocks(self, seq: KVSequence, group: int, start_token: int, end_token: int
                           ) -> list[tuple[int, int, bytes]]:
         """``(index, block id, hash)`` of the sequence's blocks in ``group`` whose tokens end in
         ``(start_token, end_token]`` and that the prefix cache holds under the sequence's own hash
@@ -326,7 +326,7 @@ class KVCacheManager:
         """Tokens one block of ``group`` covers."""
         return self.groups[group].block_size
 
-    def external_hit(self, seq: Sequence, present: Mapping[int, Collection[bytes]], *, start: int = 0,
+    def external_hit(self, seq: KVSequence, present: Mapping[int, Collection[bytes]], *, start: int = 0,
                      limit: int | None = None) -> int:
         """The longest hit of ``seq`` (tokens, at most ``limit``) every group can serve when its first
         ``start`` tokens are a hit already and group ``g`` can also draw on the block hashes in
@@ -339,7 +339,7 @@ class KVCacheManager:
                                       hashes=lambda g: self.block_hashes(seq, g))
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, seq: Sequence) -> CacheHit:
+    def lookup(self, seq: KVSequence) -> CacheHit:
         """The longest prefix every group can serve from the cache. No side effects."""
         self._check_sequence(seq)
         if not self.enable_prefix_caching or seq.seq_id in self._seqs:
@@ -354,7 +354,7 @@ class KVCacheManager:
         return CacheHit(seq.seq_id, tokens, tuple(map(tuple, blocks)), full_hit, max_hit, self.pool.evictions,
                         self._token, self._content(seq, tokens))
 
-    def _hit_losses(self, seq: Sequence, hit: CacheHit) -> dict[str, int]:
+    def _hit_losses(self, seq: KVSequence, hit: CacheHit) -> dict[str, int]:
         """Why ``hit`` (found here, being adopted) stops short of its full-attention prefix: tokens
         per cause (``hybridkv.core.hits.LOSS_CAUSES``)."""
         index = self.pool.index
@@ -363,7 +363,7 @@ class KVCacheManager:
                           hit.max_hit_tokens, self.hit_alignment,
                           lambda g, hashes: any(was_evicted(g.group, h) for h in hashes))
 
-    def _content(self, seq: Sequence, num_tokens: int) -> bytes | None:
+    def _content(self, seq: KVSequence, num_tokens: int) -> bytes | None:
         """The hash fingerprinting the sequence's first ``num_tokens`` tokens (and its salt)."""
         if not num_tokens or not self._caching:
             return None
@@ -372,7 +372,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ allocate
     def allocate(
         self,
-        seq: Sequence,
+        seq: KVSequence,
         num_new_tokens: int,
         hit: CacheHit | None = None,
         num_external_tokens: int = 0,
@@ -540,7 +540,7 @@ class KVCacheManager:
                 self.retainer.on_admit(seq, adopted)
         return new_blocks
 
-    def release_lookahead(self, seq: Sequence) -> int:
+    def release_lookahead(self, seq: KVSequence) -> int:
         """After a step with draft (lookahead) slots was verified: free every block wholly past the
         verified tokens; returns how many blocks were freed.
 
@@ -597,7 +597,7 @@ class KVCacheManager:
             f"its last draft, so a rejected draft would leave it wrong (speculative decoding is not supported)"
         )
 
-    def _whole_sequence_need(self, seq: Sequence, plans: list[range | list[int]],
+    def _whole_sequence_need(self, seq: KVSequence, plans: list[range | list[int]],
                              hit_blocks: list[list[int]] | None, num_lookahead_tokens: int) -> int:
         """Blocks the admission bound asks for: per group, the step's blocks or the sequence's peak
         (``spec.blocks_for_tokens``) less what it holds (its table, or its hit for a new sequence),
@@ -613,7 +613,7 @@ class KVCacheManager:
             need += max(len(indices), g.spec.blocks_for_tokens(n, mnbt, mml) - held)
         return need
 
-    def _checkpoints(self, seq: Sequence, group: KindManager, hit: CacheHit, start: int) -> list[tuple[int, int]]:
+    def _checkpoints(self, seq: KVSequence, group: KindManager, hit: CacheHit, start: int) -> list[tuple[int, int]]:
         """Where a recurrent group (align mode) checkpoints this sequence's prefill: the lookup's
         junction and the junctions retention remembers, the prompt's end (``MambaManager.plan``)."""
         if group not in self._checkpointing:
@@ -635,7 +635,7 @@ class KVCacheManager:
             limit = group_limit if group_limit < limit else limit
         return limit
 
-    def _register(self, seq: Sequence, computed: int, external: int, known: int) -> None:
+    def _register(self, seq: KVSequence, computed: int, external: int, known: int) -> None:
         """Enter into the prefix cache the full blocks of the first ``known`` tokens (recurrent
         groups: note the checkpoints this step writes; they enter once computed)."""
         sid = seq.seq_id
@@ -646,7 +646,7 @@ class KVCacheManager:
                 g.register(sid, self.block_hashes(seq, g), computed, known,
                            self._event_tokens(seq) if self.pool.enable_events else None)
 
-    def _register_verified(self, seq: Sequence, computed: int) -> None:
+    def _register_verified(self, seq: KVSequence, computed: int) -> None:
         """Enter the attention blocks the first ``computed`` tokens fill that are not in yet: those
         accepted drafts completed (verified, so their KV is the sequence's own)."""
         sid = seq.seq_id
@@ -655,12 +655,12 @@ class KVCacheManager:
                 g.register(sid, self.block_hashes(seq, g), computed, computed,
                            self._event_tokens(seq) if self.pool.enable_events else None)
 
-    def _register_computed(self, seq: Sequence, computed: int) -> None:
+    def _register_computed(self, seq: KVSequence, computed: int) -> None:
         """Enter the recurrent checkpoints of the first ``computed`` tokens (those the caller reports computed)."""
         for g in self._deferred:
             g.register(seq.seq_id, self.block_hashes(seq, g), computed, 0, self._event_tokens(seq))
 
-    def _computed_tokens(self, seq: Sequence) -> int:
+    def _computed_tokens(self, seq: KVSequence) -> int:
         """The running sequence's computed-token count as its caller reports it, if that is possible
         (see ``_progress``); else what was computed before its last allocation (a caller that never
         advanced the count, or set it wrongly, loses only what is not certain)."""
@@ -668,29 +668,25 @@ class KVCacheManager:
         computed = seq.num_computed_tokens
         return computed if type(computed) is int and base <= computed <= ceiling else base
 
-    def _event_tokens(self, seq: Sequence) -> list[int] | None:
+    def _event_tokens(self, seq: KVSequence) -> list[int] | None:
         """The sequence's token ids when the pool records events (None otherwise, or without ids)."""
-        if not self.pool.enable_events:
-            return None
-        try:
-            return seq.token_ids
-        except TypeError:  # a simulated sequence has no token ids
-            return None
+        return seq.token_ids if self.pool.enable_events else None
 
     # ------------------------------------------------------------------ free
-    def free(self, seq: Sequence | str) -> None:
+    def free(self, seq: KVSequence | str) -> None:
         """Release every block of the sequence (finished or preempted). Idempotent.
 
         Blocks registered for tokens the sequence never computed (a step allocated but not run, or
         one that failed: free its sequences before advancing their computed counts) leave the prefix
         cache first: they must never serve a hit.
         """
-        if isinstance(seq, Sequence):
-            sid = seq.seq_id
-        elif isinstance(seq, str):
+        if isinstance(seq, str):
             sid = seq
+        elif is_kv_sequence(seq):
+            sid = seq.seq_id
         else:
-            raise InvalidInputError(f"free takes a hybridkv.Sequence or a sequence id, got {type(seq).__name__}")
+            raise InvalidInputError(f"free takes a sequence (hybridkv.Sequence or another KVSequence) or a sequence id, "
+                                    f"got {type(seq).__name__}")
         stored = self._seqs.get(sid)
         if stored is None:
             return
@@ -741,9 +737,10 @@ class KVCacheManager:
         return self.pool.take_events()
 
     # ------------------------------------------------------------------ validation
-    def _check_sequence(self, seq: Sequence) -> None:
-        if not isinstance(seq, Sequence):
-            raise InvalidInputError(f"expected a hybridkv.Sequence, got {type(seq).__name__}")
+    def _check_sequence(self, seq: KVSequence) -> None:
+        if not is_kv_sequence(seq):
+            raise InvalidInputError(f"expected a sequence (hybridkv.Sequence or another KVSequence), "
+                                    f"got {type(seq).__name__}")
         if seq.num_tokens > self.max_model_len:
             raise SequenceTooLongError(
                 f"sequence {seq.seq_id!r} has {seq.num_tokens} tokens; max_model_len is {self.max_model_len}"
@@ -755,7 +752,7 @@ class KVCacheManager:
                 f"0..{seq.num_tokens}"
             )
 
-    def _check_step(self, seq: Sequence, num_new: int, num_external: int, num_lookahead: int) -> None:
+    def _check_step(self, seq: KVSequence, num_new: int, num_external: int, num_lookahead: int) -> None:
         """The sequence and the token counts of an allocation are well formed."""
         self._check_sequence(seq)
         if not (type(num_new) is int and type(num_external) is int and type(num_lookahead) is int
@@ -769,7 +766,7 @@ class KVCacheManager:
                 f"exceed max_num_batched_tokens={self.max_num_batched_tokens}, which the per-request bounds assume"
             )
 
-    def _check_running(self, seq: Sequence, hit: CacheHit | None, num_external_tokens: int) -> None:
+    def _check_running(self, seq: KVSequence, hit: CacheHit | None, num_external_tokens: int) -> None:
         sid = seq.seq_id
         if self._seqs[sid] is not seq:
             raise InvalidInputError(f"another Sequence object with id {sid!r} is already running")
@@ -782,7 +779,7 @@ class KVCacheManager:
                 f"sequence {sid!r} is running: external tokens can only be loaded at its first allocation"
             )
 
-    def _verified_hit(self, seq: Sequence, hit: CacheHit | None) -> CacheHit:
+    def _verified_hit(self, seq: KVSequence, hit: CacheHit | None) -> CacheHit:
         """The hit to adopt for a new sequence, checked against the sequence before anything changes.
 
         A hit this manager found for this content, with nothing evicted since, is accepted as is;

@@ -41,10 +41,10 @@ from hybridkv.core._util import page_by_page
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.hits import CacheHit
 from hybridkv.core.kinds import KindManager
-from hybridkv.core.sequence import Sequence
+from hybridkv.core.sequence import KVSequence
 from hybridkv.errors import InvalidInputError
 
-HashesOf = Callable[[Sequence, KindManager], list[bytes]]
+HashesOf = Callable[[KVSequence, KindManager], list[bytes]]
 
 
 class KeptBlocks:
@@ -248,10 +248,10 @@ class Retainer:
         """Per recurrent state spread over several pages, its first page's group: the groups of the
         others (same rules, same table shape; released with the first, index by index)."""
 
-    def on_admit(self, seq: Sequence, hit: CacheHit) -> None:
+    def on_admit(self, seq: KVSequence, hit: CacheHit) -> None:
         """A new sequence adopted ``hit``."""
 
-    def junctions(self, seq: Sequence, start: int, end: int) -> list[int]:
+    def junctions(self, seq: KVSequence, start: int, end: int) -> list[int]:
         """Remembered junctions of ``seq`` in ``(start, end]``, ascending token positions."""
         return []
 
@@ -259,11 +259,11 @@ class Retainer:
         """Admissible free blocks that adopting the free hit blocks ``free_hits`` consumes."""
         return len(free_hits)
 
-    def release_dropped(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]]) -> None:
+    def release_dropped(self, group: KindManager, seq: KVSequence, freed: list[tuple[int, int]]) -> None:
         """Release blocks a window dropped; ``freed`` is ``(index, block)``, last index first."""
         self.pool.free([b for _, b in freed])
 
-    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]], computed: int) -> None:
+    def release_sequence(self, seq: KVSequence, tables: list[tuple[int, list[int]]], computed: int) -> None:
         """Release all of a sequence's blocks (finished or preempted), group by group.
 
         ``tables[g]`` is ``(offset, entries)``: group ``g``'s table from index ``offset`` on
@@ -324,7 +324,7 @@ class WindowRetainer(Retainer):
                           "end_retained": 0}
 
     # ------------------------------------------------------------------ junctions
-    def on_admit(self, seq: Sequence, hit: CacheHit) -> None:
+    def on_admit(self, seq: KVSequence, hit: CacheHit) -> None:
         anchor = self.anchor
         junction = hit.full_hit_tokens
         if anchor is None or not 0 < junction < hit.max_hit_tokens:
@@ -353,7 +353,7 @@ class WindowRetainer(Retainer):
             ids = [index.get(hashes[i]) for i in range(first, min(end, len(hashes)))]
             self._counters["retained_late"] += pool.keep_free([b for b in ids if b], admit)
 
-    def junctions(self, seq: Sequence, start: int, end: int) -> list[int]:
+    def junctions(self, seq: KVSequence, start: int, end: int) -> list[int]:
         anchor = self.anchor
         if anchor is None or not self._junctions:
             return []
@@ -369,7 +369,7 @@ class WindowRetainer(Retainer):
         admits = self.kept.admits
         return lambda b: admits(b, anchor_block)
 
-    def _junction_anchors(self, seq: Sequence, group: KindManager, lo: int, hi: int) -> list[tuple[int, int]]:
+    def _junction_anchors(self, seq: KVSequence, group: KindManager, lo: int, hi: int) -> list[tuple[int, int]]:
         """Junctions ``(boundary, anchor block)`` whose window in ``group`` meets blocks ``lo..hi``."""
         anchor = self.anchor
         assert anchor is not None
@@ -396,7 +396,7 @@ class WindowRetainer(Retainer):
                     out.append((boundary, b))
         return out
 
-    def _classify(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]], dropped: bool,
+    def _classify(self, group: KindManager, seq: KVSequence, freed: list[tuple[int, int]], dropped: bool,
                   end: tuple[int, int] | None = None) -> None:
         """Release ``freed`` (``(index, block)``, last index first): a block inside the window of a
         junction (or of ``end``: ``(boundary, anchor block)``) is kept under that junction's anchor,
@@ -454,7 +454,7 @@ class WindowRetainer(Retainer):
     def admission_cost(self, free_hits: list[int]) -> int:
         return self.kept.admission_cost(free_hits)
 
-    def release_dropped(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]]) -> None:
+    def release_dropped(self, group: KindManager, seq: KVSequence, freed: list[tuple[int, int]]) -> None:
         if self.anchor is None or not group.caching:
             super().release_dropped(group, seq, freed)
             return
@@ -462,7 +462,7 @@ class WindowRetainer(Retainer):
             freed = self._keep_for_end(group, seq, freed)
         self._classify(group, seq, freed, dropped=True)
 
-    def release_sequence(self, seq: Sequence, tables: list[tuple[int, list[int]]], computed: int) -> None:
+    def release_sequence(self, seq: KVSequence, tables: list[tuple[int, list[int]]], computed: int) -> None:
         if self.anchor is None:
             super().release_sequence(seq, tables, computed)
             return
@@ -491,7 +491,7 @@ class WindowRetainer(Retainer):
                 self.pool.free(entries)
 
     # ------------------------------------------------------------------ the sequence's end
-    def _end_anchor(self, seq: Sequence, end: int, table: list[int]) -> int | None:
+    def _end_anchor(self, seq: KVSequence, end: int, table: list[int]) -> int | None:
         """The cached anchor block at token ``end`` (> 0): ``table``'s entry if it holds the
         sequence's own hash, else the block the prefix cache serves that hash from."""
         anchor = self.anchor
@@ -505,7 +505,7 @@ class WindowRetainer(Retainer):
             return b
         return self.pool.get_cached_block(anchor.group, hashes[i])
 
-    def _keep_for_end(self, group: KindManager, seq: Sequence, freed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def _keep_for_end(self, group: KindManager, seq: KVSequence, freed: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Release to the LRU tail the dropped blocks of ``freed`` that a hit at the sequence's current
         end needs (a recurrent state dropped during decode, the first block of a window), remembering
         them: kept at the sequence's release if its end is still there, sent to ``low`` once the end
@@ -538,14 +538,14 @@ class WindowRetainer(Retainer):
         taken = {b for _, b in keep}
         return [(i, b) for i, b in freed if b not in taken]
 
-    def _windows(self, seq: Sequence, group: KindManager, first: int, stop: int) -> list[tuple[tuple[int, int], int]]:
+    def _windows(self, seq: KVSequence, group: KindManager, first: int, stop: int) -> list[tuple[tuple[int, int], int]]:
         """``(span, anchor block)`` of the remembered junctions whose window in ``group`` meets
         blocks ``first .. stop - 1``."""
         if not self._junctions or stop <= first:
             return []
         return [(group.hit_span(boundary), a) for boundary, a in self._junction_anchors(seq, group, first, stop - 1)]
 
-    def _let_go(self, seq: Sequence, running: RunningEnd) -> None:
+    def _let_go(self, seq: KVSequence, running: RunningEnd) -> None:
         """Send the blocks remembered for an end the sequence has moved past where dropped blocks go
         (``_classify``; those another sequence adopted or pressure evicted since are no longer the
         sequence's)."""
@@ -559,7 +559,7 @@ class WindowRetainer(Retainer):
             pool.touch([b for _, b in blocks])
             self._classify(g, seq, blocks, dropped=True)
 
-    def _final_end(self, seq: Sequence, computed: int, anchor_table: tuple[int, list[int]]) -> tuple[int, int] | None:
+    def _final_end(self, seq: KVSequence, computed: int, anchor_table: tuple[int, list[int]]) -> tuple[int, int] | None:
         """``(end, anchor block)`` of a released sequence: its ``computed`` tokens rounded down to the
         hit alignment, with the blocks it dropped earlier that a hit there needs taken out of the
         eviction order; None when nothing is cached there."""

@@ -1,9 +1,11 @@
-"""A request as the cache manager sees it: token ids, computed count and block hashes."""
+"""A request as the cache manager sees it: ``KVSequence``, what the manager reads (counts, block
+hashes, token ids when known), and ``Sequence``, its implementation over token ids."""
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 from hybridkv.core.hashing import BlockHasher, encode_extra_keys
 from hybridkv.errors import InvalidInputError
@@ -23,8 +25,45 @@ def _validated_tokens(seq_id: str, token_ids: Iterable[int], what: str) -> list[
     return tokens
 
 
+@runtime_checkable
+class KVSequence(Protocol):
+    """What the manager reads from a sequence.
+
+    ``num_computed_tokens`` is owned by the caller: tokens whose KV is in the sequence's blocks.
+    ``block_hashes`` returns the hashes of every full block of ``block_size`` tokens at the current
+    length (the manager's hasher and hash granularity; a list that only grows, not to be mutated).
+    ``token_ids`` is ``None`` for a sequence known only by its hashes: the manager then records
+    cache events without token ids. ``Sequence`` is the implementation over token ids.
+    """
+
+    seq_id: str
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_encoder_tokens: int
+
+    @property
+    def token_ids(self) -> list[int] | None: ...
+
+    def block_hashes(self, hasher: BlockHasher, block_size: int) -> list[bytes]: ...
+
+
+_CHECKED_TYPES: set[type] = set()
+
+
+def is_kv_sequence(obj: object) -> bool:
+    """Whether ``obj`` implements ``KVSequence`` (checked structurally once per type)."""
+    kind = type(obj)
+    if kind in _CHECKED_TYPES:
+        return True
+    if kind is str or not isinstance(obj, KVSequence):
+        return False
+    _CHECKED_TYPES.add(kind)
+    return True
+
+
 class Sequence:
-    """One request's tokens and progress.
+    """One request's tokens and progress (a ``KVSequence`` over token ids).
 
     ``num_computed_tokens`` is owned by the caller (the scheduler): the number of tokens whose
     KV is already in the sequence's blocks. Block hashes are computed lazily by the manager, at

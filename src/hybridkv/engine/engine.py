@@ -458,11 +458,11 @@ class LLMEngine:
         one row per position)."""
         assert self.proposer is not None
         for req in self.scheduler.running:
-            seq = req.seq
-            if seq.num_computed_tokens + 1 != seq.num_tokens or seq.num_computed_tokens < seq.num_prompt_tokens:
-                continue
-            t = self._tracked.get(seq.seq_id)
+            t = self._tracked.get(req.seq_id)
             if t is None or t.logits_sink is not None or not t.drafts.ready():
+                continue
+            seq = t.seq
+            if seq.num_computed_tokens + 1 != seq.num_tokens or seq.num_computed_tokens < seq.num_prompt_tokens:
                 continue
             drafts = self.proposer.propose(seq.token_ids)
             if drafts:

@@ -1,5 +1,12 @@
 """Continuous batching on the manager: the scheduler that never deadlocks."""
 
-from hybridkv.scheduling.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, Status
+from hybridkv.scheduling.scheduler import (
+    Request,
+    ScheduledSequence,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    Status,
+)
 
-__all__ = ["Request", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Status"]
+__all__ = ["Request", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Status"]

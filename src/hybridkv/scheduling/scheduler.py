@@ -32,9 +32,9 @@ from bisect import insort
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from hybridkv.core import KVCacheManager, Sequence
+from hybridkv.core import KVCacheManager, KVSequence
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
 
 if TYPE_CHECKING:
@@ -102,11 +102,21 @@ class Status(Enum):
     REJECTED = "rejected"
 
 
+@runtime_checkable
+class ScheduledSequence(KVSequence, Protocol):
+    """A sequence the scheduler runs: what the manager reads, and the tokens it generates."""
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    def append_token_ids(self, token_ids: Iterable[int]) -> None: ...
+
+
 @dataclass(eq=False)
 class Request:
     """The scheduler's view of one sequence."""
 
-    seq: Sequence
+    seq: ScheduledSequence
     max_new_tokens: int
     priority: int
     arrival: int
@@ -116,9 +126,9 @@ class Request:
     num_self_preemptions: int = 0
     finish_reason: str | None = None
     num_hit_tokens: int = 0
+    """Prefix-hit tokens at the latest admission."""
     lost_hit_tokens: dict[str, int] = field(default_factory=dict)
     """Prompt tokens the full-attention groups held but the hit did not serve, by cause (first admission)."""
-    """Prefix-hit tokens at the latest admission."""
     num_external_tokens: int = 0
     """Tokens an external KV tier supplied at the latest admission (after the local hit)."""
     prefill_weight: int = 1
@@ -203,7 +213,7 @@ class Scheduler:
         self._unapplied: SchedulerOutput | None = None  # the latest schedule() until update() applies it
 
     # ------------------------------------------------------------------ add
-    def add(self, seq: Sequence, max_new_tokens: int, priority: int = 0,
+    def add(self, seq: ScheduledSequence, max_new_tokens: int, priority: int = 0,
             stop_token_ids: Iterable[int] | None = (), *, prefill_weight: int = 1) -> Request:
         """Queue a sequence; refuse one longer than ``max_model_len``; reject one that can never fit.
 
@@ -211,8 +221,9 @@ class Scheduler:
         that costs up to twice a plain prefill token's time, as prompt scoring does).
         Every argument is checked before anything is recorded: a refused ``add`` leaves no trace.
         """
-        if not isinstance(seq, Sequence):
-            raise InvalidInputError(f"expected a hybridkv.Sequence, got {type(seq).__name__}")
+        if not isinstance(seq, ScheduledSequence):
+            raise InvalidInputError(f"expected a sequence (hybridkv.Sequence or another ScheduledSequence), "
+                                    f"got {type(seq).__name__}")
         if seq.seq_id in self.requests and self.requests[seq.seq_id].status in (Status.WAITING, Status.RUNNING):
             raise InvalidInputError(f"sequence {seq.seq_id!r} is already scheduled")
         if type(max_new_tokens) is not int or max_new_tokens <= 0:

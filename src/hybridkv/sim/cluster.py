@@ -79,10 +79,10 @@ from hybridkv.cluster.routing import (
     estimate_hits,
 )
 from hybridkv.cluster.scrape import BackendLoad
-from hybridkv.core import BlockHasher, KVCacheManager, Sequence, capacity_report
+from hybridkv.core import BlockHasher, KVCacheManager, KVSequence, Sequence, capacity_report
 from hybridkv.core.hits import LOSS_CAUSES
 from hybridkv.errors import InvalidInputError, SequenceTooLongError
-from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig
+from hybridkv.scheduling.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from hybridkv.sim.cost_model import CostModel, calibrate
 from hybridkv.sim.sim_tier import SimTier
 from hybridkv.sim.simulator import (
@@ -95,7 +95,7 @@ from hybridkv.sim.simulator import (
     step_work,
     tier_storage,
 )
-from hybridkv.sim.synthetic import TierKeyedSequence
+from hybridkv.sim.synthetic import SyntheticSequence
 from hybridkv.sim.tiers import SimConnector, SimTiers
 from hybridkv.sim.workloads import SimRequest, Workload, release_time
 
@@ -171,7 +171,7 @@ class SequenceKeys(RequestKeys):
 
     __slots__ = ("hasher",)
 
-    def __init__(self, seq: Sequence, hasher: BlockHasher) -> None:  # the base would hash token ids
+    def __init__(self, seq: KVSequence, hasher: BlockHasher) -> None:  # the base would hash token ids
         self.sequence = seq
         self.token_ids = []
         self.cache_salt = None  # in the sequence's hashes already
@@ -185,9 +185,10 @@ class SequenceKeys(RequestKeys):
         in every process (its block hashes are Python ``hash()`` values, which are not: a ring keyed
         by them would place prefixes differently from one run to the next)."""
         seq = self.sequence
-        runs = getattr(seq, "segments", None)
-        if runs is None:
+        if isinstance(seq, Sequence):
             return policy.home_key(seq.token_ids, seq.cache_salt)
+        assert isinstance(seq, SyntheticSequence)
+        runs = seq.segments
         salt = seq.cache_salt or b""
         digest = hashlib.sha256((salt.encode() if isinstance(salt, str) else salt) + b"\0")
         covered = 0
@@ -449,7 +450,7 @@ class Router:
         if ticket is not None:
             self.inflight.remove(ticket)
 
-    def route(self, seq: Sequence, run: ClusterRun) -> ReplicaSim:
+    def route(self, seq: KVSequence, run: ClusterRun) -> ReplicaSim:
         """The replica ``seq`` goes to; records the prediction for it and what decided."""
         backends = [r.backend() for r in self.replicas.values()]
         if not self.policy.uses_hits:
@@ -486,7 +487,7 @@ class Router:
             run.disagreements += 1
         return chosen
 
-    def _held(self, seq: Sequence) -> dict[str, tuple[int, int]]:
+    def _held(self, seq: KVSequence) -> dict[str, tuple[int, int]]:
         """Per replica, the prompt tokens it could serve ``seq`` now: from its device cache, and from
         its tiers past that (the connector's probe; its lookup counters are left as they were)."""
         out = dict.fromkeys(self.replicas, (0, 0))
@@ -504,11 +505,11 @@ class Router:
         return out
 
 
-def _sequence(req: SimRequest) -> Sequence:
+def _sequence(req: SimRequest) -> ScheduledSequence:
     """The request as the replicas run it: bytes block hashes (the index keys events by them)."""
     if req.token_ids is not None:
         return Sequence(req.request_id, req.token_ids, req.cache_salt)
-    return TierKeyedSequence(req.request_id, req.segments, req.cache_salt)
+    return SyntheticSequence(req.request_id, req.segments, req.cache_salt)
 
 
 def simulate_cluster(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, *,

@@ -78,12 +78,13 @@ from hybridkv.scheduling.scheduler import (
     MAX_DRAFT_TOKENS,
     Admission,
     Policy,
+    ScheduledSequence,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
 from hybridkv.sim.cost_model import CostModel, Efficiency, LMHead, SeqWork, calibrate
-from hybridkv.sim.synthetic import SyntheticSequence, TierKeyedSequence
+from hybridkv.sim.synthetic import SyntheticSequence
 from hybridkv.sim.tiers import SimTiers, TierSpec
 from hybridkv.sim.workloads import SimRequest, Workload, release_time
 
@@ -273,11 +274,9 @@ def tier_storage(cfg: SimConfig, workload: Workload | None = None) -> StoragePol
     return policy(interval=cfg.tier_checkpoint_interval, end_align=align, answer_ends=answers_reused)
 
 
-def _make_sequence(req: SimRequest, tiered: bool = False) -> Sequence:
+def _make_sequence(req: SimRequest, tiered: bool = False) -> ScheduledSequence:
     if req.token_ids is not None:
         return Sequence(req.request_id, req.token_ids, req.cache_salt)
-    if tiered:  # tier keys need bytes block hashes
-        return TierKeyedSequence(req.request_id, req.segments, req.cache_salt)
     return SyntheticSequence(req.request_id, req.segments, req.cache_salt)
 
 
@@ -473,8 +472,8 @@ def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int],
         steps += 1
         peak_running = max(peak_running, len(sched.running))
         sampled = {}
-        emitting: list[tuple[Sequence, int, bool]] = []  # (sequence, output tokens before, a decode step)
-        stores: list[tuple[str, Sequence, int, int]] = []
+        emitting: list[tuple[ScheduledSequence, int, bool]] = []  # (sequence, output tokens before, a decode step)
+        stores: list[tuple[str, ScheduledSequence, int, int]] = []
         for sid, n in out.num_scheduled_tokens.items():
             seq = sched.requests[sid].seq
             if tiers is not None:

@@ -61,8 +61,7 @@ from typing import Any
 from hybridkv.connectors.connector import BlockTables, FetchedKV, KVConnector, ReadBlock, WriteBlock
 from hybridkv.connectors.loads import PendingLoad
 from hybridkv.connectors.storage import StoragePolicy
-from hybridkv.core import NULL_BLOCK, KVCacheManager
-from hybridkv.core import Sequence as KVSequence
+from hybridkv.core import NULL_BLOCK, KVCacheManager, KVSequence
 from hybridkv.errors import InvalidInputError
 from hybridkv.sim.sim_tier import SimTier, tier_key_group
 from hybridkv.sizes import parse_bytes, split_number

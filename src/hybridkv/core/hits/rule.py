@@ -24,7 +24,7 @@ from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.hashing import BlockHasher, HashAlgorithm
 from hybridkv.core.kinds import KindRule, kind_rule_for
 from hybridkv.core.layout import KVCacheLayout
-from hybridkv.core.sequence import Sequence as KVSequence
+from hybridkv.core.sequence import KVSequence
 from hybridkv.errors import InvalidInputError
 
 

@@ -32,7 +32,7 @@ from itertools import takewhile
 
 from hybridkv.core._util import cdiv, gather
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
-from hybridkv.core.sequence import Sequence
+from hybridkv.core.sequence import KVSequence
 from hybridkv.core.specs import KVCacheSpec
 from hybridkv.errors import InvalidInputError
 
@@ -153,7 +153,7 @@ class KindManager:
         return self.rule.drop_point(index)
 
     # ------------------------------------------------------------------ tables
-    def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
+    def prepare(self, seq: KVSequence, checkpoints: list[tuple[int, int]]) -> None:
         """Note what the kind needs before a sequence's first allocation: its encoder tokens, and
         the ``(token position, rank)`` where a recurrent group should leave a state checkpoint."""
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from hybridkv.core._util import cdiv
 from hybridkv.core.block_pool import BlockPool
 from hybridkv.core.kinds.base import NEVER, NOTHING, Indices, KindManager, KindRule
-from hybridkv.core.sequence import Sequence
+from hybridkv.core.sequence import KVSequence
 
 
 class EncoderRule(KindRule):
@@ -37,7 +37,7 @@ class CrossAttentionManager(KindManager):
         super().__init__(rule, pool, bound=bound)
         self.encoder_tokens: dict[str, int] = {}
 
-    def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
+    def prepare(self, seq: KVSequence, checkpoints: list[tuple[int, int]]) -> None:
         self.encoder_tokens[seq.seq_id] = seq.num_encoder_tokens
 
     def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,

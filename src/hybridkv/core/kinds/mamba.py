@@ -42,7 +42,7 @@ from collections.abc import Sequence as Seq
 from hybridkv.core._util import cdiv
 from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.kinds.base import NEVER, NOTHING, Indices, KindManager, KindRule
-from hybridkv.core.sequence import Sequence
+from hybridkv.core.sequence import KVSequence
 from hybridkv.core.specs import MambaSpec
 from hybridkv.errors import InvalidInputError
 
@@ -121,7 +121,7 @@ class MambaManager(KindManager):
         ranks.update(dict.fromkeys((p for p in junctions if start < p <= end), 0))
         return sorted(ranks.items())
 
-    def prepare(self, seq: Sequence, checkpoints: list[tuple[int, int]]) -> None:
+    def prepare(self, seq: KVSequence, checkpoints: list[tuple[int, int]]) -> None:
         if self.align and self.caching and checkpoints:
             self.plans[seq.seq_id] = checkpoints
 
