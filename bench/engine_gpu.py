@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from hybridkv.engine import model, quant
-from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.config import EngineConfig, parse_dtype
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.graphs import DecodeGraphs
 from hybridkv.engine.hybrid import ByteTokenizer
 from hybridkv.engine.sampling import SamplingParams
-from hybridkv.engine.weights import GEMMA3_270M, Gemma3Config, Gemma3Weights, parse_dtype
+from hybridkv.engine.weights import GEMMA3_270M, Gemma3Config, Gemma3Weights
 
 SMALL = Gemma3Config(num_layers=6, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=1, head_dim=32,
                      vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=48,

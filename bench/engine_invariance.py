@@ -22,11 +22,12 @@ import time
 
 import torch
 
+from hybridkv.engine.config import parse_dtype, weights_format
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.gguf_file import GGUFFile
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.tokenizer import GemmaTokenizer
-from hybridkv.engine.weights import Gemma3Weights, default_model_path, parse_dtype, weights_format
+from hybridkv.engine.weights import Gemma3Weights, default_model_path
 
 PREFILL_LEN, PROMPT_LEN, DECODE_TOKENS = 1024, 128, 32
 

@@ -33,11 +33,12 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine.config import parse_dtype, weights_format
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.gguf_file import GGUFFile
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.tokenizer import GemmaTokenizer
-from hybridkv.engine.weights import Gemma3Weights, default_model_path, parse_dtype, weights_format
+from hybridkv.engine.weights import Gemma3Weights, default_model_path
 
 PROMPT_LEN, DECODE_TOKENS, PREFILL_LEN, SHARED_LEN, TTFT_LEN = 128, 64, 1024, 1000, 1200
 

@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_speed import quiet  # the same silencing of llama.cpp's load log
+from hybridkv.engine.config import parse_dtype, weights_format
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.gguf_file import GGUFFile
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.tokenizer import GemmaTokenizer
-from hybridkv.engine.weights import Gemma3Weights, default_model_path, parse_dtype, weights_format
+from hybridkv.engine.weights import Gemma3Weights, default_model_path
 
 DOCUMENT = """\
 The harbor town of Wendmere sits at the mouth of a narrow river, where the water turns from brown \

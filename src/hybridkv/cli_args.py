@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 from pathlib import Path
 from typing import NoReturn
 
@@ -187,3 +188,19 @@ def add_recurrent_pages_arg(parser: argparse.ArgumentParser) -> None:
                         help="recurrent hybrids: 'split' keeps attention blocks of --block-size and spreads a "
                              "state over as many pages as it needs (hits at attention granularity); 'unified' "
                              "grows attention blocks until one page holds a state (the reference engine's layout)")
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``, bound before any slow start-up (a model load) so a busy
+    port is reported at once; ``InvalidInputError`` naming the address otherwise."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise InvalidInputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock

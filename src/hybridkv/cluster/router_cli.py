@@ -16,7 +16,7 @@ import logging
 import sys
 from typing import Any
 
-from hybridkv.cli_args import Parser, port_arg
+from hybridkv.cli_args import Parser, listening_socket, port_arg
 from hybridkv.errors import InvalidInputError
 
 _BACKEND_HELP = (
@@ -139,7 +139,6 @@ def route_main(args: argparse.Namespace) -> int:
         from hybridkv.cluster.hashes import scheme_named
         from hybridkv.cluster.router import ClusterRouter, RouterConfig, build_app
         from hybridkv.cluster.routing import Policy
-        from hybridkv.server.cli import _bind
     except ImportError as exc:
         print(f"hybridkv route: needs the cluster extra (pip install 'hybridkv[cluster]'): {exc}", file=sys.stderr)
         return 2
@@ -159,7 +158,7 @@ def route_main(args: argparse.Namespace) -> int:
                               metrics_interval=args.metrics_interval, shared_media=args.shared_medium,
                               medium_weights=weights, balance=args.balance, slack=args.slack,
                               home_tokens=args.home_tokens, miss_weight=args.miss_weight)
-        sock = _bind(args.host, args.port)  # a busy port fails here, before "listening" is printed
+        sock = listening_socket(args.host, args.port)  # a busy port fails here, before "listening" is printed
     except InvalidInputError as exc:
         print(f"hybridkv route: {exc}", file=sys.stderr)
         return 2

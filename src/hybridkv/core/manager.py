@@ -685,8 +685,8 @@ class KVCacheManager:
         elif is_kv_sequence(seq):
             sid = seq.seq_id
         else:
-            raise InvalidInputError(f"free takes a sequence (hybridkv.Sequence or another KVSequence) or a sequence id, "
-                                    f"got {type(seq).__name__}")
+            raise InvalidInputError(f"free takes a sequence (hybridkv.Sequence or another KVSequence) or a "
+                                    f"sequence id, got {type(seq).__name__}")
         stored = self._seqs.get(sid)
         if stored is None:
             return

@@ -58,31 +58,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve missed event batches here, e.g. tcp://127.0.0.1:5558 (default: off)")
 
 
-def engine_config(args: argparse.Namespace) -> Any:
-    """The ``EngineConfig`` of parsed ``add_engine_arguments`` options."""
-    from hybridkv.engine.engine import EngineConfig
-
-    names = ("kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "retention", "policy")
-    options: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    tiers = [*getattr(args, "kv_tier", []), *([args.kv_store] if getattr(args, "kv_store", None) else [])]
-    return EngineConfig(model=getattr(args, "model", "gemma-3-270m"), dtype=args.dtype,
-                        weights=getattr(args, "weights", "auto"), device=args.device,
-                        enable_prefix_caching=not args.no_prefix_caching, kv_tiers=tuple(tiers),
-                        enforce_eager=getattr(args, "enforce_eager", False),
-                        speculative=getattr(args, "speculative", None),
-                        num_speculative_tokens=_speculative_tokens(args),
-                        kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
-                        kv_events_replay_endpoint=getattr(args, "kv_events_replay_endpoint", None), **options)
-
-
-def _speculative_tokens(args: argparse.Namespace) -> int:
-    """``--num-speculative-tokens`` (4 with ``--speculative`` alone; EngineConfig checks the range)."""
-    k = getattr(args, "num_speculative_tokens", None)
-    if k is None:
-        return 4 if getattr(args, "speculative", None) else 0
-    return int(k)
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text with a built-in model (Gemma 3 270M) on the paged cache",
                        description="Continue prompts with Gemma 3 270M (base model: outputs are continuations). "

@@ -5,16 +5,56 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from hybridkv.engine.quant import int4_kernels_available
 from hybridkv.engine.sampling import TokenLogprob
-from hybridkv.engine.weights import weights_format
 from hybridkv.errors import InvalidInputError
 
 MODELS = ("gemma-3-270m", "hybrid-tiny", "gemma-3-270m-random")
 """The built-in models (``EngineConfig.model``; ``hybridkv.engine.models``)."""
+RANDOM_MODEL_ID = "gemma-3-270m-random"
+"""Gemma 3 270M's shapes with random weights (``Gemma3Weights.generate``)."""
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+WEIGHT_FORMATS = ("dense", "gguf")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidInputError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def weights_format(config: Any) -> str:
+    """The weights format an engine config (``dtype``, ``weights``, ``device``) runs with: ``auto`` is
+    ``gguf`` for bfloat16 on the CPU (where torch has the int4 kernels) and ``dense`` otherwise, so
+    ``float32`` alone selects the exact path. The random-weights model is dense only."""
+    parse_dtype(config.dtype)
+    if config.weights not in (*WEIGHT_FORMATS, "auto"):
+        raise InvalidInputError(f"weights must be one of {[*WEIGHT_FORMATS, 'auto']}, got {config.weights!r}")
+    if getattr(config, "model", None) == RANDOM_MODEL_ID:
+        if config.weights == "gguf":
+            raise InvalidInputError(f"{RANDOM_MODEL_ID} has dense weights only (it has no GGUF codes)")
+        return "dense"
+    if config.weights != "auto":
+        if config.weights == "gguf" and config.device != "cpu":
+            raise InvalidInputError(f"the gguf weights format runs on the CPU only, not on {config.device!r}")
+        return str(config.weights)
+    fast = parse_dtype(config.dtype) == torch.bfloat16 and config.device == "cpu" and int4_kernels_available()
+    return "gguf" if fast else "dense"
+
+
+def resolved_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current CUDA device (``cuda:0`` on most machines),
+    as tensors moved there report it."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
 
 
 class Tokenizer(Protocol):

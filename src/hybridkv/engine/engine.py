@@ -25,7 +25,7 @@ import torch
 
 from hybridkv.core import KVCacheManager, Sequence
 from hybridkv.engine.batch import Batch, BatchBuilder
-from hybridkv.engine.config import EngineConfig, RequestOutput, Tokenizer
+from hybridkv.engine.config import EngineConfig, RequestOutput, Tokenizer, parse_dtype, resolved_device
 from hybridkv.engine.graphs import DecodeGraphs
 from hybridkv.engine.kv_pool import group_windows, plan_kv_layout, pool_summary, state_groups
 from hybridkv.engine.metrics import EngineMetrics, MetricNames
@@ -43,7 +43,6 @@ from hybridkv.engine.sampling import (
 )
 from hybridkv.engine.speculative import Backoff, NgramProposer, accept_greedy, accept_or_resample
 from hybridkv.engine.tiers import build_connector, parse_tier
-from hybridkv.engine.weights import parse_dtype
 from hybridkv.errors import InvalidInputError
 from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, Status
 
@@ -627,15 +626,6 @@ class LLMEngine:
                 if o.finished and o.request_id in mine:
                     final[o.request_id] = o
         return [final[r] for r in rids]
-
-
-def resolved_device(device: str | torch.device) -> torch.device:
-    """``device`` with its index: ``cuda`` is the current CUDA device (``cuda:0`` on most machines),
-    as tensors moved there report it."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return d
 
 
 def reason_label(reason: str | None) -> str:

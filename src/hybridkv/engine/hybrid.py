@@ -43,10 +43,9 @@ from hybridkv.core import (
     SlidingWindowSpec,
     StateStep,
 )
-from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.config import EngineConfig, parse_dtype
 from hybridkv.engine.kv_pool import layer_slots
 from hybridkv.engine.model import PagedKVCache, StepInputs, apply_rope, paged_attention, rms_norm, rope_tables
-from hybridkv.engine.weights import parse_dtype
 from hybridkv.errors import InvalidInputError
 
 MODEL_ID = "hybrid-tiny"

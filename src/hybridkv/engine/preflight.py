@@ -55,7 +55,7 @@ def layout_minimum(config: Any) -> int:
     import torch
 
     from hybridkv.core import capacity_report, plan_layout
-    from hybridkv.engine.weights import parse_dtype
+    from hybridkv.engine.config import parse_dtype
     from hybridkv.planning import get_preset
     from hybridkv.planning.hf_config import layer_specs, parse_config
 
@@ -70,10 +70,34 @@ def layout_minimum(config: Any) -> int:
     return (sum(report.blocks_per_request) + 1) * block_bytes  # + the null block
 
 
+def engine_config(args: argparse.Namespace) -> Any:
+    """The ``EngineConfig`` of parsed ``add_engine_arguments`` options."""
+    from hybridkv.engine.engine import EngineConfig
+
+    names = ("kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "retention", "policy")
+    options: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    tiers = [*getattr(args, "kv_tier", []), *([args.kv_store] if getattr(args, "kv_store", None) else [])]
+    return EngineConfig(model=getattr(args, "model", "gemma-3-270m"), dtype=args.dtype,
+                        weights=getattr(args, "weights", "auto"), device=args.device,
+                        enable_prefix_caching=not args.no_prefix_caching, kv_tiers=tuple(tiers),
+                        enforce_eager=getattr(args, "enforce_eager", False),
+                        speculative=getattr(args, "speculative", None),
+                        num_speculative_tokens=_speculative_tokens(args),
+                        kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
+                        kv_events_replay_endpoint=getattr(args, "kv_events_replay_endpoint", None), **options)
+
+
+def _speculative_tokens(args: argparse.Namespace) -> int:
+    """``--num-speculative-tokens`` (4 with ``--speculative`` alone; EngineConfig checks the range)."""
+    k = getattr(args, "num_speculative_tokens", None)
+    if k is None:
+        return 4 if getattr(args, "speculative", None) else 0
+    return int(k)
+
+
 def checked_engine_config(args: argparse.Namespace) -> Any:
     """The ``EngineConfig`` of the options of ``generate``/``serve``/``engine-demo`` once everything about
     them that needs no weights is checked; ``InvalidInputError`` naming the flag otherwise."""
-    from hybridkv.engine.cli import engine_config
     from hybridkv.planning import get_preset
 
     if getattr(args, "kv_events_replay_endpoint", None) and not getattr(args, "kv_events_endpoint", None):

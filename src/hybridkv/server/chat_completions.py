@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from hybridkv.engine.engine import RequestOutput
 from hybridkv.errors import InvalidInputError
@@ -18,8 +17,9 @@ from hybridkv.server.chat import plain_messages
 from hybridkv.server.context import ServerContext, cancel_on_disconnect, start_choices
 from hybridkv.server.errors import APIError
 from hybridkv.server.generation import Choice, collect_finals, make_choices
-from hybridkv.server.openai_format import chat_logprobs, check_n, finish_reason, sampling_params, sse, usage
+from hybridkv.server.openai_format import chat_logprobs, check_n, finish_reason, sampling_params, usage
 from hybridkv.server.protocol import MAX_CHOICES, ChatCompletionRequest
+from hybridkv.server.streaming import stream_response
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
@@ -89,42 +89,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
 
-    async def events() -> AsyncIterator[str]:
-        sent_tokens: dict[int, int] = {}
-        finals: dict[int, tuple[Choice, RequestOutput]] = {}
-        pending = [first]
-        try:
-            while pending or len(finals) < len(choices):
-                choice, output = pending.pop() if pending else await anext(outputs)
-                i = choice.index
-                if i not in sent_tokens:
-                    sent_tokens[i] = 0
-                    yield sse(envelope("chat.completion.chunk", choices=[
-                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}]))
-                reason = None
-                if output.finished:
-                    try:
-                        reason = finish_reason(output)
-                    except APIError as exc:
-                        yield sse(exc.body())
-                        break
-                    finals[i] = (choice, output)
-                start = sent_tokens[i]
-                if not (output.new_text or reason or (k is not None and len(output.token_ids) > start)):
-                    continue
-                sent_tokens[i] = len(output.token_ids)
-                delta = {"content": output.new_text} if output.new_text or not reason else {}
-                yield sse(envelope("chat.completion.chunk", choices=[
-                    {"index": i, "delta": delta, "logprobs": logprobs(output, start), "finish_reason": reason,
-                     **(extras(output) if reason else {})}]))
-            else:
-                if include_usage:
-                    ordered = [finals[j] for j in sorted(finals)]
-                    yield sse(envelope("chat.completion.chunk", choices=[],
-                                       usage=usage({0: ordered[0][1]}, [o for _, o in ordered])))
-            yield sse("[DONE]")
-        finally:
-            await outputs.aclose()
+    def opening(choice: Choice) -> list[dict[str, Any]]:
+        return [envelope("chat.completion.chunk", choices=[
+            {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None}])]
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def chunk(choice: Choice, output: RequestOutput, start: int, starting: bool, reason: str | None
+              ) -> dict[str, Any] | None:
+        if not (output.new_text or reason or (k is not None and len(output.token_ids) > start)):
+            return None
+        delta = {"content": output.new_text} if output.new_text or not reason else {}
+        return envelope("chat.completion.chunk", choices=[
+            {"index": choice.index, "delta": delta, "logprobs": logprobs(output, start), "finish_reason": reason,
+             **(extras(output) if reason else {})}])
+
+    def closing(finals: list[tuple[Choice, RequestOutput]]) -> dict[str, Any]:
+        return envelope("chat.completion.chunk", choices=[], usage=usage({0: finals[0][1]}, [o for _, o in finals]))
+
+    return stream_response(first, outputs, len(choices), chunk, opening=opening,
+                           closing=closing if include_usage else None)

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from hybridkv.cli_args import input_path_arg, port_arg
+from hybridkv.cli_args import input_path_arg, listening_socket, port_arg
 from hybridkv.engine.cli import add_engine_arguments
 from hybridkv.sizes import size_arg
 
@@ -75,23 +75,6 @@ class _QuietProbes(logging.Filter):
         return not (isinstance(path, str) and path.split("?", 1)[0] in ("/metrics", "/health"))
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` (checked before the model loads)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        from hybridkv.errors import InvalidInputError
-
-        raise InvalidInputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
 def serve_main(args: argparse.Namespace) -> int:
     """Load the embedded model and serve it until SIGINT/SIGTERM.
 
@@ -108,7 +91,7 @@ def serve_main(args: argparse.Namespace) -> int:
         print("hybridkv serve: --shutdown-timeout must be >= 0", file=sys.stderr)
         return 2
     try:
-        sock = _bind(args.host, args.port)
+        sock = listening_socket(args.host, args.port)
         port = sock.getsockname()[1]
         logger.info("port %d is free; importing torch and the server", port)
         return _serve(args, sock, start)

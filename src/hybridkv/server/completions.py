@@ -7,20 +7,20 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from hybridkv.engine.engine import RequestOutput
 from hybridkv.errors import InvalidInputError
 from hybridkv.server.context import ServerContext, cancel_on_disconnect, start_choices
 from hybridkv.server.errors import APIError
 from hybridkv.server.generation import Choice, Prompt, collect_finals, make_choices
-from hybridkv.server.openai_format import check_n, completion_logprobs, finish_reason, sampling_params, sse, usage
+from hybridkv.server.openai_format import check_n, completion_logprobs, finish_reason, sampling_params, usage
 from hybridkv.server.protocol import MAX_CHOICES, CompletionRequest
+from hybridkv.server.streaming import stream_response
 
 
 def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:
@@ -137,46 +137,26 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         return await asyncio.to_thread(whole)
 
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+    sent_chars: dict[int, int] = {}  # per choice: characters of text sent (the logprobs' text offsets)
 
-    async def events() -> AsyncIterator[str]:
-        sent_tokens: dict[int, int] = {}
-        sent_chars: dict[int, int] = {}
-        finals: dict[int, tuple[Choice, RequestOutput]] = {}
-        pending: list[tuple[Choice, RequestOutput]] = [first]
-        try:
-            while pending or len(finals) < len(choices):
-                choice, output = pending.pop() if pending else await anext(outputs)
-                i = choice.index
-                text, with_prompt = "", False
-                if i not in sent_tokens:  # the choice's first chunk carries the echoed prompt
-                    sent_tokens[i], sent_chars[i] = 0, 0
-                    if echo:
-                        text, with_prompt = prompt_text(choice.prompt), True
-                reason = None
-                if output.finished:
-                    try:
-                        reason = finish_reason(output)
-                    except APIError as exc:
-                        yield sse(exc.body())
-                        break
-                    finals[i] = (choice, output)
-                if not prompt_only:
-                    text += output.new_text
-                start = sent_tokens[i]
-                if not (text or reason or (body.logprobs is not None and len(output.token_ids) > start)):
-                    continue
-                lp = logprobs(choice, output, start, with_prompt, sent_chars[i])
-                sent_tokens[i] = len(output.token_ids)
-                sent_chars[i] += len(text)
-                yield sse(envelope(choices=[choice_body(choice, output, text, reason, lp)]))
-            else:
-                if include_usage:
-                    ordered = [finals[k] for k in sorted(finals)]
-                    per_prompt = {c.prompt_index: o for c, o in reversed(ordered)}
-                    yield sse(envelope(choices=[], usage=usage(per_prompt, [] if prompt_only else
-                                                               [o for _, o in ordered])))
-            yield sse("[DONE]")
-        finally:
-            await outputs.aclose()
+    def chunk(choice: Choice, output: RequestOutput, start: int, starting: bool, reason: str | None
+              ) -> dict[str, Any] | None:
+        i = choice.index
+        text, with_prompt = "", False
+        if starting:  # the choice's first chunk carries the echoed prompt
+            sent_chars[i] = 0
+            if echo:
+                text, with_prompt = prompt_text(choice.prompt), True
+        if not prompt_only:
+            text += output.new_text
+        if not (text or reason or (body.logprobs is not None and len(output.token_ids) > start)):
+            return None
+        lp = logprobs(choice, output, start, with_prompt, sent_chars[i])
+        sent_chars[i] += len(text)
+        return envelope(choices=[choice_body(choice, output, text, reason, lp)])
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def closing(finals: list[tuple[Choice, RequestOutput]]) -> dict[str, Any]:
+        per_prompt = {c.prompt_index: o for c, o in reversed(finals)}
+        return envelope(choices=[], usage=usage(per_prompt, [] if prompt_only else [o for _, o in finals]))
+
+    return stream_response(first, outputs, len(choices), chunk, closing=closing if include_usage else None)
