@@ -82,14 +82,14 @@ def test_groups_have_separate_hash_indexes() -> None:
 
 
 def keep(pool: BlockPool, blocks: list[int], anchor: int) -> None:
-    """Free ``blocks`` into the kept tier under ``anchor`` (what window retention does at a junction)."""
+    """Free ``blocks`` into the kept queue under ``anchor`` (what window retention does at a junction)."""
     kept = pool.kept
     assert isinstance(kept, KeptBlocks)
     pool.free_kept(blocks, lambda b: kept.admits(b, anchor))
 
 
 def test_kept_windows_are_released_with_their_anchor() -> None:
-    pool = BlockPool(6, num_groups=2, kept_tier=KeptBlocks)
+    pool = BlockPool(6, num_groups=2, kept_queue=KeptBlocks)
     anchor, w1, w2 = pool.allocate(3, allow_reserved=False)
     pool.cache_blocks(0, [anchor], [b"fa"])
     pool.cache_blocks(1, [w1, w2], [b"w1", b"w2"])
@@ -107,7 +107,7 @@ def test_kept_windows_are_released_with_their_anchor() -> None:
 
 
 def test_running_growth_may_take_reserved_windows_as_a_last_resort() -> None:
-    pool = BlockPool(4, num_groups=2, kept_tier=KeptBlocks)
+    pool = BlockPool(4, num_groups=2, kept_queue=KeptBlocks)
     anchor, w = pool.allocate(2, allow_reserved=False)
     pool.cache_blocks(0, [anchor], [b"fa"])
     pool.cache_blocks(1, [w], [b"w"])
@@ -204,7 +204,7 @@ def test_bulk_eviction_leaves_the_pool_as_block_by_block_eviction(ops: list[tupl
     # With events on, the pool evicts block by block (each eviction is an event); without, in bulk
     # where it can. Both must take the same blocks and end in the same state, with kept windows,
     # duplicate hashes (a tiny hash space) and `low` blocks in play.
-    pools = [BlockPool(12, num_groups=2, kept_tier=KeptBlocks, enable_events=events) for events in (True, False)]
+    pools = [BlockPool(12, num_groups=2, kept_queue=KeptBlocks, enable_events=events) for events in (True, False)]
     held: list[list[tuple[int, int]]] = [[], []]  # (group, block) per pool
     for op, n, salt, flag in ops:
         for k, pool in enumerate(pools):
@@ -240,7 +240,7 @@ def test_eviction_of_an_anchor_releases_its_windows_before_the_next_lru_block() 
     # Three cached blocks in the LRU, the oldest an anchor with two kept windows: evicting the
     # anchor releases its windows to `low`, which go before the LRU's next blocks (no bulk
     # eviction may skip past the anchor).
-    pool = BlockPool(8, num_groups=2, kept_tier=KeptBlocks)
+    pool = BlockPool(8, num_groups=2, kept_queue=KeptBlocks)
     anchors = pool.allocate(3, allow_reserved=False)
     pool.cache_blocks(0, anchors, [b"a0", b"a1", b"a2"])
     windows = pool.allocate(2, allow_reserved=False)

@@ -184,7 +184,7 @@ def test_a_hit_ending_on_a_junction_pays_for_the_kept_windows_it_adopts() -> Non
     mgr, c = _junction_setup(40, 0)
     hit = mgr.lookup(c)
     assert hit.num_tokens == 64
-    assert sorted(mgr.pool.tier_of(b) for ids in hit.block_ids for b in ids if b) == ["kept"] * 2 + ["lru"] * 4
+    assert sorted(mgr.pool.queue_of(b) for ids in hit.block_ids for b in ids if b) == ["kept"] * 2 + ["lru"] * 4
     assert mgr.allocate(c, 40, hit=hit) is not None
     step_blocks = mgr.num_held_blocks("c") - 6
     outcomes = {}

@@ -89,7 +89,7 @@ def test_a_decoding_sequence_leaves_only_its_current_ends_state_out_of_low() -> 
         seq.num_computed_tokens += 1
         free_states = [b for b in range(1, pool.num_blocks) if pool.block_group[b] == 1 and pool.block_hash[b]
                        and not pool.ref_cnt[b]]
-        in_lru = [b for b in free_states if pool.tier_of(b) == "lru"]
+        in_lru = [b for b in free_states if pool.queue_of(b) == "lru"]
         # The state at the current end (dropped once the sequence moved past it) waits in the LRU;
         # the earlier decode states went to ``low``; the state at the prompt's end (288) to the LRU.
         assert len(in_lru) <= 2 and pool.num_kept_blocks == 0

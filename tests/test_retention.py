@@ -184,7 +184,7 @@ def test_adopting_an_anchor_makes_its_kept_windows_reserved_and_admission_counts
 def test_kept_windows_yield_to_an_admission_they_alone_would_refuse() -> None:
     # Leave free hits + the step (+ 1) admissible blocks: enough only if the two kept windows the
     # adoption would reserve are not counted. They are cache, not work: rather than refuse (a request
-    # that fits an idle pool would wait for ever), they leave the kept tier for ``low``.
+    # that fits an idle pool would wait for ever), they leave the kept queue for ``low``.
     mgr, prefix = _junction(a_suffix=17)  # few blocks of a's own: the filler below evicts only those
     d, hit = _resend_b(mgr, prefix, extra=32)
     free_hits = sum(1 for ids in hit.block_ids for b in ids if b and not mgr.pool.ref_cnt[b])

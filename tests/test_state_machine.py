@@ -191,7 +191,7 @@ def pool_state(pool: BlockPool) -> tuple[Any, ...]:
     return (
         tuple(pool.ref_cnt),
         tuple(pool.block_hash),
-        bytes(pool._tier),
+        bytes(pool._queue),
         tuple(pool._uncached),
         pool._next_fresh,
         tuple(pool._low),
@@ -826,7 +826,7 @@ HASHES = tuple(bytes([i]) * 4 for i in range(6))  # few hashes: several blocks s
 
 class BlockPoolMachine(RuleBasedStateMachine):
     """``BlockPool`` against a full model of its tiers, ref counts, hash index and events, with
-    window retention's kept tier (``KeptBlocks``) as its last free tier.
+    window retention's kept queue (``KeptBlocks``) as its last free queue.
 
     As in the manager, anchors are cached blocks of group 0 and only group-1 (window) blocks are kept.
     """
@@ -834,7 +834,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(2, 16))
     def build(self, num_blocks: int) -> None:
         self.n = num_blocks
-        self.pool = BlockPool(num_blocks, 2, enable_events=True, kept_tier=KeptBlocks)
+        self.pool = BlockPool(num_blocks, 2, enable_events=True, kept_queue=KeptBlocks)
         self.ref = [0] * num_blocks
         self.hash: list[bytes | None] = [None] * num_blocks
         self.group = [0] * num_blocks
@@ -997,7 +997,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self, data: st.DataObject) -> None:
         ok = not self.held()
         if ok:
-            self.uncached.extend(self.kept)  # the kept tier empties first, then low and lru
+            self.uncached.extend(self.kept)  # the kept queue empties first, then low and lru
             self.kept.clear()
             for tier in (self.low, self.lru):
                 self.uncached.extend(tier)
@@ -1117,7 +1117,7 @@ def _keep(pool: BlockPool, blocks: list[int], anchor: int) -> None:
 
 
 def test_free_low_of_an_anchor_releases_its_reservation() -> None:
-    pool = BlockPool(4, 2, kept_tier=KeptBlocks)
+    pool = BlockPool(4, 2, kept_queue=KeptBlocks)
     anchor, window = pool.allocate(2, allow_reserved=False)
     pool.cache_blocks(0, [anchor], [b"anchor"])
     pool.cache_blocks(1, [window], [b"window"])
@@ -1164,7 +1164,7 @@ def test_mamba_align_checkpoints_only_where_a_step_ended() -> None:
 
 
 def test_touch_of_an_anchor_and_its_window_at_once() -> None:
-    pool = BlockPool(4, 2, kept_tier=KeptBlocks)
+    pool = BlockPool(4, 2, kept_queue=KeptBlocks)
     anchor, window = pool.allocate(2, allow_reserved=False)
     pool.cache_blocks(0, [anchor], [b"anchor"])
     pool.cache_blocks(1, [window], [b"window"])
@@ -1196,7 +1196,7 @@ def test_free_drops_one_reference_per_listed_block() -> None:
 
 
 def test_admissible_blocks_stay_reachable_when_an_anchor_is_retained() -> None:
-    pool = BlockPool(5, 2, kept_tier=KeptBlocks)
+    pool = BlockPool(5, 2, kept_queue=KeptBlocks)
     a, b, w = pool.allocate(3, allow_reserved=False)
     pool.cache_blocks(0, [a], [b"a"])
     pool.cache_blocks(1, [b, w], [b"b", b"w"])

@@ -1,25 +1,25 @@
-"""The block pool: ids, reference counts, free tiers, the prefix-cache index and events.
+"""The block pool: ids, reference counts, free queues, the prefix-cache index and events.
 
 The pool knows nothing about attention. It hands out block ids, counts references, remembers
 which full blocks hold which content hash (per group), and decides which free block to reuse
 next. Block 0 is the null block: never allocated, freed or counted.
 
-A free block (reference count 0) sits in exactly one tier; allocation takes from the first
-non-empty tier, so the tiers *are* the eviction order:
+A free block (reference count 0) sits in exactly one queue; allocation takes from the first
+non-empty queue, so the queues *are* the eviction order:
 
 1. ``uncached`` -- freed blocks without a hash (nothing to lose), last freed first;
 2. ``fresh``    -- never-used blocks ``next_fresh .. num_blocks - 1`` (a counter, no memory);
 3. ``low``      -- cached blocks that can serve no hit, oldest first;
 4. ``lru``      -- cached blocks, least recently freed first (the reference engine's LRU);
-5. ``kept``     -- cached blocks a retention policy keeps longest. The tier is an object the
-   policy owns (``KeptTier``, see ``retention.py``): the pool takes from it last, tells it which
+5. ``kept``     -- cached blocks a retention policy keeps longest. The queue is an object the
+   policy owns (``KeptQueue``, see ``retention.py``): the pool takes from it last, tells it which
    blocks become held or free, and which cached blocks lose their hash (a kept block may depend on
-   another block's prefix; when that one is evicted the kept block can serve nothing and the tier
-   hands it back, to ``low``). Kept blocks the tier calls *reserved* are not admissible: only a
+   another block's prefix; when that one is evicted the kept block can serve nothing and the queue
+   hands it back, to ``low``). Kept blocks the queue calls *reserved* are not admissible: only a
    running sequence's growth may take them.
 
 Eviction is lazy: a cached block keeps its hash (and can still be hit) until it is reused.
-Every tier is O(1) for insert, remove and pop (a list, a counter and ordered dicts).
+Every queue is O(1) for insert, remove and pop (a list, a counter and ordered dicts).
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from hybridkv.errors import InvalidInputError
 
 NULL_BLOCK = 0
 
-# Tier tags, one byte per block.
+# Queue tags, one byte per block.
 HELD = 0
 UNCACHED = 1
 FRESH = 2
 LOW = 3
 LRU = 4
 KEPT = 5
-TIER_NAMES = {HELD: "held", UNCACHED: "uncached", FRESH: "fresh", LOW: "low", LRU: "lru", KEPT: "kept"}
+QUEUE_NAMES = {HELD: "held", UNCACHED: "uncached", FRESH: "fresh", LOW: "low", LRU: "lru", KEPT: "kept"}
 
 
 @dataclass(frozen=True)
@@ -78,32 +78,32 @@ class AllBlocksCleared:
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KeptTier(Protocol):
-    """The last free tier, owned by a retention policy (``retention.KeptBlocks`` implements it)."""
+class KeptQueue(Protocol):
+    """The last free queue, owned by a retention policy (``retention.KeptBlocks`` implements it)."""
 
     num_reserved: int
     """Kept blocks an admission may not take."""
 
     @property
     def depended_on(self) -> Container[int]:
-        """Blocks (outside the tier) whose eviction ``on_evicted`` must hear of: kept blocks depend on them."""
+        """Blocks (outside the queue) whose eviction ``on_evicted`` must hear of: kept blocks depend on them."""
         ...
 
     def __len__(self) -> int:
-        """Blocks in the tier."""
+        """Blocks in the queue."""
         ...
 
     def take(self, block: int) -> None:
-        """``block`` leaves the tier: a sequence adopts it."""
+        """``block`` leaves the queue: a sequence adopts it."""
         ...
 
     def pop(self, allow_reserved: bool) -> int | None:
-        """The next block to evict (it leaves the tier), or None when only reserved ones are left
+        """The next block to evict (it leaves the queue), or None when only reserved ones are left
         and ``allow_reserved`` is false."""
         ...
 
     def on_evicted(self, block: int) -> list[int]:
-        """``block`` lost its hash: the kept blocks that depended on it leave the tier (returned)."""
+        """``block`` lost its hash: the kept blocks that depended on it leave the queue (returned)."""
         ...
 
     def on_held(self, blocks: list[int]) -> None:
@@ -115,7 +115,7 @@ class KeptTier(Protocol):
         ...
 
     def check_invariants(self) -> None:
-        """The tier's own invariants (AssertionError naming the broken one)."""
+        """The queue's own invariants (AssertionError naming the broken one)."""
         ...
 
 
@@ -124,7 +124,7 @@ class KeptTier(Protocol):
 
 
 class BlockPool:
-    """Block ids ``1 .. num_blocks - 1``, their reference counts, hashes and free tiers."""
+    """Block ids ``1 .. num_blocks - 1``, their reference counts, hashes and free queues."""
 
     __slots__ = (
         "num_blocks",
@@ -134,7 +134,7 @@ class BlockPool:
         "ref_cnt",
         "block_hash",
         "block_group",
-        "_tier",
+        "_queue",
         "index",
         "_uncached",
         "_next_fresh",
@@ -154,9 +154,9 @@ class BlockPool:
         *,
         enable_caching: bool = True,
         enable_events: bool = False,
-        kept_tier: Callable[[list[int]], KeptTier] | None = None,
+        kept_queue: Callable[[list[int]], KeptQueue] | None = None,
     ) -> None:
-        """``kept_tier``, when given, builds the last free tier from the pool's reference counts
+        """``kept_queue``, when given, builds the last free queue from the pool's reference counts
         (``retention.KeptBlocks``; a retention policy that keeps no blocks passes None)."""
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise InvalidInputError(
@@ -172,8 +172,8 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_group = bytearray(num_blocks)
         """The group a cached block is indexed under (meaningless while it has no hash)."""
-        self._tier = bytearray([FRESH]) * num_blocks
-        self._tier[NULL_BLOCK] = HELD
+        self._queue = bytearray([FRESH]) * num_blocks
+        self._queue[NULL_BLOCK] = HELD
         # Per group: hash -> the block that serves it; further blocks with the same hash (two
         # sequences computed one prefix at once) wait in `_dups` and take over on eviction.
         self.index: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
@@ -182,7 +182,7 @@ class BlockPool:
         self._next_fresh = 1
         self._low: OrderedDict[int, None] = OrderedDict()
         self._lru: OrderedDict[int, None] = OrderedDict()
-        self.kept = kept_tier(self.ref_cnt) if kept_tier is not None else None
+        self.kept = kept_queue(self.ref_cnt) if kept_queue is not None else None
         self._events: list[KVCacheEvent] = []
         self.evictions = 0  # hashes dropped so far: a hit looked up at the same count is still valid
         self._remembered: dict[int, OrderedDict[bytes, None]] = {}
@@ -191,7 +191,7 @@ class BlockPool:
     # ------------------------------------------------------------------ counts
     @property
     def num_free_blocks(self) -> int:
-        """Blocks a running sequence's allocation could take now (every free tier)."""
+        """Blocks a running sequence's allocation could take now (every free queue)."""
         free = len(self._uncached) + (self.num_blocks - self._next_fresh) + len(self._low) + len(self._lru)
         return free + len(self.kept) if self.kept is not None else free
 
@@ -203,7 +203,7 @@ class BlockPool:
 
     @property
     def num_kept_blocks(self) -> int:
-        """Blocks in the kept tier (a retention policy's)."""
+        """Blocks in the kept queue (a retention policy's)."""
         return len(self.kept) if self.kept is not None else 0
 
     @property
@@ -216,9 +216,9 @@ class BlockPool:
         """Fraction of usable blocks held by sequences."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
-    def tier_of(self, block: int) -> str:
-        """The name of the tier ``block`` sits in (``held`` when referenced)."""
-        return TIER_NAMES[self._tier[block]]
+    def queue_of(self, block: int) -> str:
+        """The name of the queue ``block`` sits in (``held`` when referenced)."""
+        return QUEUE_NAMES[self._queue[block]]
 
     # ------------------------------------------------------------------ lookup
     def get_cached_block(self, group: int, block_hash: bytes) -> int | None:
@@ -232,7 +232,7 @@ class BlockPool:
         return [b for b in block_ids if not ref[b] and b != NULL_BLOCK]
 
     def touch(self, block_ids: list[int], free: list[int] | None = None) -> None:
-        """Take one more reference on each (cached) block, removing free ones from their tier.
+        """Take one more reference on each (cached) block, removing free ones from their queue.
 
         ``free`` may pass ``unreferenced(block_ids)`` when the caller has it already.
         """
@@ -240,10 +240,10 @@ class BlockPool:
         if free is None:
             free = self.unreferenced(block_ids)
         if free:
-            tier = self._tier
+            queue = self._queue
             taken: list[int] = []
             for b in free:
-                t = tier[b]
+                t = queue[b]
                 if t == LRU:
                     del self._lru[b]
                 elif t == LOW:
@@ -253,8 +253,8 @@ class BlockPool:
                 elif t == HELD:  # listed twice
                     continue
                 else:
-                    raise AssertionError(f"touch of block {b} in tier {TIER_NAMES[t]}: not cached")
-                tier[b] = HELD
+                    raise AssertionError(f"touch of block {b} in queue {QUEUE_NAMES[t]}: not cached")
+                queue[b] = HELD
                 taken.append(b)
             if self.kept is not None:
                 self.kept.on_held(taken)
@@ -269,26 +269,26 @@ class BlockPool:
         """
         out: list[int] = []
         uncached = self._uncached
-        if uncached:  # tier 1 in bulk: last freed first
+        if uncached:  # queue 1 in bulk: last freed first
             take = min(num_blocks, len(uncached))
             out = uncached[len(uncached) - take:]
             out.reverse()
             del uncached[len(uncached) - take:]
-        if len(out) < num_blocks and self._next_fresh < self.num_blocks:  # tier 2 in bulk
+        if len(out) < num_blocks and self._next_fresh < self.num_blocks:  # queue 2 in bulk
             fresh = min(num_blocks - len(out), self.num_blocks - self._next_fresh)
             out.extend(range(self._next_fresh, self._next_fresh + fresh))
             self._next_fresh += fresh
         if len(out) < num_blocks:
             self._evict_into(out, num_blocks, allow_reserved)
         ref = self.ref_cnt
-        tier = self._tier
+        queue = self._queue
         for b in out:
             ref[b] = 1
-            tier[b] = HELD
+            queue[b] = HELD
         return out
 
     def _evict_into(self, out: list[int], num_blocks: int, allow_reserved: bool) -> None:
-        """Fill ``out`` up to ``num_blocks`` from the cached tiers (``low``, ``lru``, then ``kept``)."""
+        """Fill ``out`` up to ``num_blocks`` from the cached queues (``low``, ``lru``, then ``kept``)."""
         low, lru = self._low, self._lru
         kept = self.kept
         depended_on = kept.depended_on if kept is not None else None
@@ -297,14 +297,14 @@ class BlockPool:
         bulk = True  # until a run is refused: then block by block for the rest of the call
         while len(out) < num_blocks:
             # ``low`` first: an evicted anchor releases its kept blocks into ``low``, and they go next.
-            tier = low if low else lru
-            if tier:
-                n = min(num_blocks - len(out), len(tier))
+            queue = low if low else lru
+            if queue:
+                n = min(num_blocks - len(out), len(queue))
                 if bulk and n > 1:
-                    if self._evict_run(tier, n, out):
+                    if self._evict_run(queue, n, out):
                         continue
                     bulk = False
-                b = tier.popitem(last=False)[0]
+                b = queue.popitem(last=False)[0]
             else:
                 got = kept.pop(allow_reserved) if kept is not None and len(kept) else None
                 if got is None:
@@ -325,11 +325,11 @@ class BlockPool:
                 self.evictions += 1
             out.append(b)
 
-    def _evict_run(self, tier: OrderedDict[int, None], n: int, out: list[int]) -> bool:
-        """Evict the ``n`` oldest blocks of ``tier`` into ``out`` in one loop without per-block
+    def _evict_run(self, queue: OrderedDict[int, None], n: int, out: list[int]) -> bool:
+        """Evict the ``n`` oldest blocks of ``queue`` into ``out`` in one loop without per-block
         checks, when each alone holds its hash and no kept block depends on any (what the per-block
         path does for such blocks, in the same order). Returns False, changing nothing, otherwise."""
-        victims = list(islice(tier, n))
+        victims = list(islice(queue, n))
         depended_on = self.kept.depended_on if self.kept is not None else None
         if depended_on and any(map(depended_on.__contains__, victims)):
             return False
@@ -340,7 +340,7 @@ class BlockPool:
             victim_hashes = gather(hashes, victims)
             if any(not d.keys().isdisjoint(victim_hashes) for d in dups if d):
                 return False
-        pop = tier.popitem
+        pop = queue.popitem
         if self.enable_events:  # one event per run of one group's blocks, in eviction order
             events = self._events
             run_group, run = groups[victims[0]], [hashes[victims[0]]]
@@ -352,7 +352,7 @@ class BlockPool:
                 run.append(hashes[b])
             events.append(BlockRemoved(run_group, tuple(run)))  # type: ignore[arg-type]
         for b in victims:
-            pop(False)  # the victims are the tier's first n
+            pop(False)  # the victims are the queue's first n
             del index[groups[b]][hashes[b]]  # type: ignore[arg-type]
             hashes[b] = None
         self.evictions += n
@@ -363,7 +363,7 @@ class BlockPool:
         """Undo a partial ``allocate``: the taken blocks become free and uncached."""
         for b in blocks:
             self.ref_cnt[b] = 0
-            self._tier[b] = UNCACHED
+            self._queue[b] = UNCACHED
             self._uncached.append(b)
 
     def _evict(self, b: int) -> None:
@@ -401,7 +401,7 @@ class BlockPool:
             self._events.append(BlockRemoved(group, (h,)))
         if self.kept is not None:
             for w in self.kept.on_evicted(b):
-                self._tier[w] = LOW
+                self._queue[w] = LOW
                 self._low[w] = None
 
     # ------------------------------------------------------------------ release references
@@ -411,7 +411,7 @@ class BlockPool:
 
         Blocks reaching zero go to ``uncached`` without a hash, to the ``lru`` tail with one.
         """
-        ref, tier, hashes, lru, uncached = self.ref_cnt, self._tier, self.block_hash, self._lru, self._uncached
+        ref, queue, hashes, lru, uncached = self.ref_cnt, self._queue, self.block_hash, self._lru, self._uncached
         released: list[int] = []
         for b in block_ids:
             r = ref[b] - 1
@@ -419,10 +419,10 @@ class BlockPool:
             if not r:  # a block listed twice reaches zero once
                 released.append(b)
                 if hashes[b] is None:
-                    tier[b] = UNCACHED
+                    queue[b] = UNCACHED
                     uncached.append(b)
                 else:
-                    tier[b] = LRU
+                    queue[b] = LRU
                     lru[b] = None
         # Null entries counted the null block down (never to zero: it starts at 0); reset it. A
         # block freed more often than referenced goes negative: check_invariants() reports it.
@@ -432,45 +432,45 @@ class BlockPool:
         return released
 
     def free_low(self, block_ids: Iterable[int]) -> None:
-        """Like ``free``, but cached blocks reaching zero go to the ``low`` tier."""
+        """Like ``free``, but cached blocks reaching zero go to the ``low`` queue."""
         self._place_released(self._release(block_ids), LOW, self._low)
 
     def unkeep(self, anchors: Iterable[int]) -> int:
-        """The blocks kept under ``anchors`` leave the kept tier for ``low``: still cached, evicted
-        first. Returns how many moved. (The tier unties them as when an anchor is evicted.)"""
+        """The blocks kept under ``anchors`` leave the kept queue for ``low``: still cached, evicted
+        first. Returns how many moved. (The queue unties them as when an anchor is evicted.)"""
         moved = 0
         if self.kept is not None and self.kept.depended_on:
-            tier, low = self._tier, self._low
+            queue, low = self._queue, self._low
             for a in anchors:
                 for w in self.kept.on_evicted(a):
-                    tier[w] = LOW
+                    queue[w] = LOW
                     low[w] = None
                     moved += 1
         return moved
 
     def free_kept(self, block_ids: Iterable[int], admit: Callable[[int], bool]) -> None:
-        """Like ``free``, but cached blocks reaching zero go to the kept tier when ``admit(block)``
-        (which enters them into the tier's own structures) says so, else to the ``lru`` tail."""
+        """Like ``free``, but cached blocks reaching zero go to the kept queue when ``admit(block)``
+        (which enters them into the queue's own structures) says so, else to the ``lru`` tail."""
         self._place_released(self._release(block_ids), LRU, self._lru, admit)
 
     def _place_released(self, released: list[int], state: int, order: OrderedDict[int, None],
                         admit: Callable[[int], bool] | None = None) -> None:
-        """Put blocks that reached zero in their tier: ``uncached`` without a hash, else the kept tier
-        where ``admit(block)`` says so, else the tail of ``order`` (the tier ``state`` names)."""
-        hashes, tier, uncached = self.block_hash, self._tier, self._uncached
+        """Put blocks that reached zero in their queue: ``uncached`` without a hash, else the kept queue
+        where ``admit(block)`` says so, else the tail of ``order`` (the queue ``state`` names)."""
+        hashes, queue, uncached = self.block_hash, self._queue, self._uncached
         for b in released:
             if hashes[b] is None:
-                tier[b] = UNCACHED
+                queue[b] = UNCACHED
                 uncached.append(b)
             elif admit is not None and admit(b):
-                tier[b] = KEPT
+                queue[b] = KEPT
             else:
-                tier[b] = state
+                queue[b] = state
                 order[b] = None
 
     def _release(self, block_ids: Iterable[int]) -> list[int]:
         """Drop one reference on each non-null block; return those that reached zero (told to the
-        kept tier before they join a tier, so a block becoming free is counted once)."""
+        kept queue before they join a queue, so a block becoming free is counted once)."""
         ref = self.ref_cnt
         released: list[int] = []
         for b in block_ids:
@@ -487,19 +487,19 @@ class BlockPool:
         return released
 
     def keep_free(self, block_ids: Iterable[int], admit: Callable[[int], bool]) -> int:
-        """Move free cached blocks (``low`` or ``lru``) into the kept tier where ``admit(block)``
+        """Move free cached blocks (``low`` or ``lru``) into the kept queue where ``admit(block)``
         says so. Returns how many moved."""
         moved = 0
-        tier = self._tier
+        queue = self._queue
         for b in block_ids:
-            t = tier[b]
+            t = queue[b]
             if b == NULL_BLOCK or t not in (LOW, LRU) or not admit(b):
                 continue
             if t == LOW:
                 del self._low[b]
             else:
                 del self._lru[b]
-            tier[b] = KEPT
+            queue[b] = KEPT
             moved += 1
         return moved
 
@@ -547,11 +547,11 @@ class BlockPool:
             b = kept.pop(True)
             assert b is not None
             self._uncached.append(b)
-        for tier in (self._low, self._lru):
-            self._uncached.extend(tier)
-            tier.clear()
+        for queue in (self._low, self._lru):
+            self._uncached.extend(queue)
+            queue.clear()
         for b in self._uncached:
-            self._tier[b] = UNCACHED
+            self._queue[b] = UNCACHED
         self.evictions += 1
         for idx in self.index:
             idx.clear()
@@ -571,32 +571,32 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Verify every structural invariant of the pool; raise AssertionError naming the first broken."""
         n = self.num_blocks
-        ref, tier = self.ref_cnt, self._tier
-        assert ref[NULL_BLOCK] == 0 and tier[NULL_BLOCK] == HELD, "null block must never be counted"
+        ref, queue = self.ref_cnt, self._queue
+        assert ref[NULL_BLOCK] == 0 and queue[NULL_BLOCK] == HELD, "null block must never be counted"
         assert self.block_hash[NULL_BLOCK] is None, "null block must never have a hash"
         assert 1 <= self._next_fresh <= n, f"next_fresh {self._next_fresh} outside 1..{n}"
-        counts = dict.fromkeys(TIER_NAMES, 0)
+        counts = dict.fromkeys(QUEUE_NAMES, 0)
         for b in range(1, n):
-            t = tier[b]
+            t = queue[b]
             counts[t] += 1
             if t == HELD:
                 assert ref[b] > 0, f"block {b} is held with ref_cnt {ref[b]}"
             else:
-                assert ref[b] == 0, f"block {b} is free ({TIER_NAMES[t]}) with ref_cnt {ref[b]}"
+                assert ref[b] == 0, f"block {b} is free ({QUEUE_NAMES[t]}) with ref_cnt {ref[b]}"
             if t == FRESH:
                 assert b >= self._next_fresh, f"fresh block {b} below next_fresh {self._next_fresh}"
             if t in (UNCACHED, FRESH):
-                assert self.block_hash[b] is None, f"{TIER_NAMES[t]} block {b} has a hash"
+                assert self.block_hash[b] is None, f"{QUEUE_NAMES[t]} block {b} has a hash"
             if t in (LOW, LRU, KEPT):
-                assert self.block_hash[b] is not None, f"{TIER_NAMES[t]} block {b} has no hash"
-        assert counts[FRESH] == n - self._next_fresh, "fresh counter disagrees with tier tags"
+                assert self.block_hash[b] is not None, f"{QUEUE_NAMES[t]} block {b} has no hash"
+        assert counts[FRESH] == n - self._next_fresh, "fresh counter disagrees with queue tags"
         assert counts[UNCACHED] == len(self._uncached) == len(set(self._uncached)), "uncached list"
         for name, tag, od in (("low", LOW, self._low), ("lru", LRU, self._lru)):
-            assert counts[tag] == len(od), f"{name} tier holds {len(od)}, tags say {counts[tag]}"
+            assert counts[tag] == len(od), f"{name} queue holds {len(od)}, tags say {counts[tag]}"
             for b in od:
-                assert tier[b] == tag, f"block {b} in {name} tier tagged {TIER_NAMES[tier[b]]}"
+                assert queue[b] == tag, f"block {b} in {name} queue tagged {QUEUE_NAMES[queue[b]]}"
         kept = len(self.kept) if self.kept is not None else 0
-        assert counts[KEPT] == kept, f"kept tier holds {kept}, tags say {counts[KEPT]}"
+        assert counts[KEPT] == kept, f"kept queue holds {kept}, tags say {counts[KEPT]}"
         if self.kept is not None:
             self.kept.check_invariants()
         assert self.num_free_blocks == n - 1 - counts[HELD], "free count not conserved"

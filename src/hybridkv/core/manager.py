@@ -131,7 +131,7 @@ class KVCacheManager:
         the hashes, the hit alignment and the span of a hit are read there."""
         self.hasher = self.rules.hasher
         self.pool = BlockPool(layout.num_blocks, len(layout.groups), enable_caching=self.enable_prefix_caching,
-                              enable_events=enable_events, kept_tier=self.policy.kept_tier)
+                              enable_events=enable_events, kept_queue=self.policy.kept_queue)
         self.groups: list[KindManager] = [
             kind_manager_for(rule, self.pool, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len)
@@ -252,7 +252,7 @@ class KVCacheManager:
 
     def state_steps(self, seq_id: str, num_computed: int, num_tokens: int) -> tuple[StateStep, ...]:
         """For a step computing tokens ``[num_computed, num_tokens)`` of a running sequence (call it
-        after the step's ``allocate``; ``num_computed`` includes tokens a tier loaded), one
+        after the step's ``allocate``; ``num_computed`` includes tokens an external tier loaded), one
         ``StateStep`` per ``layout.recurrent_states``: the pages to read the state from and the pages
         to write it into, after each planned checkpoint and at the step's end. Read before writing:
         the read pages may be the last written ones (a step that stays inside one block)."""
@@ -823,7 +823,7 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError with a precise message on any broken invariant.
 
-        Verified: the pool's structure (every block in exactly one tier, free counts, the hash
+        Verified: the pool's structure (every block in exactly one free queue or held, free counts, the hash
         index); the retention policy's (kept blocks, anchors, reservations); every table belongs to
         a sequence holding blocks and lists a block at most once; each block's reference count equals
         the tables listing it; a block in two tables is cached; every registered table block holds the

@@ -3,7 +3,7 @@
 A prefix hit in a hybrid model needs every group: the full-attention chain of the whole prefix
 *and* the window (or state) blocks just before the hit point. Window blocks are freed as the
 window moves, long before the chain they complete, so under plain LRU they are evicted first and
-hybrid hit rates collapse. A policy decides, for every block a sequence releases, which free tier
+hybrid hit rates collapse. A policy decides, for every block a sequence releases, which free queue
 of the pool it joins.
 
 Two policies (configuration objects; each manager builds its own ``Retainer`` from one):
@@ -21,7 +21,7 @@ Two policies (configuration objects; each manager builds its own ``Retainer`` fr
   turn of a conversation (previous prompt + answer + a new message) and a preempted sequence's
   re-admission resume exactly there.
 
-Window retention never stalls admission. Kept blocks form the pool's last free tier
+Window retention never stalls admission. Kept blocks form the pool's last free queue
 (``KeptBlocks``). A kept block whose anchor is free sits behind that anchor in the eviction order
 (evicting the anchor releases it); a kept block whose anchor is held by a running sequence is
 *reserved*: an admission cannot take it, a running sequence's growth can, as a last resort. A
@@ -48,9 +48,9 @@ HashesOf = Callable[[KVSequence, KindManager], list[bytes]]
 
 
 class KeptBlocks:
-    """The pool's last free tier: kept blocks, each tied to the anchor block whose prefix it completes.
+    """The pool's last free queue: kept blocks, each tied to the anchor block whose prefix it completes.
 
-    Implements ``block_pool.KeptTier``. ``ref_cnt`` is the pool's reference-count list (read only).
+    Implements ``block_pool.KeptQueue``. ``ref_cnt`` is the pool's reference-count list (read only).
     """
 
     __slots__ = ("kept", "by_anchor", "num_reserved", "ref_cnt")
@@ -131,7 +131,7 @@ class KeptBlocks:
     def admission_cost(self, free_hits: list[int]) -> int:
         """Admissible free blocks a new sequence consumes by adopting the free blocks ``free_hits``.
 
-        A free hit block leaves its tier (a reserved kept block was not admissible anyway); a free
+        A free hit block leaves its free queue (a reserved kept block was not admissible anyway); a free
         anchor that becomes held turns its kept blocks that are not among the hits into reserved ones.
         """
         if not self.kept:
@@ -169,8 +169,8 @@ class RetentionPolicy:
     ``Retainer``."""
 
     name: ClassVar[str] = "base"
-    kept_tier: ClassVar[type[KeptBlocks] | None] = None
-    """The pool's last free tier the policy needs (None: it keeps no blocks)."""
+    kept_queue: ClassVar[type[KeptBlocks] | None] = None
+    """The pool's last free queue the policy needs (None: it keeps no blocks)."""
 
     def build(self, pool: BlockPool, groups: list[KindManager], hashes: HashesOf, alignment: int) -> Retainer:
         """The per-manager runtime of the policy."""
@@ -201,7 +201,7 @@ class WindowRetention(RetentionPolicy):
     """
 
     name: ClassVar[str] = "window"
-    kept_tier: ClassVar[type[KeptBlocks] | None] = KeptBlocks
+    kept_queue: ClassVar[type[KeptBlocks] | None] = KeptBlocks
     max_junctions: int = 1 << 16
     retain_at_lookup: bool = True
     keep_ends: bool = True
@@ -211,7 +211,7 @@ class WindowRetention(RetentionPolicy):
             raise InvalidInputError(f"max_junctions must be a positive integer, got {self.max_junctions!r}")
 
     def build(self, pool: BlockPool, groups: list[KindManager], hashes: HashesOf, alignment: int) -> Retainer:
-        assert isinstance(pool.kept, KeptBlocks), "window retention needs the pool's kept tier"
+        assert isinstance(pool.kept, KeptBlocks), "window retention needs the pool's kept queue"
         return WindowRetainer(self, pool, pool.kept, groups, hashes, alignment)
 
 
@@ -235,7 +235,7 @@ def _last_first(offset: int, entries: list[int]) -> list[tuple[int, int]]:
 
 
 class Retainer:
-    """The runtime of ``NoRetention``: released blocks go to the pool's ordinary tiers."""
+    """The runtime of ``NoRetention``: released blocks go to the pool's ordinary free queues."""
 
     __slots__ = ("pool", "groups", "pages")
     tracks_admissions: ClassVar[bool] = False
@@ -552,7 +552,7 @@ class WindowRetainer(Retainer):
         pool = self.pool
         by_group: dict[KindManager, list[tuple[int, int]]] = {}
         for g, i, b, h in running.blocks:
-            if pool.block_hash[b] == h and pool.tier_of(b) == "lru":
+            if pool.block_hash[b] == h and pool.queue_of(b) == "lru":
                 by_group.setdefault(g, []).append((i, b))
         for g, blocks in by_group.items():
             blocks.sort(reverse=True)
@@ -597,8 +597,8 @@ class WindowRetainer(Retainer):
         return {**self._counters, "junctions_known": len(self._junctions)}
 
     def check_invariants(self) -> None:
-        pool = self.pool  # the kept tier's own invariants are checked by the pool's
+        pool = self.pool  # the kept queue's own invariants are checked by the pool's
         for w, anchor in self.kept.kept.items():
-            assert pool.tier_of(w) == "kept", f"kept block {w} sits in tier {pool.tier_of(w)}"
+            assert pool.queue_of(w) == "kept", f"kept block {w} sits in queue {pool.queue_of(w)}"
             assert pool.block_hash[anchor] is not None, f"anchor {anchor} of kept block {w} is not cached"
-            assert pool.tier_of(anchor) != "kept", f"anchor {anchor} is kept"
+            assert pool.queue_of(anchor) != "kept", f"anchor {anchor} is kept"

@@ -20,7 +20,7 @@ from hybridkv.cli_args import (
 )
 from hybridkv.errors import InvalidInputError
 from hybridkv.sizes import size_arg
-from hybridkv.tables import print_table, print_text
+from hybridkv.terminal import print_table, print_text
 
 
 def _gpu_ids() -> list[str]:

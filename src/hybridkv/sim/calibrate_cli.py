@@ -28,7 +28,7 @@ from hybridkv.sim.cost_model import (
     builtin_profile,
     load_profile,
 )
-from hybridkv.tables import print_table, print_text
+from hybridkv.terminal import print_table, print_text
 
 
 def add_parser(sub: Any) -> None:

@@ -59,7 +59,7 @@ from hybridkv.sim.workloads import (
     shared_prefix,
 )
 from hybridkv.sizes import size_arg
-from hybridkv.tables import print_table, print_text
+from hybridkv.terminal import print_table, print_text
 
 SUMMARY_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("requests finished / rejected", lambda s: f"{s['finished']} / {s['rejected']}"),
