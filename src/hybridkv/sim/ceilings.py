@@ -33,7 +33,7 @@ request's computed end, prompt plus answer less the last sampled token, rounded 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 from hybridkv.core import BlockHasher
@@ -76,6 +76,22 @@ def _servable(requests: Sequence[SimRequest], max_prompt_tokens: int | None) -> 
     return [r for r in requests if max_prompt_tokens is None or r.prompt_len <= max_prompt_tokens]
 
 
+def _held_run(chain: list[tuple[object, int]], held_keys: Container[object], lru: Container[object],
+              checkpoints: bool) -> tuple[int, int, object]:
+    """The hit: the run of leading blocks of ``chain`` in ``held_keys`` (its length), and the position
+    and key of its last block the model can resume at (one with a checkpoint when ``checkpoints``)."""
+    held = pos = resume = 0
+    resume_key: object = None
+    for key, tokens in chain:
+        if key not in held_keys:
+            break
+        held += 1
+        pos += tokens
+        if not checkpoints or ("cp", key) in lru:
+            resume, resume_key = pos, key
+    return held, resume, resume_key
+
+
 def lru_ceiling(requests: Sequence[SimRequest], capacity_bytes: float, *, model: str, growing_bytes_per_token: float,
                 checkpoint_bytes: Callable[[int], float], block_size: int, alignment: int = 16,
                 max_prompt_tokens: int | None = None, interval_blocks: int = 0) -> CeilingResult:
@@ -99,21 +115,7 @@ def lru_ceiling(requests: Sequence[SimRequest], capacity_bytes: float, *, model:
         length = req.prompt_len
         chain = _chain_keys(req)
         cap = (length - 1) // alignment * alignment
-        # The hit: the held run of leading blocks, ending where the model can resume.
-        held = 0
-        pos = 0
-        resume = 0
-        resume_key: object = None
-        for key, tokens in chain:
-            if model == "infinite":
-                if key not in seen:
-                    break
-            elif key not in lru:
-                break
-            held += 1
-            pos += tokens
-            if not checkpoints or ("cp", key) in lru:
-                resume, resume_key = pos, key
+        held, resume, resume_key = _held_run(chain, seen if model == "infinite" else lru, lru, checkpoints)
         hit_total += min(resume, cap) // alignment * alignment
         if model == "infinite":
             seen.update(key for key, _ in chain)

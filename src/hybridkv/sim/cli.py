@@ -123,7 +123,15 @@ def add_parser(sub: Any) -> None:
         description="Run a workload through the real scheduler and KV-cache manager, timed by a GPU cost model. "
                     "Give a workload: --workload shared-prefix|multi-turn|chat, or --workload trace --trace FILE.",
     )
-    system = p.add_argument_group("the simulated system")
+    _system_arguments(p.add_argument_group("the simulated system"))
+    _cluster_arguments(p.add_argument_group("a cluster of replicas (sim.cluster)"))
+    _workload_arguments(p.add_argument_group("the workload"))
+    _output_arguments(p.add_argument_group("output"))
+    p.set_defaults(func=run)
+
+
+def _system_arguments(system: Any) -> None:
+    """The model, GPU, engine and pool options."""
     system.add_argument("--model", default="gemma-3-27b",
                         help="preset id (hybridkv plan --list-models) or path to a Hugging Face config.json")
     system.add_argument("--num-params", type=count_arg, default=None, metavar="COUNT",
@@ -166,6 +174,11 @@ def add_parser(sub: Any) -> None:
     system.add_argument("--lm-head", choices=("per_token", "per_sample"), default=None,
                         help="charge the output projection per new token (generic) or per sampled sequence "
                              "(default: per sampled sequence under a calibrated profile, else per token)")
+    _tier_arguments(system)
+
+
+def _tier_arguments(system: Any) -> None:
+    """The KV tier and speculative decoding options."""
     system.add_argument("--tier", type=tier_arg, action="append", default=None, metavar="SPEC",
                         help="external KV tier, queried in the order given (repeatable): "
                              "KIND:SIZE[@BANDWIDTH][@LATENCY] with KIND host (default 25GB/s), disk (5GB/s, "
@@ -193,7 +206,10 @@ def add_parser(sub: Any) -> None:
     system.add_argument("--acceptance-rate", type=non_negative_float_arg, default=None, metavar="A",
                         help="with --speculative-tokens: the probability that a draft is accepted, drafts after the "
                              "first rejection are lost (seeded by --seed)")
-    cl = p.add_argument_group("a cluster of replicas (sim.cluster)")
+
+
+def _cluster_arguments(cl: Any) -> None:
+    """The cluster's options (``--instances`` and routing)."""
     cl.add_argument("--instances", type=positive_int_arg, default=None, metavar="N",
                     help="simulate N replicas of the engine behind a router (each its own device pool; net tiers "
                          "are shared by all, host and disk tiers are per replica)")
@@ -213,7 +229,10 @@ def add_parser(sub: Any) -> None:
     cl.add_argument("--explain", action="store_true",
                     help="join each routing decision with what every replica held, and print where requests' "
                          "reusable tokens were and what sent them elsewhere")
-    work = p.add_argument_group("the workload")
+
+
+def _workload_arguments(work: Any) -> None:
+    """The workload options."""
     work.add_argument("--workload", choices=("shared-prefix", "multi-turn", "chat", "trace"), required=True,
                       help="shared-prefix: requests over a few long shared prefixes; multi-turn: conversations "
                            "whose turns extend each other; chat: chat-like lengths; trace: a JSONL file (--trace)")
@@ -249,7 +268,10 @@ def add_parser(sub: Any) -> None:
                       help="requests in flight in the closed loop (not with --rate; default 64); with a trace: "
                            "replay it as a closed loop of this many, ignoring its arrival times")
     work.add_argument("--seed", type=int, default=0, help="random seed of the workload")
-    out = p.add_argument_group("output")
+
+
+def _output_arguments(out: Any) -> None:
+    """What is written, and the variants compared."""
     out.add_argument("--compare", default=None, metavar="OPTION=V1,V2",
                      help="run variants side by side, e.g. retention=none,window or tier=none,host:64GiB+disk:1TiB")
     out.add_argument("--json", type=output_path_arg, default=None, metavar="PATH",
@@ -257,8 +279,6 @@ def add_parser(sub: Any) -> None:
     out.add_argument("--plot", type=output_path_arg, default=None, metavar="PATH",
                      help="write KV usage and hit rate over time and the TTFT CDF to a PNG (needs the sim extra)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(func=run)
-
 
 def _arrivals(args: argparse.Namespace) -> Arrivals:
     if args.rate is not None and args.concurrency is not None:

@@ -466,7 +466,6 @@ class CostModel:
         model = parse_config(config, tensor_parallel_size=tensor_parallel_size)
         layers = LayerCosts.from_config(config, model, tensor_parallel_size=tensor_parallel_size,
                                         kv_dtype_bytes=kv_bytes)
-        head = embedding = 0.0
         source = "given"
         if efficiency is None:
             efficiency, source = default_efficiency(hardware.id)
@@ -475,20 +474,7 @@ class CostModel:
         if lm_head is None:
             known = isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0
             lm_head = "per_sample" if efficiency.step_shaped and known else "per_token"
-        if lm_head == "per_sample":
-            hidden = cfg.get("hidden_size")
-            for field_name, value in (("vocab_size", vocab), ("hidden_size", hidden)):
-                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                    raise InvalidInputError(f"{name}: lm_head='per_sample' needs a positive integer {field_name}, "
-                                            f"got {value!r}")
-            assert isinstance(vocab, int) and isinstance(hidden, int)
-            tied = tie_word_embeddings
-            if tied is None:
-                tied = bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
-            head = float(vocab * hidden)
-            embedding = 0.0 if tied else head
-        elif lm_head != "per_token":
-            raise InvalidInputError(f"lm_head must be 'per_token' or 'per_sample', got {lm_head!r}")
+        head, embedding = _lm_head_params(lm_head, config, vocab, tie_word_embeddings, name)
         active = float(num_params if active_params is None else active_params)
         activation = _activation_bytes_per_token(cfg, model, active, vocab, tensor_parallel_size)
         return cls(name, hardware, tensor_parallel_size, model.num_layers, float(num_params), active, weight_bytes,
@@ -658,27 +644,28 @@ class CostModel:
                     sliding_pairs += (window * (window + 1) - c * (c + 1)) // 2 + (end - window) * window
                     sliding_read += c
             if chunk:
-                # sum of (p % chunk + 1) over p in [c, end)
-                r = c % chunk
+                pairs, r = _chunked_pairs(c, n, chunk)
+                chunked_pairs += pairs
                 chunked_read += r
-                if r + n <= chunk:
-                    chunked_pairs += n * (2 * r + n + 1) // 2
-                else:
-                    q1, r1 = divmod(end, chunk)
-                    chunked_pairs += ((q1 - c // chunk) * chunk * (chunk + 1) + r1 * (r1 + 1) - r * (r + 1)) // 2
         load_bytes = loaded * lc.kv_bytes_per_token + loaded_seqs * lc.recurrent_state_bytes
         if not tokens:
             return StepTotals(load_bytes=load_bytes)
         attn_flops = (global_pairs2 * 0.5 * lc.global_flops_per_pair + sliding_pairs * lc.sliding_flops_per_pair
                       + chunked_pairs * lc.chunked_flops_per_pair)
+        kv_bytes = (2 * tokens * lc.kv_bytes_per_token + seqs * 2 * lc.recurrent_state_bytes
+                    + global_read * lc.global_kv_bytes_per_token + sliding_read * lc.sliding_kv_bytes_per_token
+                    + chunked_read * lc.chunked_kv_bytes_per_token)
+        return self._step_totals(tokens, sampled, head_rows, attn_flops, kv_bytes, load_bytes, decode_only)
+
+    def _step_totals(self, tokens: int, sampled: int, head_rows: int, attn_flops: float, kv_bytes: float,
+                     load_bytes: float, decode_only: bool) -> StepTotals:
+        """The step's totals from its token counts, attention FLOPs and KV bytes: the weights' and the
+        LM head's share."""
         head = self.lm_head_params
         vocab = head + self.embedding_params
         tp = self.tensor_parallel_size
         bpp = self.weight_bytes_per_param / tp
         weights = min(self.total_params - vocab, (self.active_params - vocab) * tokens) * bpp
-        kv_bytes = (2 * tokens * lc.kv_bytes_per_token + seqs * 2 * lc.recurrent_state_bytes
-                    + global_read * lc.global_kv_bytes_per_token + sliding_read * lc.sliding_kv_bytes_per_token
-                    + chunked_read * lc.chunked_kv_bytes_per_token)
         head_flops = head_rows * 2.0 * head / tp
         head_bytes = head * bpp if head and head_rows else 0.0
         return StepTotals(tokens, sampled, tokens * self._flops_per_token, weights, head_flops, head_bytes,
@@ -691,6 +678,38 @@ def _roof(compute: float, memory: float, norm: float) -> float:
     if norm == math.inf or not lo:
         return hi
     return float(hi * (1.0 + (lo / hi) ** norm) ** (1.0 / norm))
+
+
+def _chunked_pairs(c: int, n: int, chunk: int) -> tuple[int, int]:
+    """Chunked attention of ``n`` tokens after ``c``: the (query, key) pairs, the sum of
+    ``p % chunk + 1`` over ``p`` in ``[c, c + n)``, and the cached keys read, ``c % chunk``."""
+    r = c % chunk
+    if r + n <= chunk:
+        return n * (2 * r + n + 1) // 2, r
+    q1, r1 = divmod(c + n, chunk)
+    return ((q1 - c // chunk) * chunk * (chunk + 1) + r1 * (r1 + 1) - r * (r + 1)) // 2, r
+
+
+def _lm_head_params(lm_head: str, config: Mapping[str, Any], vocab: object, tie_word_embeddings: bool | None,
+                    name: str) -> tuple[float, float]:
+    """``(LM head, separate input embedding)`` parameters charged apart from the layers: none
+    ``per_token``; the output projection (and the embedding when untied) ``per_sample``."""
+    if lm_head == "per_token":
+        return 0.0, 0.0
+    if lm_head != "per_sample":
+        raise InvalidInputError(f"lm_head must be 'per_token' or 'per_sample', got {lm_head!r}")
+    cfg = text_config(config)
+    hidden = cfg.get("hidden_size")
+    for field_name, value in (("vocab_size", vocab), ("hidden_size", hidden)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InvalidInputError(f"{name}: lm_head='per_sample' needs a positive integer {field_name}, "
+                                    f"got {value!r}")
+    assert isinstance(vocab, int) and isinstance(hidden, int)
+    tied = tie_word_embeddings
+    if tied is None:
+        tied = bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
+    head = float(vocab * hidden)
+    return head, 0.0 if tied else head
 
 
 class StepTotals(NamedTuple):
@@ -723,6 +742,23 @@ class StepTotals(NamedTuple):
 _MIN_EFFICIENCY = 0.01
 
 
+def _fit_rows(model: CostModel, samples: Sequence[tuple[Sequence[SeqWork], float]]
+              ) -> list[tuple[float, float, float, float, float]]:
+    """Per sample: FLOPs / peak, bytes / peak, the fixed time (TP and loads), sampled sequences, the
+    measurement."""
+    if not samples:
+        raise InvalidInputError("fit_efficiency needs at least one sample, got none")
+    hw = model.hardware
+    rows: list[tuple[float, float, float, float, float]] = []
+    for i, (work, seconds) in enumerate(samples):
+        if not seconds > 0:
+            raise InvalidInputError(f"calibration sample {i}: 'seconds' must be > 0, got {seconds!r}")
+        b = model.breakdown(work)
+        fixed = b["load_s"] + b["overhead_s"] - model.efficiency.step_overhead_s
+        rows.append((b["flops"] / hw.bf16_flops, b["bytes"] / hw.bandwidth, fixed, b["sampled"], float(seconds)))
+    return rows
+
+
 def fit_efficiency(model: CostModel, samples: Sequence[tuple[Sequence[SeqWork], float]]) -> Efficiency:
     """The ``compute``, ``memory``, ``step_overhead_s`` and ``sample_overhead_s`` that best predict
     measured step times.
@@ -733,17 +769,7 @@ def fit_efficiency(model: CostModel, samples: Sequence[tuple[Sequence[SeqWork], 
     it would fit no better. ``tp_overhead_s_per_layer`` is kept from ``model``. An efficiency
     the samples cannot tell (e.g. compute when every sample is memory-bound) stays near ``model``'s.
     """
-    if not samples:
-        raise InvalidInputError("fit_efficiency needs at least one sample, got none")
-    hw = model.hardware
-    # Per sample: FLOPs / peak, bytes / peak, the fixed time (TP and loads), sampled sequences, the measurement.
-    rows: list[tuple[float, float, float, float, float]] = []
-    for i, (work, seconds) in enumerate(samples):
-        if not seconds > 0:
-            raise InvalidInputError(f"calibration sample {i}: 'seconds' must be > 0, got {seconds!r}")
-        b = model.breakdown(work)
-        fixed = b["load_s"] + b["overhead_s"] - model.efficiency.step_overhead_s
-        rows.append((b["flops"] / hw.bf16_flops, b["bytes"] / hw.bandwidth, fixed, b["sampled"], float(seconds)))
+    rows = _fit_rows(model, samples)
     weights = [1.0 / (y * y) for *_, y in rows]
     sum_w = sum(weights)
     sum_ws = sum(w * r[3] for w, r in zip(weights, rows))
