@@ -1,23 +1,6 @@
 """``hybridkv simulate``: workloads through the real scheduler and manager, timed by a cost model.
 
-``--tier KIND:SIZE[@BANDWIDTH][@LATENCY]`` (repeatable, queried in order) adds simulated external
-KV tiers (``sim.tiers``), e.g. ``--tier host:64GiB --tier disk:1TiB@7GB/s``; ``--compare
-tier=none,host:64GiB,host:64GiB+disk:1TiB`` runs one variant per tier set (``+`` joins tiers).
-The summary then shows the tier and total hit rates, the tokens and bytes loaded per tier and the
-load time; the JSON keys are documented in ``sim.simulator``. What tiers keep: ``--tier-storage``
-(``spans+spill``, the default: every block, those a hit cannot use at low priority, evicted first;
-``hit-spans``: per group what a hit can use; ``all``: every layer of every block), with
-``--tier-checkpoint-interval`` and ``--tier-end-align``; tier loads are asynchronous (a request
-waits for its load while the others run) unless ``--tier-loads blocking``.
-
-A cluster: ``--instances N --router hybrid_exact|prefix|least_loaded|round_robin`` simulates N
-replicas behind a KV-aware router (``sim.cluster``); ``--compare router=round_robin,hybrid_exact``
-compares routers (``instances=2,4`` cluster sizes).
-
-Traces: ``--workload trace --trace FILE`` reads hybridkv's JSON Lines (``sim.trace``) or, with
-``--trace-format mooncake``, a Mooncake trace (``sim.mooncake``); ``--requests N`` replays its first
-N requests, ``--time-scale S`` replays the logged arrivals S times slower (open loop; 0.5 is twice
-as fast), ``--concurrency C`` ignores them and keeps C requests in flight (closed loop).
+What it models, in full: ``docs/SIMULATOR.md``, "hybridkv simulate: tiers, clusters and traces".
 """
 
 from __future__ import annotations

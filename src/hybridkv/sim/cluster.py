@@ -1,48 +1,6 @@
 """A cluster in the simulator: N replicas of one engine behind a KV-aware router, on one clock.
 
-Each replica is a simulated engine of its own (``ReplicaSim``: the real scheduler and a
-``KVCacheManager`` device pool, same model and GPU, timed by the same cost model). The router
-(``hybridkv.cluster``) is the one deployed in front of real replicas: its ``ClusterIndex`` is fed
-the replicas' own KV events (each step's ``take_events()`` as one numbered vLLM-format batch,
-delivered in process: no ZMQ), and each arriving request goes where ``routing.Policy`` ranks first:
-
-* ``hybrid_exact``: among the replicas below ``balance`` times the mean requests in flight (plus
-  ``slack``), the least ``miss_weight * (prompt - credited hit) + prefill backlog + a tenth of the
-  prompt per running request``, the hit predicted with the hybrid rules (full-attention chain, window
-  blocks at the hit point) on every medium the replica loads from, or where more, the prefix of the
-  requests routed there and not yet ended (``cluster.inflight``), the backlog each replica's exact
-  ``Scheduler.prefill_tokens_pending``; equal costs go to the prefix's home on a consistent-hash ring
-  (keyed by the request's content runs, the same in every process);
-* ``prefix``: least ``(prompt - predicted hit) + prompt * (load_weight * queue + kv_weight * usage)``,
-  the hit of the full-attention chain alone (what deployed routers index);
-* ``least_loaded``: the cost without the hit term; ``round_robin``: in turn.
-
-The clock: every replica runs its next step when it is the earliest thing to happen; a request
-arriving at ``t`` is routed with the events of every step simulated so far (a step's stores are
-delivered when the step is simulated, so a request that arrives while a step runs is routed with
-what that step will have cached when the request can first be admitted).
-
-Tiers (``SimConfig.tiers``): ``host`` and ``disk`` tiers are per replica (each machine has its own);
-``net`` tiers are one store every replica reads and writes (a shared Redis). The index sees every
-medium a replica loads from: each step's batch also carries the replica's tiers' stores and
-evictions with their medium (``CPU``, ``STORAGE``), as ``hybridkv serve`` publishes them, and a
-``net`` tier's, once for all, as the shared medium ``NET`` (``ClusterConfig.index_tiers``: False
-feeds it device events only, as before).
-
-With ``ClusterConfig.explain`` each routing decision is joined with what every replica really held
-at that moment (its manager's lookup, then its tiers' probe from there): ``SimResult.summary``'s
-``routing_breakdown`` says, per outcome, how many requests and reusable tokens (``explain``).
-
-Summary keys (besides the single-engine ones, summed or pooled over replicas): ``instances``,
-``router``, ``routed`` (requests per replica), ``replica_hit_rates``, ``predicted_hit_tokens`` (the
-router's prediction for the replica it chose), ``prediction_equal`` / ``prediction_over`` /
-``prediction_under`` (requests whose device hit at first admission equalled / fell short of /
-exceeded that prediction: the cache changes between routing and admission), ``chain_over_requests``
-and ``chain_over_tokens`` (requests where a full-attention-only index predicted more than the hybrid
-rule for the chosen replica, and by how much), ``hit_policy_disagreements`` (requests where the replica
-with the best chain-only prediction is not the one with the best exact prediction), ``decisions``
-(requests per ``Decision.reason``: hit, load, home, tie, round_robin), ``routing_breakdown`` (with
-``explain``).
+What it models, in full: ``docs/SIMULATOR.md``, "The cluster simulation".
 """
 
 from __future__ import annotations

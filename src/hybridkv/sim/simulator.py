@@ -1,51 +1,6 @@
 """The simulation loop: a workload through the real scheduler and manager, timed by a cost model.
 
-Only block ids move: prompts are ``SyntheticSequence`` runs (or real token ids when a trace
-carries them), so 10,000 requests with 100k-token contexts simulate in seconds to a minute.
-Each step the scheduler picks the batch, the cost model turns it into seconds, and every
-sequence that reached the end of its tokens "samples" one token of its ``out:<id>`` run.
-
-The pool is sized from the GPU memory (``make_plan``), to ``kv_cache_tokens`` tokens, or to a KV
-budget in bytes (``kv_cache_memory``) planned by ``plan_layout`` exactly as the reference engine
-plans its own pool. ``calibration`` replaces the default efficiencies: an ``Efficiency``, or a
-calibration file (``cost_model.load_calibration``) fitted to this config's cost model. A closed
-loop adds a request when one finishes, before the next step is scheduled, with no think time.
-
-``tiers`` adds external KV tiers (host memory, disk, a network store) with a capacity, a
-bandwidth and a latency each, behind the real ``KVConnector`` (``sim.tiers`` documents the model):
-at admission the scheduler loads the tokens past the local hit that the tiers hold, instead of
-computing them; the load time is added to the step, and every computed block is written through.
-
-Summary keys for the tiers (present in every run; zeros and empty without tiers):
-
-* ``tiers`` -- the tiers' specs in query order (``host:64GiB@25GB/s``); ``[]`` without tiers;
-* ``tier_hit_tokens`` -- prompt tokens loaded from the tiers at admissions (re-admissions after
-  a preemption count again, as for ``hit_tokens``);
-* ``tier_hit_rate`` -- ``tier_hit_tokens / queried_tokens``;
-* ``total_hit_rate`` -- ``(hit_tokens + tier_hit_tokens) / queried_tokens``: prompt tokens not
-  computed (``prefix_hit_rate`` stays the device prefix cache's alone);
-* ``tier_load_s`` -- seconds of tier loads added to the steps, all tiers;
-* ``tier_stats`` -- per tier, keyed ``"<position>:<kind>"``: ``spec``, ``capacity_bytes``,
-  ``bandwidth_bytes_per_s``, ``latency_s``, ``loaded_blocks`` / ``loaded_bytes`` /
-  ``loaded_sequences`` / ``load_s`` (what the tier served to admitted sequences), ``read_hits`` /
-  ``read_misses`` (every read, including promotions' sources and admissions retried later),
-  ``stored_blocks`` / ``stored_bytes`` (writes, including promotions from a lower tier),
-  ``evictions``, ``used_bytes`` and ``entries`` at the end; ``low_entries`` (held at low priority at
-  the end), ``low_puts``, ``low_evictions``, ``low_skipped`` (low puts that found no low entry to
-  evict) and ``low_promotions`` (low entries that served a hit).
-
-``SimResult.requests`` entries also carry ``tier_tokens`` (tokens loaded at the first admission).
-
-Speculative decoding (``SimConfig.speculative_tokens`` K > 0, ``acceptance_rate`` A): every decode
-step of a sequence proposes K drafts (``Scheduler.set_draft_tokens``; the scheduler caps and drops
-them as it would a real engine's), each accepted with probability A until the first rejection (a
-seeded random stream per request, so a run is reproducible and variants see the same draws); the
-step computes the token and its drafts (the cost model's ``SeqWork.num_draft_tokens``) and the
-sequence advances by the accepted drafts plus one. Admission reserves K draft slots per request.
-``spec_decode`` in the summary (zeros without speculation): ``drafted`` and ``accepted`` draft
-tokens, ``acceptance_rate`` (accepted / drafted: below A, as drafts after a rejection are lost),
-``tokens_per_step`` (tokens a sequence's decode step emits, on average: 1 without speculation).
-ITL stays the time between a request's steps that emit tokens (a speculative step emits several).
+What it models, in full: ``docs/SIMULATOR.md``, "The simulation loop and its summary keys".
 """
 
 from __future__ import annotations
@@ -109,7 +64,7 @@ class SimConfig:
     """Efficiencies, or a calibration file path (``cost_model.calibrate``: the step-shaped fit when its
     steps carry a ``mode``); None: the GPU's default (its built-in profile, else the data sheet)."""
     lm_head: LMHead | None = None
-    """How the cost model charges the output projection (``cost_model`` module docstring); None:
+    """How the cost model charges the output projection (``docs/SIMULATOR.md``, "The cost model"); None:
     per sampled sequence under a calibrated (step-shaped) profile when the vocabulary is known, else
     per token."""
     tiers: tuple[TierSpec, ...] = ()
