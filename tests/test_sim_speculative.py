@@ -14,7 +14,8 @@ from hybridkv.planning.planner import PlanInput, make_plan
 from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig
 from hybridkv.sim.cluster import ClusterConfig, simulate_cluster
 from hybridkv.sim.cost_model import CostModel, SeqWork
-from hybridkv.sim.simulator import SimConfig, simulate, step_work
+from hybridkv.sim.engine import step_work
+from hybridkv.sim.simulator import SimConfig, simulate
 from hybridkv.sim.tiers import parse_tiers
 from hybridkv.sim.workloads import ClosedLoop, SimRequest, Workload, multi_turn_chat, shared_prefix
 
@@ -107,8 +108,6 @@ def test_speculation_is_refused_where_it_is_not_modelled() -> None:
     with pytest.raises(InvalidInputError, match="recurrent"):
         simulate(w, SimConfig(model="granite-4.0-h-tiny", gpu="h100-80gb", max_model_len=4096,
                               kv_cache_tokens=50_000, speculative_tokens=2, acceptance_rate=0.5))
-    with pytest.raises(InvalidInputError, match="one engine"):
-        simulate_cluster(w, _spec(2, 0.5), ClusterConfig(instances=2))
     for bad in ({"speculative_tokens": 17}, {"speculative_tokens": -1}, {"acceptance_rate": 1.5},
                 {"acceptance_rate": True}):
         with pytest.raises(InvalidInputError):
@@ -180,3 +179,32 @@ def test_cli_plan_num_speculative_tokens(capsys: pytest.CaptureFixture[str]) -> 
     assert "recurrent" in capsys.readouterr().err
     with pytest.raises(InvalidInputError, match="at most 16"):
         make_plan(PlanInput(model="gemma-3-1b", num_speculative_tokens=17))
+
+
+@pytest.mark.parametrize("router", ["hybrid_exact", "round_robin"])
+def test_speculation_in_a_cluster_needs_fewer_steps_per_replica(router: str) -> None:
+    # Every draft accepted: each replica runs fewer steps for the same requests, and the outputs are
+    # the same tokens (a request's last step may emit fewer than K + 1).
+    w = shared_prefix(12, 2, 500, 50, max_new_tokens=32, arrivals=ClosedLoop(4), seed=1)
+    cluster = ClusterConfig(instances=2, router=router)
+    plain = simulate_cluster(w, H100, cluster)
+    spec = simulate_cluster(w, _spec(4, 1.0), cluster)
+    assert "spec_decode" not in plain.summary
+    assert spec.summary["finished"] == plain.summary["finished"] == 12
+    assert spec.summary["output_tokens"] == plain.summary["output_tokens"] == 12 * 32
+    assert spec.summary["steps"] < plain.summary["steps"] / 2
+    assert spec.summary["spec_decode"]["acceptance_rate"] == 1.0
+    assert spec.summary["spec_decode"]["tokens_per_step"] > 4
+    # Route by route, a replica's requests finish sooner with speculation.
+    for rid, r in spec.requests.items():
+        if r["replica"] == plain.requests[rid]["replica"]:
+            assert r["latency_s"] <= plain.requests[rid]["latency_s"]
+
+
+def test_speculation_in_a_cluster_matches_one_engine_with_one_replica() -> None:
+    w = multi_turn_chat(4, 3, system_prompt_len=300, user_len=40, max_new_tokens=24, arrivals=ClosedLoop(3))
+    cfg = _spec(3, 0.7)
+    one = simulate(w, cfg).summary
+    cl = simulate_cluster(w, cfg, ClusterConfig(instances=1, router="round_robin")).summary
+    for key in ("steps", "output_tokens", "duration_s", "spec_decode", "finished", "hit_tokens"):
+        assert cl[key] == one[key], key

@@ -1,67 +1,6 @@
 """Which backend serves a request: predicted cache hits against load (pure; no I/O).
 
-A policy ranks the healthy backends (all of them when none is healthy) and the router tries them
-in that order, the next one only when a backend dies before answering:
-
-* ``hybrid_exact`` (default): **the least work before the first token, within a load bound**. A
-  backend is *overloaded* when one more request would put it above
-  ``bound = ceil(balance * (in_flight + 1) / backends) + slack`` requests (``in_flight``: the requests
-  at every healthy backend); among the others the least cost wins::
-
-      cost(b) = miss_weight * (prompt_tokens - credited_hit(b)) + prefill_ahead(b)
-
-  ``credited_hit`` is the hybrid rule's prediction from the index on every medium the backend can
-  load from (device, host and disk tiers, a shared tier), each medium's tokens at its weight (below),
-  or the prefix the router's own requests in flight will leave there (``inflight``), whichever is
-  more; ``prefill_ahead`` the prompt tokens the backend has still to prefill before this request's
-  (what it last reported, ``hybridkv_num_prefill_tokens_pending``, plus what this router sent it
-  since) plus ``DECODE_WEIGHT`` (0.1) of this prompt per request it is running (their decode steps
-  share the batch with this prefill); a backend that does not report its prefill backlog is charged
-  ``load_weight * prompt_tokens`` per request in flight. A token the request must compute itself
-  counts ``miss_weight`` (6) times one already queued: it delays this request and every one queued
-  behind it, and the work is lost to the cluster, while a queue drains anyway. Equal costs (an idle
-  cluster) go to the prefix's *home*: the first backend on a consistent-hash ring walked from a hash
-  of the prompt's first ``home_tokens`` tokens (``home_key``), so requests for a new document or
-  conversation that meet an idle cluster land together.
-
-  Locality over time: a conversation's next turn, a document's next question, stays on the backend
-  holding its prefix (on the device or in a tier, which the index sees through the tier's KV events)
-  unless that backend is overloaded or has more than ``miss_weight`` times the hit's tokens more to
-  prefill than another: moving it recomputes the whole history elsewhere. Why it is safe under skew:
-  no backend goes past the bound while another is below it (consistent hashing with bounded loads,
-  Mirrokni et al., SODA 2018), and a backend holding a hot prefix stops winning its requests once
-  its backlog exceeds another's by ``miss_weight`` times the prefix: the prefix is then computed on a
-  second backend, which holds it from then on and takes its share. ``slack`` keeps a small cluster at
-  low load from splitting prefixes over a queue of a request or two that continuous batching serves
-  side by side anyway.
-
-* ``prefix``: what deployed prefix-aware routers do, a trade of hit against load per request::
-
-      cost(b) = (prompt_tokens - credited_hit(b)) + prompt_tokens * (load_weight * load(b) + kv_weight * kv_usage(b))
-
-  with the hit of the full-attention chain alone, the least cost winning. ``load`` is the larger of
-  the requests this router has in flight there and the running + waiting requests the backend last
-  reported, ``kv_usage`` its KV-cache usage (0..1). The weights are fractions of the request's own
-  prompt, so the balance does not depend on prompt lengths: with the default ``load_weight`` 0.25 a
-  backend holding the whole prompt wins until it has four more requests queued than one holding
-  nothing. ``kv_weight`` is 0 by default (the queue already counts the requests holding KV);
-* ``least_loaded``: that cost without the hit term;
-* ``round_robin``: in turn.
-
-A hit in an external tier saves the prefill of its tokens but costs their load, so the index's
-prediction per medium (``Prediction.by_medium``) is credited at a weight per medium: 1 for the
-device (``GPU``), ``MEDIUM_WEIGHTS`` by default for host memory (``CPU``: 0.8) and a disk
-(``STORAGE``: 0.5), ``OTHER_MEDIUM_WEIGHT`` (0.5) for any other (a shared tier). A weight is
-``1 - load time / prefill time`` per token: a Llama-3-8B-class model on an H100 prefills a token in
-about 30 us and loads its 128 KiB of KV from host memory (PCIe 5, 25 GB/s) in 5 us (0.8), from a
-5 GB/s NVMe drive in 26 us (about 0.1); a 70B model over eight GPUs loads 40 KiB per GPU (host 0.95,
-disk 0.75). So a device hit beats an equal host hit, and a host hit beats a device hit less than 0.8
-as long. Set them for the deployment (``--medium-weight MEDIUM=FRACTION``).
-
-Each decision names what decided it (``Decision.reason``): ``hit`` (the chosen backend has the one
-largest credited hit), ``load`` (another backend had a larger hit: load, or the bound, outweighed
-it), ``home`` (no hit stood out; the ring chose), ``tie`` (no hit stood out; load or turn chose),
-``round_robin``.
+What it models, in full: ``docs/SIMULATOR.md``, "Routing policies".
 """
 
 from __future__ import annotations
@@ -157,7 +96,7 @@ class Decision:
     predicted: dict[str, int]
     costs: dict[str, float]
     reason: str
-    """What decided (module docstring): ``hit``, ``load``, ``home``, ``tie`` or ``round_robin``."""
+    """What decided (``docs/SIMULATOR.md``): ``hit``, ``load``, ``home``, ``tie`` or ``round_robin``."""
     bound: float | None = None
     """``hybrid_exact``'s load bound for this request (requests in flight a backend may reach)."""
 
@@ -300,7 +239,7 @@ class Policy:
 
 
 def _reason(chosen: str, pool: list[BackendState], hits: Mapping[str, float], tied: str) -> str:
-    """What decided for ``chosen`` (module docstring): ``load`` when another backend had a larger
+    """What decided for ``chosen`` (``docs/SIMULATOR.md``): ``load`` when another backend had a larger
     hit, ``hit`` when ``chosen`` alone has the largest (above 0), else ``tied``."""
     mine = hits.get(chosen, 0)
     best = max((hits.get(b.name, 0) for b in pool), default=0)

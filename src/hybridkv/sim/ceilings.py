@@ -1,39 +1,12 @@
 """Hit-rate ceilings of an external tier of a given size on a trace: idealised LRU caches to compare with.
 
-A trace whose content is known in blocks (a Mooncake trace: 512-token ``hash_ids``) can resume a
-request only at a block boundary, so the best any cache can do is decided per block. Requests are
-replayed one after another (no concurrency, no device pool, no load time): for each, the hit is the
-longest run of leading blocks the cache holds *and can resume from*, then every block the request
-touched becomes the most recently used (its head last, so a prompt's tail is evicted before the
-prefix it shares) and the least recently used entries are evicted to stay within ``capacity_bytes``.
-
-What "can resume from" means is the model:
-
-* ``growing`` -- the growing layers (full attention) of every block are stored; a hit may end at any
-  block (the other layers come for free: an upper bound for hybrid models);
-* ``end-checkpoint`` -- the growing layers of every block, plus one *checkpoint* per request at its
-  prompt's last full block: what a hit there needs of every other group (a sliding window's last
-  ``W - 1`` tokens, a chunk, a state). A hit must end at a block where a checkpoint is held;
-* ``junctions`` -- as ``end-checkpoint``, plus a checkpoint where a request's held chain ran past
-  the last checkpoint on it (a shared-prefix junction: the request computes that point, so it can
-  keep what a hit there needs -- what ``StoreHitSpans`` does with the junctions lookups find);
-* ``infinite`` -- every block ever seen is held (the trace's own reuse).
-
-Every hit is capped to never cover the prompt's last token and rounded down to ``alignment``.
-
-``turn_ceiling`` is the same idea at token level for conversations: each request's prompt *and its
-answer* (the tokens the simulator generates) become content blocks, so a next turn can resume after
-the previous answer. Its models: ``growing`` (a hit may end at any block), ``prompt-end`` (a
-checkpoint at each prompt's last aligned boundary and at junctions, as ``junctions`` above: what
-tiers and retention kept before the answer's end was a checkpoint), ``turn-end`` (also one at the
-request's computed end, prompt plus answer less the last sampled token, rounded down to
-``alignment``), ``infinite``.
+What it models, in full: ``docs/SIMULATOR.md``, "Hit-rate ceilings".
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 from hybridkv.core import BlockHasher
@@ -76,10 +49,26 @@ def _servable(requests: Sequence[SimRequest], max_prompt_tokens: int | None) -> 
     return [r for r in requests if max_prompt_tokens is None or r.prompt_len <= max_prompt_tokens]
 
 
+def _held_run(chain: list[tuple[object, int]], held_keys: Container[object], lru: Container[object],
+              checkpoints: bool) -> tuple[int, int, object]:
+    """The hit: the run of leading blocks of ``chain`` in ``held_keys`` (its length), and the position
+    and key of its last block the model can resume at (one with a checkpoint when ``checkpoints``)."""
+    held = pos = resume = 0
+    resume_key: object = None
+    for key, tokens in chain:
+        if key not in held_keys:
+            break
+        held += 1
+        pos += tokens
+        if not checkpoints or ("cp", key) in lru:
+            resume, resume_key = pos, key
+    return held, resume, resume_key
+
+
 def lru_ceiling(requests: Sequence[SimRequest], capacity_bytes: float, *, model: str, growing_bytes_per_token: float,
                 checkpoint_bytes: Callable[[int], float], block_size: int, alignment: int = 16,
                 max_prompt_tokens: int | None = None, interval_blocks: int = 0) -> CeilingResult:
-    """The hit rate of the cache ``model`` (module docstring) of ``capacity_bytes`` on ``requests``, whose
+    """The hit rate of the cache ``model`` (``docs/SIMULATOR.md``) of ``capacity_bytes`` on ``requests``, whose
     segments are content blocks of ``block_size`` tokens (the last one of a prompt partial).
 
     ``checkpoint_bytes(p)`` is the size of a checkpoint at token ``p``; requests longer than
@@ -99,21 +88,7 @@ def lru_ceiling(requests: Sequence[SimRequest], capacity_bytes: float, *, model:
         length = req.prompt_len
         chain = _chain_keys(req)
         cap = (length - 1) // alignment * alignment
-        # The hit: the held run of leading blocks, ending where the model can resume.
-        held = 0
-        pos = 0
-        resume = 0
-        resume_key: object = None
-        for key, tokens in chain:
-            if model == "infinite":
-                if key not in seen:
-                    break
-            elif key not in lru:
-                break
-            held += 1
-            pos += tokens
-            if not checkpoints or ("cp", key) in lru:
-                resume, resume_key = pos, key
+        held, resume, resume_key = _held_run(chain, seen if model == "infinite" else lru, lru, checkpoints)
         hit_total += min(resume, cap) // alignment * alignment
         if model == "infinite":
             seen.update(key for key, _ in chain)
@@ -162,10 +137,11 @@ def turn_ceiling(requests: Sequence[SimRequest], capacity: float, *, model: str,
                  span: Callable[[int], Sequence[tuple[int, int, float]]], alignment: int,
                  max_prompt_tokens: int | None = None) -> CeilingResult:
     """The hit rate of an LRU cache of ``capacity`` (bytes, or blocks: any unit the sizes share) holding
-    ``requests``' prompts and answers, replayed one at a time; ``model`` is one of ``TURN_MODELS`` (module
-    docstring). Entries are blocks of ``alignment`` tokens: a growing block (``alignment * growing_per_token``)
-    and the blocks of the other groups a hit at token ``p`` reads, ``span(p)``: ``(group, block index,
-    size)`` (a window's blocks, a state), shared by the checkpoints whose spans overlap."""
+    ``requests``' prompts and answers, replayed one at a time; ``model`` is one of ``TURN_MODELS``
+    (``docs/SIMULATOR.md``). Entries are blocks of ``alignment`` tokens: a growing block
+    (``alignment * growing_per_token``) and the blocks of the other groups a hit at token ``p`` reads,
+    ``span(p)``: ``(group, block index, size)`` (a window's blocks, a state), shared by the
+    checkpoints whose spans overlap."""
     if model not in TURN_MODELS:
         raise InvalidInputError(f"model must be one of {', '.join(TURN_MODELS)}, got {model!r}")
     bs = alignment

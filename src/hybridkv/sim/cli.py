@@ -1,23 +1,6 @@
 """``hybridkv simulate``: workloads through the real scheduler and manager, timed by a cost model.
 
-``--tier KIND:SIZE[@BANDWIDTH][@LATENCY]`` (repeatable, queried in order) adds simulated external
-KV tiers (``sim.tiers``), e.g. ``--tier host:64GiB --tier disk:1TiB@7GB/s``; ``--compare
-tier=none,host:64GiB,host:64GiB+disk:1TiB`` runs one variant per tier set (``+`` joins tiers).
-The summary then shows the tier and total hit rates, the tokens and bytes loaded per tier and the
-load time; the JSON keys are documented in ``sim.simulator``. What tiers keep: ``--tier-storage``
-(``spans+spill``, the default: every block, those a hit cannot use at low priority, evicted first;
-``hit-spans``: per group what a hit can use; ``all``: every layer of every block), with
-``--tier-checkpoint-interval`` and ``--tier-end-align``; tier loads are asynchronous (a request
-waits for its load while the others run) unless ``--tier-loads blocking``.
-
-A cluster: ``--instances N --router hybrid_exact|prefix|least_loaded|round_robin`` simulates N
-replicas behind a KV-aware router (``sim.cluster``); ``--compare router=round_robin,hybrid_exact``
-compares routers (``instances=2,4`` cluster sizes).
-
-Traces: ``--workload trace --trace FILE`` reads hybridkv's JSON Lines (``sim.trace``) or, with
-``--trace-format mooncake``, a Mooncake trace (``sim.mooncake``); ``--requests N`` replays its first
-N requests, ``--time-scale S`` replays the logged arrivals S times slower (open loop; 0.5 is twice
-as fast), ``--concurrency C`` ignores them and keeps C requests in flight (closed loop).
+What it models, in full: ``docs/SIMULATOR.md``, "hybridkv simulate: tiers, clusters and traces".
 """
 
 from __future__ import annotations
@@ -123,7 +106,15 @@ def add_parser(sub: Any) -> None:
         description="Run a workload through the real scheduler and KV-cache manager, timed by a GPU cost model. "
                     "Give a workload: --workload shared-prefix|multi-turn|chat, or --workload trace --trace FILE.",
     )
-    system = p.add_argument_group("the simulated system")
+    _system_arguments(p.add_argument_group("the simulated system"))
+    _cluster_arguments(p.add_argument_group("a cluster of replicas (sim.cluster)"))
+    _workload_arguments(p.add_argument_group("the workload"))
+    _output_arguments(p.add_argument_group("output"))
+    p.set_defaults(func=run)
+
+
+def _system_arguments(system: Any) -> None:
+    """The model, GPU, engine and pool options."""
     system.add_argument("--model", default="gemma-3-27b",
                         help="preset id (hybridkv plan --list-models) or path to a Hugging Face config.json")
     system.add_argument("--num-params", type=count_arg, default=None, metavar="COUNT",
@@ -166,6 +157,11 @@ def add_parser(sub: Any) -> None:
     system.add_argument("--lm-head", choices=("per_token", "per_sample"), default=None,
                         help="charge the output projection per new token (generic) or per sampled sequence "
                              "(default: per sampled sequence under a calibrated profile, else per token)")
+    _tier_arguments(system)
+
+
+def _tier_arguments(system: Any) -> None:
+    """The KV tier and speculative decoding options."""
     system.add_argument("--tier", type=tier_arg, action="append", default=None, metavar="SPEC",
                         help="external KV tier, queried in the order given (repeatable): "
                              "KIND:SIZE[@BANDWIDTH][@LATENCY] with KIND host (default 25GB/s), disk (5GB/s, "
@@ -193,7 +189,10 @@ def add_parser(sub: Any) -> None:
     system.add_argument("--acceptance-rate", type=non_negative_float_arg, default=None, metavar="A",
                         help="with --speculative-tokens: the probability that a draft is accepted, drafts after the "
                              "first rejection are lost (seeded by --seed)")
-    cl = p.add_argument_group("a cluster of replicas (sim.cluster)")
+
+
+def _cluster_arguments(cl: Any) -> None:
+    """The cluster's options (``--instances`` and routing)."""
     cl.add_argument("--instances", type=positive_int_arg, default=None, metavar="N",
                     help="simulate N replicas of the engine behind a router (each its own device pool; net tiers "
                          "are shared by all, host and disk tiers are per replica)")
@@ -213,7 +212,10 @@ def add_parser(sub: Any) -> None:
     cl.add_argument("--explain", action="store_true",
                     help="join each routing decision with what every replica held, and print where requests' "
                          "reusable tokens were and what sent them elsewhere")
-    work = p.add_argument_group("the workload")
+
+
+def _workload_arguments(work: Any) -> None:
+    """The workload options."""
     work.add_argument("--workload", choices=("shared-prefix", "multi-turn", "chat", "trace"), required=True,
                       help="shared-prefix: requests over a few long shared prefixes; multi-turn: conversations "
                            "whose turns extend each other; chat: chat-like lengths; trace: a JSONL file (--trace)")
@@ -249,7 +251,10 @@ def add_parser(sub: Any) -> None:
                       help="requests in flight in the closed loop (not with --rate; default 64); with a trace: "
                            "replay it as a closed loop of this many, ignoring its arrival times")
     work.add_argument("--seed", type=int, default=0, help="random seed of the workload")
-    out = p.add_argument_group("output")
+
+
+def _output_arguments(out: Any) -> None:
+    """What is written, and the variants compared."""
     out.add_argument("--compare", default=None, metavar="OPTION=V1,V2",
                      help="run variants side by side, e.g. retention=none,window or tier=none,host:64GiB+disk:1TiB")
     out.add_argument("--json", type=output_path_arg, default=None, metavar="PATH",
@@ -257,8 +262,6 @@ def add_parser(sub: Any) -> None:
     out.add_argument("--plot", type=output_path_arg, default=None, metavar="PATH",
                      help="write KV usage and hit rate over time and the TTFT CDF to a PNG (needs the sim extra)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(func=run)
-
 
 def _arrivals(args: argparse.Namespace) -> Arrivals:
     if args.rate is not None and args.concurrency is not None:

@@ -1,56 +1,12 @@
 """A cluster in the simulator: N replicas of one engine behind a KV-aware router, on one clock.
 
-Each replica is a simulated engine of its own (``ReplicaSim``: the real scheduler and a
-``KVCacheManager`` device pool, same model and GPU, timed by the same cost model). The router
-(``hybridkv.cluster``) is the one deployed in front of real replicas: its ``ClusterIndex`` is fed
-the replicas' own KV events (each step's ``take_events()`` as one numbered vLLM-format batch,
-delivered in process: no ZMQ), and each arriving request goes where ``routing.Policy`` ranks first:
-
-* ``hybrid_exact``: among the replicas below ``balance`` times the mean requests in flight (plus
-  ``slack``), the least ``miss_weight * (prompt - credited hit) + prefill backlog + a tenth of the
-  prompt per running request``, the hit predicted with the hybrid rules (full-attention chain, window
-  blocks at the hit point) on every medium the replica loads from, or where more, the prefix of the
-  requests routed there and not yet ended (``cluster.inflight``), the backlog each replica's exact
-  ``Scheduler.prefill_tokens_pending``; equal costs go to the prefix's home on a consistent-hash ring
-  (keyed by the request's content runs, the same in every process);
-* ``prefix``: least ``(prompt - predicted hit) + prompt * (load_weight * queue + kv_weight * usage)``,
-  the hit of the full-attention chain alone (what deployed routers index);
-* ``least_loaded``: the cost without the hit term; ``round_robin``: in turn.
-
-The clock: every replica runs its next step when it is the earliest thing to happen; a request
-arriving at ``t`` is routed with the events of every step simulated so far (a step's stores are
-delivered when the step is simulated, so a request that arrives while a step runs is routed with
-what that step will have cached when the request can first be admitted).
-
-Tiers (``SimConfig.tiers``): ``host`` and ``disk`` tiers are per replica (each machine has its own);
-``net`` tiers are one store every replica reads and writes (a shared Redis). The index sees every
-medium a replica loads from: each step's batch also carries the replica's tiers' stores and
-evictions with their medium (``CPU``, ``STORAGE``), as ``hybridkv serve`` publishes them, and a
-``net`` tier's, once for all, as the shared medium ``NET`` (``ClusterConfig.index_tiers``: False
-feeds it device events only, as before).
-
-With ``ClusterConfig.explain`` each routing decision is joined with what every replica really held
-at that moment (its manager's lookup, then its tiers' probe from there): ``SimResult.summary``'s
-``routing_breakdown`` says, per outcome, how many requests and reusable tokens (``explain``).
-
-Summary keys (besides the single-engine ones, summed or pooled over replicas): ``instances``,
-``router``, ``routed`` (requests per replica), ``replica_hit_rates``, ``predicted_hit_tokens`` (the
-router's prediction for the replica it chose), ``prediction_equal`` / ``prediction_over`` /
-``prediction_under`` (requests whose device hit at first admission equalled / fell short of /
-exceeded that prediction: the cache changes between routing and admission), ``chain_over_requests``
-and ``chain_over_tokens`` (requests where a full-attention-only index predicted more than the hybrid
-rule for the chosen replica, and by how much), ``hit_policy_disagreements`` (requests where the replica
-with the best chain-only prediction is not the one with the best exact prediction), ``decisions``
-(requests per ``Decision.reason``: hit, load, home, tie, round_robin), ``routing_breakdown`` (with
-``explain``).
+What it models, in full: ``docs/SIMULATOR.md``, "The cluster simulation".
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
-from array import array
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -81,23 +37,22 @@ from hybridkv.cluster.routing import (
 from hybridkv.cluster.scrape import BackendLoad
 from hybridkv.core import BlockHasher, KVCacheManager, KVSequence, Sequence, capacity_report
 from hybridkv.core.hits import LOSS_CAUSES
-from hybridkv.errors import InvalidInputError, SequenceTooLongError
-from hybridkv.scheduling.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
-from hybridkv.sim.cost_model import CostModel, calibrate
+from hybridkv.errors import InvalidInputError
+from hybridkv.sim.cost_model import CostModel
+from hybridkv.sim.engine import ArrivalQueue, RequestRecords, SimEngine, make_sequence, pooled_speculation
 from hybridkv.sim.sim_tier import SimTier
 from hybridkv.sim.simulator import (
     SimConfig,
     SimResult,
-    _percentile,
     build_manager,
+    calibrated_cost_model,
     collector_paused,
-    cost_model,
-    step_work,
-    tier_storage,
+    sim_tiers,
+    tier_keys,
 )
 from hybridkv.sim.synthetic import SyntheticSequence
 from hybridkv.sim.tiers import SimConnector, SimTiers
-from hybridkv.sim.workloads import SimRequest, Workload, release_time
+from hybridkv.sim.workloads import SimRequest, Workload
 
 ROUTERS = POLICIES
 """The routing policies: ``hybrid_exact``, ``prefix``, ``least_loaded``, ``round_robin``."""
@@ -210,9 +165,10 @@ class SequenceKeys(RequestKeys):
 
 
 class ReplicaSim:
-    """One simulated engine of the cluster: its scheduler, device pool and tiers, and its clock."""
+    """One replica of the cluster: a simulated engine (``SimEngine``) that publishes its KV events
+    (and its tiers') to the router's index."""
 
-    def __init__(self, name: str, cfg: SimConfig, workload: Workload, cost: CostModel,
+    def __init__(self, name: str, cfg: SimConfig, workload: Workload, cost: CostModel, records: RequestRecords,
                  shared_tiers: dict[int, SimTier], *, publish: bool = True, index_tiers: bool = True) -> None:
         """``publish``: send the replica's KV events to the router's index (a router that ranks by
         hits needs them; the others do not, and the simulation is faster without); ``index_tiers``:
@@ -221,14 +177,9 @@ class ReplicaSim:
         self.mgr = KVCacheManager(planned.layout, planned.max_model_len, planned.max_num_batched_tokens,
                                   cfg.enable_prefix_caching, retention=cfg.retention, enable_events=publish)
         self.name = name
-        self.cost = cost
-        self.tiers: SimTiers | None = None
-        if cfg.tiers:
-            self.tiers = _replica_tiers(cfg, workload, self.mgr, shared_tiers)
-        self.sched = Scheduler(self.mgr, SchedulerConfig(
-            max_num_batched_tokens=self.mgr.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold, policy=cfg.policy,
-            admission=cfg.admission), connector=self.tiers.connector if self.tiers is not None else None)
+        self.tiers = _replica_tiers(cfg, workload, self.mgr, shared_tiers) if cfg.tiers else None
+        self.engine = SimEngine(cfg, self.mgr, cost, records, tiers=self.tiers)
+        self.sched = self.engine.sched
         self.metadata = group_metadata(self.mgr.layout)
         self.published_tiers: list[SimTier] = []
         """The tiers whose changes go to the index with this replica's events (a shared one with
@@ -237,53 +188,25 @@ class ReplicaSim:
             self.published_tiers = list(self.tiers.tiers)
             for tier in self.published_tiers:
                 tier.record_changes(True)
-        self.now = 0.0
-        """When this replica's next step starts."""
         self.batches = 0
-        self.steps = 0
-        self.peak_running = 0
-        self.usage_sum = 0.0
-        self.usage_max = 0.0
 
-    def step(self, index: ClusterIndex, run: ClusterRun) -> list[str]:
-        """Run one engine step at ``self.now`` (or wait for a tier load); returns the requests that
+    @property
+    def now(self) -> float:
+        """When this replica's next step starts."""
+        return self.engine.now
+
+    def step(self, index: ClusterIndex) -> list[str]:
+        """Run one engine step at ``now`` (or wait for a tier load); returns the requests that
         ended (finished or rejected). The step's KV events go to ``index``."""
-        sched, tiers = self.sched, self.tiers
-        if tiers is not None:
-            tiers.clock.now = self.now
-        out = sched.schedule()
-        work, load_s = step_work(sched, out, run.hits, run.tier_tokens, tiers)
-        if not work and not load_s and not out.rejected:  # every waiting request waits for its tier load
-            later = [r.load.ready_at for r in sched.waiting
-                     if r.load is not None and not r.load.done() and r.load.ready_at > self.now]
-            if not later:
+        engine = self.engine
+        ended = engine.step()
+        if ended is None:  # every waiting request waits for its tier load
+            ready = engine.next_load()
+            if ready is None:
                 raise RuntimeError(f"simulation stalled: {self.name}'s waiting requests can neither load nor "
                                    f"be admitted")
-            self.now = min(later)
+            engine.now = ready
             return []
-        self.now += self.cost.step_time(work, load_s) if work else load_s
-        now = self.now
-        self.steps += 1
-        self.peak_running = max(self.peak_running, len(sched.running))
-        sampled = {}
-        stores = []
-        for sid, n in out.num_scheduled_tokens.items():
-            seq = sched.requests[sid].seq
-            if tiers is not None:
-                stores.append((sid, seq, seq.num_computed_tokens, n))
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                sampled[sid] = (1,)
-                run.token(sid, now)
-        later_stores = []
-        for sid, seq, start, n in stores:  # write-through, as the single-engine simulator does
-            if sid in sampled and (seq.num_output_tokens + 1 >= sched.requests[sid].max_new_tokens
-                                   or seq.num_tokens + 1 >= self.mgr.max_model_len):
-                tiers.store(seq, start, n)  # type: ignore[union-attr]
-            else:
-                later_stores.append((seq, start, n))
-        finished = sched.update(out, sampled)
-        for seq, start, n in later_stores:
-            tiers.store(seq, start, n)  # type: ignore[union-attr]
         events = self.mgr.take_events()
         wire = from_core_events(events, self.metadata) if events else []
         for tier in self.published_tiers:
@@ -293,11 +216,7 @@ class ReplicaSim:
         if wire:
             index.deliver(self.name, self.batches, make_batch(wire))
             self.batches += 1
-        usage = self.mgr.usage
-        self.usage_sum += usage
-        self.usage_max = max(self.usage_max, usage)
-        run.rejected += len(out.rejected)
-        return [r.seq_id for r in finished] + [sid for sid, _ in out.rejected]
+        return ended
 
     def _tier_events(self, tier: SimTier, changes: list[tuple[bool, bytes]]) -> list[WireEvent]:
         """``tier``'s changes as wire events of its medium: one per run of one group's stores or removals."""
@@ -340,11 +259,7 @@ class ReplicaSim:
 def _replica_tiers(cfg: SimConfig, workload: Workload, mgr: KVCacheManager,
                    shared: dict[int, SimTier]) -> SimTiers:
     """A replica's tiers: its own host and disk tiers, the cluster's one store for each ``net`` tier."""
-    if cfg.tier_loads not in ("async", "blocking"):
-        raise InvalidInputError(f"tier_loads must be 'async' or 'blocking', got {cfg.tier_loads!r}")
-    tiers = SimTiers(cfg.tiers, mgr, namespace=f"sim/{cfg.model}/{cfg.kv_dtype}",
-                     storage=tier_storage(cfg, workload), async_loads=cfg.tier_loads == "async",
-                     load_timeout_s=cfg.tier_load_timeout_s)
+    tiers = sim_tiers(cfg, workload, mgr)
     for i, spec in enumerate(cfg.tiers):
         if spec.kind in SHARED_TIER_KINDS:
             tiers.tiers[i] = shared.setdefault(i, tiers.tiers[i])
@@ -365,21 +280,14 @@ predicted hit, or because a prediction elsewhere was wrong."""
 
 
 class ClusterRun:
-    """Per-request bookkeeping of one cluster simulation."""
+    """What one cluster simulation records besides the engines' ``RequestRecords``: where each request
+    was routed, the hit predicted there and what decided."""
 
     def __init__(self) -> None:
-        self.arrival: dict[str, float] = {}
-        self.hits: dict[str, int] = {}
-        self.tier_tokens: dict[str, int] = {}
-        self.first_token: dict[str, float] = {}
-        self.last_token: dict[str, float] = {}
-        self.finish: dict[str, float] = {}
+        self.records = RequestRecords()
+        """What each request met (arrival, tokens, finish, hits), written by the replicas' engines."""
         self.replica: dict[str, str] = {}
         self.predicted: dict[str, int] = {}
-        self.itl = array("d")
-        self.output_tokens = 0
-        self.rejected = 0
-        self.too_long = 0
         self.chain_over_requests = 0
         self.chain_over_tokens = 0
         self.disagreements = 0
@@ -417,15 +325,6 @@ class ClusterRun:
         row[0] += 1
         row[1] += best
         row[2] += mine
-
-    def token(self, sid: str, now: float) -> None:
-        """``sid`` sampled a token at ``now``."""
-        if sid in self.first_token:
-            self.itl.append(now - self.last_token[sid])
-        else:
-            self.first_token[sid] = now
-        self.last_token[sid] = now
-        self.output_tokens += 1
 
 
 class Router:
@@ -505,171 +404,156 @@ class Router:
         return out
 
 
-def _sequence(req: SimRequest) -> ScheduledSequence:
-    """The request as the replicas run it: bytes block hashes (the index keys events by them)."""
-    if req.token_ids is not None:
-        return Sequence(req.request_id, req.token_ids, req.cache_salt)
-    return SyntheticSequence(req.request_id, req.segments, req.cache_salt)
-
-
 def simulate_cluster(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, *,
                      progress: Callable[[int, int], None] | None = None) -> SimResult:
     """Run ``workload`` on ``cluster.instances`` replicas of the system ``cfg`` behind ``cluster.router``."""
-    if cfg.speculative_tokens:
-        raise InvalidInputError("speculative decoding is simulated on one engine: drop --instances, or "
-                                "--speculative-tokens")
     with collector_paused():
         return _simulate_cluster(workload, cfg, cluster, progress)
 
 
 def _simulate_cluster(workload: Workload, cfg: SimConfig, cluster: ClusterConfig,
                       progress: Callable[[int, int], None] | None) -> SimResult:
-    cost = cost_model(cfg)
-    if cfg.calibration is not None:
-        cost = calibrate(cost, cfg.calibration)
+    cost = calibrated_cost_model(cfg)
     shared: dict[int, SimTier] = {}
     publish = cluster.policy().uses_hits
-    replicas = [ReplicaSim(f"replica-{i}", cfg, workload, cost, shared, publish=publish,
+    run = ClusterRun()
+    replicas = [ReplicaSim(f"replica-{i}", cfg, workload, cost, run.records, shared, publish=publish,
                            index_tiers=cluster.index_tiers) for i in range(cluster.instances)]
     shared_media = tuple(dict.fromkeys(t.spec.medium for t in shared.values())) if cluster.index_tiers else ()
     router = Router(cluster, replicas, shared_media)
-    run = ClusterRun()
-    requests = workload.requests
-    total = len(requests)
-    by_id = {r.request_id: r for r in requests}
-    order = {r.request_id: i for i, r in enumerate(requests)}
-    last_of_conv: dict[str, str] = {}
-    blocked_by: dict[str, str] = {}
-    for r in sorted(requests, key=lambda r: (r.conversation_id or "", r.turn)):
-        if r.conversation_id is not None:
-            if r.conversation_id in last_of_conv:
-                blocked_by[last_of_conv[r.conversation_id]] = r.request_id
-            last_of_conv[r.conversation_id] = r.request_id
-    waits_for = set(blocked_by.values())
-    ready = [(r.arrival_time, order[r.request_id], r.request_id) for r in requests if r.request_id not in waits_for]
-    heapq.heapify(ready)
-    concurrency = workload.concurrency
-    in_flight = done = 0
+    _run_cluster(replicas, router, run, ArrivalQueue(workload), progress)
+    return SimResult(cfg, workload.name, _summary(workload, cfg, cluster, replicas, run), [],
+                     run.records.ttfts(), _per_request(workload.requests, run))
+
+
+def _run_cluster(replicas: list[ReplicaSim], router: Router, run: ClusterRun, queue: ArrivalQueue,
+                 progress: Callable[[int, int], None] | None) -> None:
+    """The cluster's clock: the earliest of the next arrival (routed first on a tie) and the replicas'
+    next steps, until every request ended."""
     clock = 0.0
-
-    def ended(rid: str, now: float) -> None:
-        nonlocal done
-        router.ended(rid)
-        run.finish[rid] = now
-        done += 1
-        nxt = blocked_by.get(rid)
-        if nxt is not None:
-            heapq.heappush(ready, (release_time(by_id[nxt], now, workload.think_time_s), order[nxt], nxt))
-
-    while done < total:
+    while queue.done < queue.total:
         busy = [r for r in replicas if r.sched.has_unfinished]
         t_step = min((r.now for r in busy), default=math.inf)
-        may_arrive = bool(ready) and (concurrency is None or in_flight < concurrency)
-        t_arrive = max(clock, ready[0][0]) if may_arrive else math.inf
-        if may_arrive and t_arrive <= t_step:
-            _, _, rid = heapq.heappop(ready)
-            clock = t_arrive
-            req = by_id[rid]
-            run.arrival[rid] = clock if concurrency else req.arrival_time
-            seq = _sequence(req)
-            target = router.route(seq, run)
-            was_idle = not target.sched.has_unfinished
-            try:
-                target.sched.add(seq, req.max_new_tokens)
-            except SequenceTooLongError:  # longer than max_model_len: rejected, as an engine does
-                run.rejected += 1
-                run.too_long += 1
-                ended(rid, clock)
-                continue
-            in_flight += 1
-            if was_idle:
-                target.now = max(target.now, clock)
+        if queue.may_arrive() and max(clock, queue.next_time()) <= t_step:
+            clock = max(clock, queue.next_time())
+            _arrive(queue, router, run, clock)
             continue
         if not busy:
             raise RuntimeError("simulation stalled: requests remain but none can arrive")
         replica = min(busy, key=lambda r: r.now)
         clock = max(clock, replica.now)
-        finished = replica.step(router.index, run)
-        for rid in finished:
-            in_flight -= 1
-            ended(rid, replica.now)
-        if progress and finished:
-            progress(done, total)
-    return SimResult(cfg, workload.name, _summary(workload, cfg, cluster, replicas, run), [],
-                     sorted(run.first_token[s] - run.arrival[s] for s in run.first_token), _per_request(requests, run))
+        ended = replica.step(router.index)
+        for rid in ended:
+            router.ended(rid)
+            queue.ended(rid, replica.now)
+        if progress and ended:
+            progress(queue.done, queue.total)
+
+
+def _arrive(queue: ArrivalQueue, router: Router, run: ClusterRun, clock: float) -> None:
+    """The next request of ``queue`` arrives at ``clock``: routed, and added to its replica."""
+    req, at = queue.pop(clock)
+    rid = req.request_id
+    run.records.arrival[rid] = at
+    seq = make_sequence(req)
+    target = router.route(seq, run)
+    was_idle = not target.sched.has_unfinished
+    if not target.engine.add(seq, req.max_new_tokens, clock):  # longer than max_model_len
+        router.ended(rid)
+        queue.ended(rid, clock, started=False)
+        return
+    queue.in_flight += 1
+    if was_idle:
+        target.engine.now = max(target.now, clock)
 
 
 def _per_request(requests: list[SimRequest], run: ClusterRun) -> dict[str, dict[str, float]]:
     """``SimResult.requests``, with the replica each request went to (its number) and the hit predicted there."""
+    records = run.records
     out: dict[str, dict[str, float]] = {}
     for r in requests:
         rid = r.request_id
-        if rid in run.arrival:
+        if rid in records.arrival:
             replica = int(run.replica[rid].rsplit("-", 1)[1]) if rid in run.replica else -1
-            out[rid] = {"replica": replica, "hit_tokens": run.hits.get(rid, 0),
-                        "tier_tokens": run.tier_tokens.get(rid, 0),
-                        "predicted_hit_tokens": run.predicted.get(rid, 0), "arrival_s": run.arrival[rid],
-                        "ttft_s": run.first_token[rid] - run.arrival[rid] if rid in run.first_token else math.nan,
-                        "latency_s": run.finish[rid] - run.arrival[rid], "finish_s": run.finish[rid]}
+            out[rid] = {"replica": replica, "hit_tokens": records.hits.get(rid, 0),
+                        "tier_tokens": records.tier_tokens.get(rid, 0),
+                        "predicted_hit_tokens": run.predicted.get(rid, 0), **records.timing(rid)}
     return out
+
+
+def _predictions(run: ClusterRun) -> tuple[int, int, int]:
+    """Requests whose hit at first admission (device and tiers) equalled, fell short of, exceeded the
+    router's prediction."""
+    records = run.records
+    equal = over = under = 0
+    for rid, p in run.predicted.items():
+        found = records.hits.get(rid)
+        if found is None:
+            continue
+        found += records.tier_tokens.get(rid, 0)  # the index predicts the device's hit and the tiers' past it
+        equal += found == p
+        over += found < p
+        under += found > p
+    return equal, over, under
+
+
+def _capacity(cfg: SimConfig, replicas: list[ReplicaSim]) -> dict[str, Any]:
+    """The plan's capacity figures of one replica (of its pool when ``kv_cache_tokens`` sized it)."""
+    if cfg.kv_cache_tokens is None:
+        return replicas[0].plan
+    mgr = replicas[0].mgr
+    rep = capacity_report(mgr.layout, max_model_len=mgr.max_model_len,
+                          max_num_batched_tokens=mgr.max_num_batched_tokens)
+    return {"kv_capacity_tokens": rep.token_capacity, "max_concurrency": rep.max_concurrency}
+
+
+def _engine_keys(workload: Workload, cfg: SimConfig, replicas: list[ReplicaSim], records: RequestRecords
+                 ) -> dict[str, Any]:
+    """The single-engine summary keys, pooled over ``replicas``."""
+    engines = [r.engine for r in replicas]
+    now = max(e.now for e in engines)
+    hit = sum(r.mgr.stats.hit_tokens for r in replicas)
+    queried = sum(r.mgr.stats.queried_tokens for r in replicas)
+    external = sum(r.mgr.stats.external_tokens for r in replicas)
+    finished = sum(r.sched.stats.finished for r in replicas)
+    steps = sum(e.steps for e in engines)
+    tiers = [r.tiers for r in replicas if r.tiers is not None]
+    distinct: dict[int, SimTier] = {id(t): t for ts in tiers for t in ts.tiers}
+    plan = _capacity(cfg, replicas)
+    return {
+        "workload": workload.name, "model": cfg.model, "gpu": cfg.gpu, "retention": replicas[0].mgr.retention.name,
+        "cost_model": engines[0].cost.efficiency_source,
+        "admission": cfg.admission, "requests": len(workload.requests), "finished": finished,
+        "rejected": records.rejected, "rejected_too_long": records.too_long,
+        "preemptions": sum(r.sched.stats.preemptions for r in replicas), "steps": steps, "duration_s": now,
+        "output_tokens": records.output_tokens,
+        "throughput_tokens_per_s": records.output_tokens / now if now else 0.0,
+        "throughput_requests_per_s": finished / now if now else 0.0,
+        "prefix_hit_rate": hit / queried if queried else 0.0, "hit_tokens": hit, "queried_tokens": queried,
+        "lost_hit_tokens": {c: sum(r.mgr.stats.lost_hit_tokens[c] for r in replicas) for c in LOSS_CAUSES},
+        **records.latency_summary(),
+        "kv_capacity_tokens": plan.get("kv_capacity_tokens"), "num_blocks": replicas[0].mgr.layout.num_blocks,
+        "max_concurrency": plan.get("max_concurrency"), "peak_running": max(e.peak_running for e in engines),
+        "kv_usage_mean": sum(e.usage_sum for e in engines) / steps if steps else 0.0,
+        "kv_usage_max": max(e.usage_max for e in engines),
+        **tier_keys(cfg, tiers, sum(sum(t.load_s) for t in tiers),
+                    sum(t.stats.bytes_written for t in distinct.values()), hit, external, queried),
+        "tier_stats": {},
+    }
 
 
 def _summary(workload: Workload, cfg: SimConfig, cluster: ClusterConfig, replicas: list[ReplicaSim],
              run: ClusterRun) -> dict[str, Any]:
     """The single-engine summary keys, pooled over replicas, and the cluster's own."""
-    now = max(r.now for r in replicas)
-    ttfts = sorted(run.first_token[s] - run.arrival[s] for s in run.first_token)
-    itl = sorted(run.itl)
-    hit = sum(r.mgr.stats.hit_tokens for r in replicas)
-    queried = sum(r.mgr.stats.queried_tokens for r in replicas)
-    external = sum(r.mgr.stats.external_tokens for r in replicas)
-    finished = sum(r.sched.stats.finished for r in replicas)
-    steps = sum(r.steps for r in replicas)
-    equal = over = under = 0
-    for rid, p in run.predicted.items():
-        found = run.hits.get(rid)
-        if found is None:
-            continue
-        found += run.tier_tokens.get(rid, 0)  # the index predicts the device's hit and the tiers' past it
-        equal += found == p
-        over += found < p
-        under += found > p
-    tiers = [r.tiers for r in replicas if r.tiers is not None]
-    distinct: dict[int, SimTier] = {id(t): t for ts in tiers for t in ts.tiers}
+    equal, over, under = _predictions(run)
     routed = {r.name: 0 for r in replicas}
     for name in run.replica.values():
         routed[name] += 1
-    plan = replicas[0].plan
-    if cfg.kv_cache_tokens is not None:
-        mgr = replicas[0].mgr
-        rep = capacity_report(mgr.layout, max_model_len=mgr.max_model_len,
-                              max_num_batched_tokens=mgr.max_num_batched_tokens)
-        plan = {"kv_capacity_tokens": rep.token_capacity, "max_concurrency": rep.max_concurrency}
+    summary = _engine_keys(workload, cfg, replicas, run.records)
+    if cfg.speculative_tokens:
+        summary["spec_decode"] = pooled_speculation([r.engine.spec for r in replicas]).summary()
     return {
-        "workload": workload.name, "model": cfg.model, "gpu": cfg.gpu, "retention": replicas[0].mgr.retention.name,
-        "cost_model": replicas[0].cost.efficiency_source,
-        "admission": cfg.admission, "requests": len(workload.requests), "finished": finished,
-        "rejected": run.rejected, "rejected_too_long": run.too_long,
-        "preemptions": sum(r.sched.stats.preemptions for r in replicas), "steps": steps, "duration_s": now,
-        "output_tokens": run.output_tokens,
-        "throughput_tokens_per_s": run.output_tokens / now if now else 0.0,
-        "throughput_requests_per_s": finished / now if now else 0.0,
-        "prefix_hit_rate": hit / queried if queried else 0.0, "hit_tokens": hit, "queried_tokens": queried,
-        "lost_hit_tokens": {c: sum(r.mgr.stats.lost_hit_tokens[c] for r in replicas) for c in LOSS_CAUSES},
-        "ttft_p50_s": _percentile(ttfts, 0.5), "ttft_p90_s": _percentile(ttfts, 0.9),
-        "ttft_p99_s": _percentile(ttfts, 0.99), "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
-        "itl_p50_s": _percentile(itl, 0.5), "itl_p90_s": _percentile(itl, 0.9), "itl_p99_s": _percentile(itl, 0.99),
-        "kv_capacity_tokens": plan.get("kv_capacity_tokens"), "num_blocks": replicas[0].mgr.layout.num_blocks,
-        "max_concurrency": plan.get("max_concurrency"), "peak_running": max(r.peak_running for r in replicas),
-        "kv_usage_mean": sum(r.usage_sum for r in replicas) / steps if steps else 0.0,
-        "kv_usage_max": max(r.usage_max for r in replicas),
-        "tiers": [t.label for t in cfg.tiers], "tier_hit_tokens": external,
-        "tier_hit_rate": external / queried if queried else 0.0,
-        "total_hit_rate": (hit + external) / queried if queried else 0.0,
-        "tier_load_s": sum(sum(t.load_s) for t in tiers), "tier_loads": cfg.tier_loads if tiers else None,
-        "tier_storage": tiers[0].connector.storage.name if tiers else None,
-        "tier_stored_bytes": sum(t.stats.bytes_written for t in distinct.values()),
-        "tier_lookup_probes": sum(t.connector.stats.probes for t in tiers), "tier_stats": {},
+        **summary,
         "instances": cluster.instances, "router": cluster.router, "routed": routed,
         "replica_hit_rates": {r.name: r.mgr.stats.hit_rate for r in replicas},
         "predicted_hit_tokens": sum(run.predicted.values()),

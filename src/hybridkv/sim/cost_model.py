@@ -1,125 +1,7 @@
 """Cost of one engine step on a GPU (or, calibrated, a CPU): a step-shaped model calibrated on a
 measured H100, or one roofline over FLOPs and bytes with fixed overheads.
 
-A step runs a batch of sequences, each computing ``num_new_tokens`` tokens (a prefill chunk, or
-1 for decode) after ``context_len`` tokens already in the KV cache. Two models time it, chosen by
-``Efficiency.attention_compute``: set, the **step-shaped model** (the default of ``h100-80gb``,
-fitted to measured steps); ``None``, the **one-roofline model** (the data-sheet default of every
-other GPU, and the CPU calibration). The FLOP and byte counts below are common to both.
-
-**Step-shaped model** (one rank; ``M`` = new tokens in the step, ``S`` = sequences that sample,
-``L`` = layers, ``P`` = peak FLOP/s, ``B`` = peak bytes/s)::
-
-    roof(M, flops, bytes) = || (flops / (P * compute * M / (M + gemm_m_half)), bytes / (B * memory)) ||_p
-    gpu = roof(M, layer matmul FLOPs, layer weights)            # every layer's matmuls, one M
-        + roof(S, LM head FLOPs of S rows, LM head weights)     # if S > 0
-        + attention FLOPs / (P * attention_compute)            # every layer kind, prefill compute
-        + (KV read and written, recurrent states) / (B * memory)   # decode KV bandwidth
-        + M * activation_bytes_per_token * activation_traffic / (B * memory)   # norms, adds, GELU, ...
-    graph step:  gpu + L * graph_launch_s_per_layer
-    eager step:  max(gpu + L * launch_s_per_layer, L * host_s_per_layer)
-    time = that + step_overhead_s + S * sample_overhead_s + (tp > 1: L * tp_overhead_s_per_layer) + loads
-
-``p`` is ``roofline_norm`` (2: near the ridge a matmul pays part of both roofs; ``inf``: the larger).
-The matmul efficiency saturates with the tokens in the step, ``eff(M) = compute * M / (M +
-gemm_m_half)``: small-M matmuls (decode, short chunks) run far below a prefill's. A step replays a
-CUDA graph when ``step_time(..., graph=True)``, or by default when ``cuda_graphs`` and every
-sequence computes at most one token (a decode-only step); a graph removes most per-layer launch
-cost and the host floor. Everything is a closed form per layer kind: one pass over the step's
-sequences, no loop over layers. Recurrent layers are charged as in the one-roofline model (their
-FLOPs with the matmuls, their states with the KV bytes).
-
-``window_kernel`` says how a sliding-window layer computes a prefill chunk: ``exact`` (each query
-sees its last ``window`` keys: what the simulator charges) or ``masked`` (the window's last
-``window - 1`` cached keys plus the whole chunk under a causal mask: what PyTorch SDPA with a
-causal mask does, so what the measuring scripts ran; a profile's fit uses it).
-
-**Calibration profiles.** A profile is the calibration file below with, per sample, an optional
-``"mode"`` (``prefill-eager``, ``decode-eager``, ``decode-graph``, ``mixed-eager``: a ``-graph``
-suffix means the step ran under a CUDA graph; the first word is the kind of step) and an optional
-top-level ``"meta"`` object (``model``: the preset measured; ``gpu``; ``window_kernel``, default
-``masked``, as the measuring scripts run). Extra keys (``best_s``, ``parts``) are ignored.
-``load_profile`` reads one; ``fit_step_model`` fits the physical parameters ``FIT_PARAMETERS``
-(matmul ``compute`` and ``gemm_m_half``, ``memory``, ``attention_compute``, eager and graph
-launch cost per layer, ``activation_traffic``) by least squares on log errors, keeping ``step_overhead_s`` and
-``host_s_per_layer`` from a prior (the steps of one model cannot tell a per-step cost from a
-per-layer one, and a large model's eager steps never wait for the host). ``calibrate`` takes
-the step-shaped fit when a file's samples carry modes. The built-in profile of ``h100-80gb``
-(``profiles/h100_gemma-3-27b_steps.json``, with its README) gives ``H100_EFFICIENCY``: 33 steps
-of a Gemma-3-27B-shaped PyTorch decoder (SDPA flash attention, random bf16 weights); leave-one-
-out it predicts prefill steps to a median 2.1% (worst 5.4%), decode 1.7% (3.2%), mixed 0.6%
-(0.8%) (``bench/cost_model_fit.py``). ``sim.calibration`` holds the error reports,
-``hybridkv calibrate`` prints them.
-
-**One-roofline model.** Its time on one tensor-parallel rank is::
-
-    max(flops / (bf16_flops * compute), bytes / (bandwidth * memory))
-      + step_overhead_s + (tp > 1: num_layers * tp_overhead_s_per_layer)
-      + sampled sequences * sample_overhead_s     (0 by default; see calibration)
-      + loaded KV bytes / tier_bandwidth          (an external KV tier, not overlapped)
-      + extra_load_s                              (loads the caller timed, not overlapped)
-
-**FLOPs** (per rank): ``2 * active_params / tp`` per new token for the matrix multiplies, plus
-attention. A query attending to one key costs ``4 * heads_per_rank * head_size`` FLOPs per layer
-(``QK^T`` and ``PV``; MLA: ``2 * heads_per_rank * (qk_nope + qk_rope + v_head_dim)``). Token
-``p`` (0-based position) of a sequence attends to ``p + 1`` keys in a full or MLA layer,
-``min(p + 1, window)`` in a sliding-window layer and ``p % chunk + 1`` in a chunked-local layer;
-a chunk's pairs are summed exactly (for full attention that is ``n * (context_len + (n + 1) / 2)``).
-A recurrent layer (Mamba, Gated DeltaNet) costs ``2 * state_elements`` FLOPs per token: each token
-updates and reads the whole state once, at one multiply-add per element.
-
-**Bytes** (per rank): the weights, read once per step (``min(total_params, active_params *
-max(1, tokens)) * weight_dtype_bytes / tp``: a dense model reads all of them, an MoE at most the
-experts its tokens can reach, assuming every token picks different experts); per sequence and
-attention layer the KV of every token the chunk attends to (its cached visible tokens plus the new
-ones) at ``2 * kv_heads_per_rank * head_size * kv_dtype_bytes`` per token (MLA: ``latent *
-kv_dtype_bytes``); the new tokens' KV written once; per sequence and recurrent layer the state
-read and written once (in bf16, ``STATE_DTYPE_BYTES``, even with an fp8 KV cache).
-
-**External tier**: ``num_loaded_tokens`` tokens of KV are loaded for a sequence before its new
-tokens run, at ``kv_bytes_per_token`` (all attention layers, one rank) per token plus one recurrent
-state per sequence that loads anything; ``tier_bandwidth`` is per GPU in bytes/s. The new tokens
-follow the loaded ones: they sit at positions ``context_len + num_loaded_tokens`` onwards.
-``step_time(work, extra_load_s)`` adds loads timed by the caller instead: the simulator's tiers
-(``sim.tiers``) charge each loaded block's bytes at the bandwidth of the tier that served it,
-plus the tier's latency; that work passes the loaded tokens in ``context_len``.
-
-A step without new tokens runs no forward pass: it costs the step overhead (and any loads).
-
-**LM head per sampled sequence** (``lm_head="per_sample"``: the default of the step-shaped model
-when the vocabulary is known, as for every preset; the one-roofline model defaults to
-``per_token``). The generic roofline
-above charges every parameter as a matmul for every new token. An engine computes the output
-projection (``vocab_size x hidden_size``) only for the rows it samples (one per sequence that
-finishes its known tokens this step: a decode or a last prefill chunk; ``SeqWork.sampled``; and one
-per draft token a speculative decode step verifies, ``SeqWork.num_draft_tokens``), and the
-input embedding is a lookup, not a matmul. With ``lm_head="per_sample"``: the per-token matmul
-FLOPs are ``2 * (active_params - lm_head_params - embedding_params) / tp``; each sampled sequence
-adds ``2 * lm_head_params / tp``; the weights read per step are the body (as above, without the
-head and the embedding) plus the head once if any sequence samples. ``lm_head_params`` is
-``vocab_size * hidden_size``; ``embedding_params`` is 0 for tied embeddings (one matrix, counted
-once in ``num_params``) and ``vocab_size * hidden_size`` otherwise. The looked-up embedding rows
-(one ``hidden_size`` row per token) are not counted.
-
-**Calibration file** (``load_calibration``), JSON::
-
-    {"samples": [{"work": [[num_new_tokens, context_len], ...], "seconds": 0.0123}, ...]}
-
-Each ``work`` entry is one sequence of the measured step, ``[num_new_tokens, context_len]``,
-``[num_new_tokens, context_len, num_loaded_tokens]`` or ``[num_new_tokens, context_len,
-num_loaded_tokens, sampled]`` (non-negative integers, ``sampled`` 0 or 1, default 1; not all
-steps empty); ``seconds`` is the measured step time (> 0). ``fit_efficiency`` fits ``compute``,
-``memory``, ``step_overhead_s`` and ``sample_overhead_s`` to such samples; ``calibrate`` loads a
-file and fits it. ``sample_overhead_s`` is a fixed cost per sequence that samples (its row of the
-LM head, the sampler): on a CPU, matmuls of a few rows (a small decode batch) run far below a
-prefill's efficiency, and this term carries most of that cost. Measured on the fp32 reference
-engine (MKL, one thread), a decode step of 2-4 sequences costs more than the roofline with a
-linear per-sample term allows, and one of 8 less: workloads of small decode batches come out
-5-25% fast.
-
-**Hardware**: the GPU presets carry data-sheet peaks. The ``cpu`` preset carries nominal peaks
-(fp32 FMA FLOP/s and DRAM bandwidth of a small x86 machine); on a CPU the calibration, not the
-preset, decides the step times: fit it on measured steps of the engine being modelled.
+What it models, in full: ``docs/SIMULATOR.md``, "The cost model".
 """
 
 from __future__ import annotations
@@ -452,7 +334,7 @@ class CostModel:
         ``active_params`` (per token) defaults to ``num_params``, i.e. a dense model. ``efficiency``
         defaults to ``default_efficiency(hardware.id)``: the fit of the GPU's built-in profile
         (``h100-80gb``), else the data-sheet ``DEFAULT_EFFICIENCY``. ``lm_head`` picks how the output
-        projection is charged (module docstring); ``"per_sample"`` needs the vocabulary size
+        projection is charged (``docs/SIMULATOR.md``, "The cost model"); ``"per_sample"`` needs the vocabulary size
         (``vocab_size`` or the config's) and takes ``tie_word_embeddings`` from the argument, else the
         config, else True (the Hugging Face default). ``None``: ``per_sample`` for a step-shaped
         efficiency when the vocabulary is known, else ``per_token``.
@@ -466,7 +348,6 @@ class CostModel:
         model = parse_config(config, tensor_parallel_size=tensor_parallel_size)
         layers = LayerCosts.from_config(config, model, tensor_parallel_size=tensor_parallel_size,
                                         kv_dtype_bytes=kv_bytes)
-        head = embedding = 0.0
         source = "given"
         if efficiency is None:
             efficiency, source = default_efficiency(hardware.id)
@@ -475,20 +356,7 @@ class CostModel:
         if lm_head is None:
             known = isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0
             lm_head = "per_sample" if efficiency.step_shaped and known else "per_token"
-        if lm_head == "per_sample":
-            hidden = cfg.get("hidden_size")
-            for field_name, value in (("vocab_size", vocab), ("hidden_size", hidden)):
-                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                    raise InvalidInputError(f"{name}: lm_head='per_sample' needs a positive integer {field_name}, "
-                                            f"got {value!r}")
-            assert isinstance(vocab, int) and isinstance(hidden, int)
-            tied = tie_word_embeddings
-            if tied is None:
-                tied = bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
-            head = float(vocab * hidden)
-            embedding = 0.0 if tied else head
-        elif lm_head != "per_token":
-            raise InvalidInputError(f"lm_head must be 'per_token' or 'per_sample', got {lm_head!r}")
+        head, embedding = _lm_head_params(lm_head, config, vocab, tie_word_embeddings, name)
         active = float(num_params if active_params is None else active_params)
         activation = _activation_bytes_per_token(cfg, model, active, vocab, tensor_parallel_size)
         return cls(name, hardware, tensor_parallel_size, model.num_layers, float(num_params), active, weight_bytes,
@@ -658,27 +526,28 @@ class CostModel:
                     sliding_pairs += (window * (window + 1) - c * (c + 1)) // 2 + (end - window) * window
                     sliding_read += c
             if chunk:
-                # sum of (p % chunk + 1) over p in [c, end)
-                r = c % chunk
+                pairs, r = _chunked_pairs(c, n, chunk)
+                chunked_pairs += pairs
                 chunked_read += r
-                if r + n <= chunk:
-                    chunked_pairs += n * (2 * r + n + 1) // 2
-                else:
-                    q1, r1 = divmod(end, chunk)
-                    chunked_pairs += ((q1 - c // chunk) * chunk * (chunk + 1) + r1 * (r1 + 1) - r * (r + 1)) // 2
         load_bytes = loaded * lc.kv_bytes_per_token + loaded_seqs * lc.recurrent_state_bytes
         if not tokens:
             return StepTotals(load_bytes=load_bytes)
         attn_flops = (global_pairs2 * 0.5 * lc.global_flops_per_pair + sliding_pairs * lc.sliding_flops_per_pair
                       + chunked_pairs * lc.chunked_flops_per_pair)
+        kv_bytes = (2 * tokens * lc.kv_bytes_per_token + seqs * 2 * lc.recurrent_state_bytes
+                    + global_read * lc.global_kv_bytes_per_token + sliding_read * lc.sliding_kv_bytes_per_token
+                    + chunked_read * lc.chunked_kv_bytes_per_token)
+        return self._step_totals(tokens, sampled, head_rows, attn_flops, kv_bytes, load_bytes, decode_only)
+
+    def _step_totals(self, tokens: int, sampled: int, head_rows: int, attn_flops: float, kv_bytes: float,
+                     load_bytes: float, decode_only: bool) -> StepTotals:
+        """The step's totals from its token counts, attention FLOPs and KV bytes: the weights' and the
+        LM head's share."""
         head = self.lm_head_params
         vocab = head + self.embedding_params
         tp = self.tensor_parallel_size
         bpp = self.weight_bytes_per_param / tp
         weights = min(self.total_params - vocab, (self.active_params - vocab) * tokens) * bpp
-        kv_bytes = (2 * tokens * lc.kv_bytes_per_token + seqs * 2 * lc.recurrent_state_bytes
-                    + global_read * lc.global_kv_bytes_per_token + sliding_read * lc.sliding_kv_bytes_per_token
-                    + chunked_read * lc.chunked_kv_bytes_per_token)
         head_flops = head_rows * 2.0 * head / tp
         head_bytes = head * bpp if head and head_rows else 0.0
         return StepTotals(tokens, sampled, tokens * self._flops_per_token, weights, head_flops, head_bytes,
@@ -691,6 +560,38 @@ def _roof(compute: float, memory: float, norm: float) -> float:
     if norm == math.inf or not lo:
         return hi
     return float(hi * (1.0 + (lo / hi) ** norm) ** (1.0 / norm))
+
+
+def _chunked_pairs(c: int, n: int, chunk: int) -> tuple[int, int]:
+    """Chunked attention of ``n`` tokens after ``c``: the (query, key) pairs, the sum of
+    ``p % chunk + 1`` over ``p`` in ``[c, c + n)``, and the cached keys read, ``c % chunk``."""
+    r = c % chunk
+    if r + n <= chunk:
+        return n * (2 * r + n + 1) // 2, r
+    q1, r1 = divmod(c + n, chunk)
+    return ((q1 - c // chunk) * chunk * (chunk + 1) + r1 * (r1 + 1) - r * (r + 1)) // 2, r
+
+
+def _lm_head_params(lm_head: str, config: Mapping[str, Any], vocab: object, tie_word_embeddings: bool | None,
+                    name: str) -> tuple[float, float]:
+    """``(LM head, separate input embedding)`` parameters charged apart from the layers: none
+    ``per_token``; the output projection (and the embedding when untied) ``per_sample``."""
+    if lm_head == "per_token":
+        return 0.0, 0.0
+    if lm_head != "per_sample":
+        raise InvalidInputError(f"lm_head must be 'per_token' or 'per_sample', got {lm_head!r}")
+    cfg = text_config(config)
+    hidden = cfg.get("hidden_size")
+    for field_name, value in (("vocab_size", vocab), ("hidden_size", hidden)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InvalidInputError(f"{name}: lm_head='per_sample' needs a positive integer {field_name}, "
+                                    f"got {value!r}")
+    assert isinstance(vocab, int) and isinstance(hidden, int)
+    tied = tie_word_embeddings
+    if tied is None:
+        tied = bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
+    head = float(vocab * hidden)
+    return head, 0.0 if tied else head
 
 
 class StepTotals(NamedTuple):
@@ -723,6 +624,23 @@ class StepTotals(NamedTuple):
 _MIN_EFFICIENCY = 0.01
 
 
+def _fit_rows(model: CostModel, samples: Sequence[tuple[Sequence[SeqWork], float]]
+              ) -> list[tuple[float, float, float, float, float]]:
+    """Per sample: FLOPs / peak, bytes / peak, the fixed time (TP and loads), sampled sequences, the
+    measurement."""
+    if not samples:
+        raise InvalidInputError("fit_efficiency needs at least one sample, got none")
+    hw = model.hardware
+    rows: list[tuple[float, float, float, float, float]] = []
+    for i, (work, seconds) in enumerate(samples):
+        if not seconds > 0:
+            raise InvalidInputError(f"calibration sample {i}: 'seconds' must be > 0, got {seconds!r}")
+        b = model.breakdown(work)
+        fixed = b["load_s"] + b["overhead_s"] - model.efficiency.step_overhead_s
+        rows.append((b["flops"] / hw.bf16_flops, b["bytes"] / hw.bandwidth, fixed, b["sampled"], float(seconds)))
+    return rows
+
+
 def fit_efficiency(model: CostModel, samples: Sequence[tuple[Sequence[SeqWork], float]]) -> Efficiency:
     """The ``compute``, ``memory``, ``step_overhead_s`` and ``sample_overhead_s`` that best predict
     measured step times.
@@ -733,17 +651,7 @@ def fit_efficiency(model: CostModel, samples: Sequence[tuple[Sequence[SeqWork], 
     it would fit no better. ``tp_overhead_s_per_layer`` is kept from ``model``. An efficiency
     the samples cannot tell (e.g. compute when every sample is memory-bound) stays near ``model``'s.
     """
-    if not samples:
-        raise InvalidInputError("fit_efficiency needs at least one sample, got none")
-    hw = model.hardware
-    # Per sample: FLOPs / peak, bytes / peak, the fixed time (TP and loads), sampled sequences, the measurement.
-    rows: list[tuple[float, float, float, float, float]] = []
-    for i, (work, seconds) in enumerate(samples):
-        if not seconds > 0:
-            raise InvalidInputError(f"calibration sample {i}: 'seconds' must be > 0, got {seconds!r}")
-        b = model.breakdown(work)
-        fixed = b["load_s"] + b["overhead_s"] - model.efficiency.step_overhead_s
-        rows.append((b["flops"] / hw.bf16_flops, b["bytes"] / hw.bandwidth, fixed, b["sampled"], float(seconds)))
+    rows = _fit_rows(model, samples)
     weights = [1.0 / (y * y) for *_, y in rows]
     sum_w = sum(weights)
     sum_ws = sum(w * r[3] for w, r in zip(weights, rows))
@@ -797,13 +705,13 @@ def _around(x: float, ratio: float, steps: int = 4) -> list[float]:
 
 
 def load_calibration(path: str | Path) -> list[tuple[list[SeqWork], float]]:
-    """Measured ``(work, seconds)`` steps from a calibration JSON file (format in the module docstring)."""
+    """Measured ``(work, seconds)`` steps from a calibration JSON file (format: ``docs/SIMULATOR.md``)."""
     return [(list(step.work), step.seconds) for step in load_profile(path).steps]
 
 
 def load_profile(path: str | Path) -> Profile:
     """A calibration profile: the measured steps of a calibration file with their modes and meta
-    (format in the module docstring); any defect is one ``InvalidInputError`` naming the file, the
+    (format: ``docs/SIMULATOR.md``, "The cost model"); any defect is one ``InvalidInputError`` naming the file, the
     sample and the field."""
     p = Path(path)
     try:

@@ -1,21 +1,6 @@
 """Mooncake traces: the request logs of the Mooncake FAST'25 trace release, read as a workload.
 
-Each line is one request::
-
-    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48, ..., 2354]}
-
-``timestamp`` is the arrival in milliseconds from the start; ``hash_ids`` name the prompt's blocks of
-``block_size`` (512) tokens, the last one partial when ``input_length`` is not a multiple of it. Equal
-ids hold equal tokens (and, since the ids are remapped prefix hashes, an equal prefix): two requests
-whose lists start with the same 12 ids share their first ``12 * 512`` tokens.
-
-A request becomes a ``SimRequest`` whose prompt is one content run per id (``mooncake:<id>``, 512
-tokens, the last run ``input_length - 512 * (len(hash_ids) - 1)``), so the simulator's block hashes
-chain exactly where the trace's ids do: a prefix shared in the trace is shared in the simulation,
-to the token, and nothing else is. Request ``i`` (0-based, in file order) is ``mooncake-<i>``.
-
-Arrivals: open loop at ``timestamp / 1000 * time_scale`` seconds (``time_scale`` 0.5 replays twice as
-fast), or, with ``concurrency``, a closed loop in file order that ignores the timestamps.
+What it models, in full: ``docs/SIMULATOR.md``, "Mooncake traces".
 """
 
 from __future__ import annotations

@@ -1,60 +1,11 @@
 """The simulation loop: a workload through the real scheduler and manager, timed by a cost model.
 
-Only block ids move: prompts are ``SyntheticSequence`` runs (or real token ids when a trace
-carries them), so 10,000 requests with 100k-token contexts simulate in seconds to a minute.
-Each step the scheduler picks the batch, the cost model turns it into seconds, and every
-sequence that reached the end of its tokens "samples" one token of its ``out:<id>`` run.
-
-The pool is sized from the GPU memory (``make_plan``), to ``kv_cache_tokens`` tokens, or to a KV
-budget in bytes (``kv_cache_memory``) planned by ``plan_layout`` exactly as the reference engine
-plans its own pool. ``calibration`` replaces the default efficiencies: an ``Efficiency``, or a
-calibration file (``cost_model.load_calibration``) fitted to this config's cost model. A closed
-loop adds a request when one finishes, before the next step is scheduled, with no think time.
-
-``tiers`` adds external KV tiers (host memory, disk, a network store) with a capacity, a
-bandwidth and a latency each, behind the real ``KVConnector`` (``sim.tiers`` documents the model):
-at admission the scheduler loads the tokens past the local hit that the tiers hold, instead of
-computing them; the load time is added to the step, and every computed block is written through.
-
-Summary keys for the tiers (present in every run; zeros and empty without tiers):
-
-* ``tiers`` -- the tiers' specs in query order (``host:64GiB@25GB/s``); ``[]`` without tiers;
-* ``tier_hit_tokens`` -- prompt tokens loaded from the tiers at admissions (re-admissions after
-  a preemption count again, as for ``hit_tokens``);
-* ``tier_hit_rate`` -- ``tier_hit_tokens / queried_tokens``;
-* ``total_hit_rate`` -- ``(hit_tokens + tier_hit_tokens) / queried_tokens``: prompt tokens not
-  computed (``prefix_hit_rate`` stays the device prefix cache's alone);
-* ``tier_load_s`` -- seconds of tier loads added to the steps, all tiers;
-* ``tier_stats`` -- per tier, keyed ``"<position>:<kind>"``: ``spec``, ``capacity_bytes``,
-  ``bandwidth_bytes_per_s``, ``latency_s``, ``loaded_blocks`` / ``loaded_bytes`` /
-  ``loaded_sequences`` / ``load_s`` (what the tier served to admitted sequences), ``read_hits`` /
-  ``read_misses`` (every read, including promotions' sources and admissions retried later),
-  ``stored_blocks`` / ``stored_bytes`` (writes, including promotions from a lower tier),
-  ``evictions``, ``used_bytes`` and ``entries`` at the end; ``low_entries`` (held at low priority at
-  the end), ``low_puts``, ``low_evictions``, ``low_skipped`` (low puts that found no low entry to
-  evict) and ``low_promotions`` (low entries that served a hit).
-
-``SimResult.requests`` entries also carry ``tier_tokens`` (tokens loaded at the first admission).
-
-Speculative decoding (``SimConfig.speculative_tokens`` K > 0, ``acceptance_rate`` A): every decode
-step of a sequence proposes K drafts (``Scheduler.set_draft_tokens``; the scheduler caps and drops
-them as it would a real engine's), each accepted with probability A until the first rejection (a
-seeded random stream per request, so a run is reproducible and variants see the same draws); the
-step computes the token and its drafts (the cost model's ``SeqWork.num_draft_tokens``) and the
-sequence advances by the accepted drafts plus one. Admission reserves K draft slots per request.
-``spec_decode`` in the summary (zeros without speculation): ``drafted`` and ``accepted`` draft
-tokens, ``acceptance_rate`` (accepted / drafted: below A, as drafts after a rejection are lost),
-``tokens_per_step`` (tokens a sequence's decode step emits, on average: 1 without speculation).
-ITL stays the time between a request's steps that emit tokens (a speculative step emits several).
+What it models, in full: ``docs/SIMULATOR.md``, "The simulation loop and its summary keys".
 """
 
 from __future__ import annotations
 
 import gc
-import heapq
-import math
-import random
-from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -66,27 +17,18 @@ from hybridkv.core import (
     KVCacheManager,
     RecurrentPages,
     RetentionPolicy,
-    Sequence,
     capacity_report,
     plan_layout,
 )
-from hybridkv.errors import InvalidInputError, SequenceTooLongError
+from hybridkv.errors import InvalidInputError
 from hybridkv.planning.hardware import get_hardware
 from hybridkv.planning.hf_config import layer_specs, parse_config
 from hybridkv.planning.planner import DTYPE_BYTES, PlanInput, load_model, make_plan
-from hybridkv.scheduling.scheduler import (
-    MAX_DRAFT_TOKENS,
-    Admission,
-    Policy,
-    ScheduledSequence,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
-from hybridkv.sim.cost_model import CostModel, Efficiency, LMHead, SeqWork, calibrate
-from hybridkv.sim.synthetic import SyntheticSequence
+from hybridkv.scheduling.scheduler import MAX_DRAFT_TOKENS, Admission, Policy
+from hybridkv.sim.cost_model import CostModel, Efficiency, LMHead, calibrate
+from hybridkv.sim.engine import ArrivalQueue, RequestRecords, SimEngine, make_sequence
 from hybridkv.sim.tiers import SimTiers, TierSpec
-from hybridkv.sim.workloads import SimRequest, Workload, release_time
+from hybridkv.sim.workloads import Workload
 
 
 @dataclass(frozen=True)
@@ -122,7 +64,7 @@ class SimConfig:
     """Efficiencies, or a calibration file path (``cost_model.calibrate``: the step-shaped fit when its
     steps carry a ``mode``); None: the GPU's default (its built-in profile, else the data sheet)."""
     lm_head: LMHead | None = None
-    """How the cost model charges the output projection (``cost_model`` module docstring); None:
+    """How the cost model charges the output projection (``docs/SIMULATOR.md``, "The cost model"); None:
     per sampled sequence under a calibrated (step-shaped) profile when the vocabulary is known, else
     per token."""
     tiers: tuple[TierSpec, ...] = ()
@@ -171,13 +113,6 @@ class SimResult:
     requests: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per request id: ``hit_tokens``, ``tier_tokens`` and ``lost_hit_tokens`` (tokens its full-attention
     prefix held that the hit did not serve; at its first admission), ``ttft_s``, ``latency_s``, ``finish_s``."""
-
-
-def _percentile(sorted_values: list[float] | array[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
-    return float(sorted_values[k])
 
 
 def layout_for_memory(cfg: SimConfig) -> tuple[KVCacheLayout, int]:
@@ -246,18 +181,6 @@ def cost_model(cfg: SimConfig) -> CostModel:
                                  kv_dtype=cfg.kv_dtype, name=source.name, lm_head=cfg.lm_head)
 
 
-def _next_event(sched: Scheduler, ready: list[tuple[float, int, str]], now: float, may_arrive: bool) -> float:
-    """When something can happen after a step that scheduled nothing: a tier load finishes, or a
-    request arrives."""
-    times: list[float] = [r.load.ready_at for r in sched.waiting if r.load is not None and not r.load.done()]
-    if may_arrive and ready:
-        times.append(ready[0][0])
-    later = [t for t in times if t > now]
-    if not later:
-        raise RuntimeError("simulation stalled: waiting requests can neither load nor be admitted")
-    return min(later)
-
-
 def tier_storage(cfg: SimConfig, workload: Workload | None = None) -> StoragePolicy:
     """The storage policy of ``cfg``'s tiers (``SimConfig.tier_storage`` and its settings)."""
     if cfg.tier_storage == "all":
@@ -272,85 +195,6 @@ def tier_storage(cfg: SimConfig, workload: Workload | None = None) -> StoragePol
     # answers in a later prompt: storing the answer's boundaries would only take the tier's room.
     answers_reused = workload is None or workload.content_block_size is None
     return policy(interval=cfg.tier_checkpoint_interval, end_align=align, answer_ends=answers_reused)
-
-
-def _make_sequence(req: SimRequest, tiered: bool = False) -> ScheduledSequence:
-    if req.token_ids is not None:
-        return Sequence(req.request_id, req.token_ids, req.cache_salt)
-    return SyntheticSequence(req.request_id, req.segments, req.cache_salt)
-
-
-def step_work(sched: Scheduler, out: SchedulerOutput, hits: dict[str, int], tier_tokens: dict[str, int],
-              tiers: SimTiers | None, lost: dict[str, int] | None = None) -> tuple[list[SeqWork], float]:
-    """Record the hit, tier (and, into ``lost``, lost-hit) tokens of ``out``'s admissions and start
-    their tier loads; the step's work per sequence and the seconds its blocking loads take."""
-    for sid in out.admitted:
-        req = sched.requests[sid]
-        hits.setdefault(sid, req.num_hit_tokens)
-        if lost is not None and req.lost_hit_tokens:
-            lost.setdefault(sid, sum(req.lost_hit_tokens.values()))
-    load_s = 0.0
-    if tiers is not None:
-        for sid in out.admitted:
-            tier_tokens.setdefault(sid, sched.requests[sid].num_external_tokens)
-        if out.external:
-            load_s = tiers.admit(out.external)
-    work = []
-    drafts = out.draft_tokens
-    for sid, n in out.num_scheduled_tokens.items():
-        seq = sched.requests[sid].seq
-        c = seq.num_computed_tokens
-        d = len(drafts[sid]) if drafts and sid in drafts else 0
-        work.append(SeqWork(n + d, c, sampled=c + n == seq.num_tokens, num_draft_tokens=d))
-    return work, load_s
-
-
-class Speculation:
-    """Speculative decoding in the loop: K drafts for every decoding sequence, each accepted with
-    probability A until the first rejection (one seeded stream per request), and the counts."""
-
-    __slots__ = ("k", "rate", "seed", "drafts", "rngs", "drafted", "accepted", "decode_steps", "decode_tokens")
-
-    def __init__(self, k: int, rate: float, seed: int) -> None:
-        self.k = k
-        self.rate = rate
-        self.seed = seed
-        self.drafts = [0] * k
-        self.rngs: dict[str, random.Random] = {}
-        self.drafted = self.accepted = self.decode_steps = self.decode_tokens = 0
-
-    def propose(self, sched: Scheduler) -> None:
-        """Drafts for the next step of every running sequence that decodes."""
-        if not self.k:
-            return
-        for req in sched.running:
-            seq = req.seq
-            if seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_output_tokens:
-                sched.set_draft_tokens(req.seq_id, self.drafts)
-
-    def sample(self, sid: str, drafts: list[int] | None) -> tuple[int, ...]:
-        """What a step that reached the end of ``sid``'s tokens samples: the accepted drafts and one token."""
-        if not drafts:
-            return (1,)
-        rng = self.rngs.get(sid)
-        if rng is None:
-            rng = self.rngs[sid] = random.Random(f"{self.seed}/{sid}")
-        n = 0
-        while n < len(drafts) and rng.random() < self.rate:
-            n += 1
-        self.drafted += len(drafts)
-        self.accepted += n
-        return (*drafts[:n], 1)
-
-    def count(self, emitted: int) -> None:
-        """A decode step of one sequence emitted ``emitted`` tokens."""
-        self.decode_steps += 1
-        self.decode_tokens += emitted
-
-    def summary(self) -> dict[str, float]:
-        return {"num_speculative_tokens": self.k, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-                "tokens_per_step": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0}
 
 
 def simulate(workload: Workload, cfg: SimConfig, *,
@@ -378,220 +222,129 @@ def collector_paused() -> Iterator[None]:
         gc.enable()
 
 
+
+def sim_tiers(cfg: SimConfig, workload: Workload, mgr: KVCacheManager) -> SimTiers:
+    """The tiers of ``cfg`` behind ``mgr``'s engine."""
+    if cfg.tier_loads not in ("async", "blocking"):
+        raise InvalidInputError(f"tier_loads must be 'async' or 'blocking', got {cfg.tier_loads!r}")
+    return SimTiers(cfg.tiers, mgr, namespace=f"sim/{cfg.model}/{cfg.kv_dtype}",
+                    storage=tier_storage(cfg, workload), async_loads=cfg.tier_loads == "async",
+                    load_timeout_s=cfg.tier_load_timeout_s)
+
+
+def calibrated_cost_model(cfg: SimConfig) -> CostModel:
+    """``cost_model(cfg)`` with ``cfg.calibration``'s efficiencies when it has one."""
+    cost = cost_model(cfg)
+    return calibrate(cost, cfg.calibration) if cfg.calibration is not None else cost
+
+
 def _simulate(workload: Workload, cfg: SimConfig, progress: Callable[[int, int], None] | None) -> SimResult:
     mgr, plan = build_manager(cfg)
+    tiers = sim_tiers(cfg, workload, mgr) if cfg.tiers else None
     batch = mgr.max_num_batched_tokens
-    tiers = None
-    if cfg.tiers:
-        if cfg.tier_loads not in ("async", "blocking"):
-            raise InvalidInputError(f"tier_loads must be 'async' or 'blocking', got {cfg.tier_loads!r}")
-        tiers = SimTiers(cfg.tiers, mgr, namespace=f"sim/{cfg.model}/{cfg.kv_dtype}",
-                         storage=tier_storage(cfg, workload), async_loads=cfg.tier_loads == "async",
-                         load_timeout_s=cfg.tier_load_timeout_s)
-    tiered = tiers is not None
-    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=batch, max_num_seqs=cfg.max_num_seqs,
-                                           long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-                                           policy=cfg.policy, admission=cfg.admission,
-                                           num_speculative_tokens=cfg.speculative_tokens),
-                      connector=tiers.connector if tiers is not None else None)
-    spec = Speculation(cfg.speculative_tokens, cfg.acceptance_rate, cfg.speculative_seed)
-    stored_to: dict[str, int] = {}  # with speculation and tiers: where each sequence's last offer ended
-    cost = cost_model(cfg)
-    if cfg.calibration is not None:
-        cost = calibrate(cost, cfg.calibration)
     requests = workload.requests
-    total = len(requests)
-    by_id = {r.request_id: r for r in requests}
-    # Requests become eligible at their arrival time, after the previous turn of their conversation
-    # finished, and (closed loop) when fewer than `concurrency` are in flight.
-    prev_turn: dict[str, str] = {}
-    last_of_conv: dict[str, str] = {}
-    for r in sorted(requests, key=lambda r: (r.conversation_id or "", r.turn)):
-        if r.conversation_id is not None:
-            if r.conversation_id in last_of_conv:
-                prev_turn[r.request_id] = last_of_conv[r.conversation_id]
-            last_of_conv[r.conversation_id] = r.request_id
-    blocked_by = {v: k for k, v in prev_turn.items()}
-    ready: list[tuple[float, int, str]] = []
-    order = {r.request_id: i for i, r in enumerate(requests)}
-    for r in requests:
-        if r.request_id not in prev_turn:
-            heapq.heappush(ready, (r.arrival_time, order[r.request_id], r.request_id))
-    concurrency = workload.concurrency
-    in_flight = 0
-    now = 0.0
-    arrival: dict[str, float] = {}
-    hits: dict[str, int] = {}
-    tier_tokens: dict[str, int] = {}
-    lost: dict[str, int] = {}  # per request: hit tokens lost against its full-attention prefix
-    finish: dict[str, float] = {}
-    first_token: dict[str, float] = {}
-    last_token: dict[str, float] = {}
-    itl = array("d")
-    output_tokens = 0
-    done = 0
-    rejected = 0
-    too_long = 0
-    timeline: list[tuple[float, float, float]] = []
-    peak_running = 0
-    steps = 0
     sample_every = max(1, sum(r.prompt_len + r.max_new_tokens for r in requests) // max(1, batch * cfg.samples))
-    while done < total:
-        while ready and ready[0][0] <= now and (concurrency is None or in_flight < concurrency):
-            _, _, rid = heapq.heappop(ready)
-            req = by_id[rid]
-            arrival[rid] = max(now, req.arrival_time) if concurrency else req.arrival_time
-            try:
-                sched.add(_make_sequence(req, tiered), req.max_new_tokens)  # a rejection is reported by schedule()
-            except SequenceTooLongError:  # a trace request longer than max_model_len: rejected, as an engine does
-                rejected += 1
-                too_long += 1
-                finish[rid] = now
-                done += 1
-                nxt = blocked_by.get(rid)
-                if nxt is not None:
-                    heapq.heappush(ready, (release_time(by_id[nxt], now, workload.think_time_s), order[nxt], nxt))
-                continue
-            in_flight += 1
-        if not sched.has_unfinished:
-            if done >= total:
-                break
-            if not ready:
-                raise RuntimeError("simulation stalled: requests remain but none can arrive")
-            now = max(now, ready[0][0])
-            continue
-        if tiers is not None:
-            tiers.clock.now = now
-        spec.propose(sched)
-        out = sched.schedule()
-        work, load_s = step_work(sched, out, hits, tier_tokens, tiers, lost)
-        if not work and not load_s and not out.rejected:  # every waiting request waits for its tier load
-            now = _next_event(sched, ready, now, concurrency is None or in_flight < concurrency)
-            continue
-        now += cost.step_time(work, load_s) if work else load_s
-        steps += 1
-        peak_running = max(peak_running, len(sched.running))
-        sampled = {}
-        emitting: list[tuple[ScheduledSequence, int, bool]] = []  # (sequence, output tokens before, a decode step)
-        stores: list[tuple[str, ScheduledSequence, int, int]] = []
-        for sid, n in out.num_scheduled_tokens.items():
-            seq = sched.requests[sid].seq
-            if tiers is not None:
-                c = seq.num_computed_tokens
-                # Blocks that accepted drafts filled are registered at the sequence's next step: offer
-                # them then (the write-through starts where the previous step's offer ended).
-                begin = min(c, stored_to.get(sid, c)) if spec.k else c
-                stores.append((sid, seq, begin, c + n - begin))
-                if spec.k:
-                    stored_to[sid] = c + n
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                sampled[sid] = spec.sample(sid, out.draft_tokens.get(sid))
-                emitting.append((seq, seq.num_output_tokens, sid in first_token))
-                if sid in first_token:
-                    itl.append(now - last_token[sid])
-                else:
-                    first_token[sid] = now
-                last_token[sid] = now
-        if stores:  # write-through of what the step computed
-            # After the step is reported computed (a recurrent state enters the cache only then), but a
-            # sequence this step finishes is freed by ``update``: its blocks are stored before.
-            later = []
-            for sid, seq, start, n in stores:
-                scheduled = sched.requests[sid]
-                emits = len(sampled[sid]) if sid in sampled else 0  # may finish it
-                if emits and (seq.num_output_tokens + emits >= scheduled.max_new_tokens
-                              or seq.num_tokens + emits >= mgr.max_model_len):
-                    tiers.store(seq, start, n)  # type: ignore[union-attr]
-                else:
-                    later.append((seq, start, n))
-        finished = sched.update(out, sampled)
-        for seq, before, decode in emitting:
-            emitted = seq.num_output_tokens - before
-            output_tokens += emitted
-            if decode:
-                spec.count(emitted)
-        if stores:
-            for seq, start, n in later:
-                tiers.store(seq, start, n)  # type: ignore[union-attr]
-            stores.clear()
-        ended = [r.seq_id for r in finished] + [sid for sid, _ in out.rejected]
-        rejected += len(out.rejected)
-        for sid in ended:
-            finish[sid] = now
-            stored_to.pop(sid, None)
-            done += 1
-            in_flight -= 1
-            nxt = blocked_by.get(sid)
-            if nxt is not None:
-                when = release_time(by_id[nxt], now, workload.think_time_s)
-                heapq.heappush(ready, (when, order[nxt], nxt))
-        if progress and ended:
-            progress(done, total)
-        if steps % sample_every == 0:
-            timeline.append((now, mgr.usage, mgr.stats.hit_rate))
-    timeline.append((now, mgr.usage, mgr.stats.hit_rate))
-    ttfts = sorted(first_token[sid] - arrival[sid] for sid in first_token)
+    records = RequestRecords()
+    engine = SimEngine(cfg, mgr, calibrated_cost_model(cfg), records, tiers=tiers, sample_every=sample_every)
+    _run(engine, ArrivalQueue(workload), progress)
+    engine.sample()
     per_request: dict[str, dict[str, float]] = {}
     for r in requests:
         rid = r.request_id
-        if rid in arrival:
-            per_request[rid] = {"hit_tokens": hits.get(rid, 0), "tier_tokens": tier_tokens.get(rid, 0),
-                                "lost_hit_tokens": lost.get(rid, 0),
-                                "arrival_s": arrival[rid],
-                                "ttft_s": first_token[rid] - arrival[rid] if rid in first_token else math.nan,
-                                "latency_s": finish[rid] - arrival[rid], "finish_s": finish[rid]}
-    itl_sorted = sorted(itl)
-    st = mgr.stats
+        if rid in records.arrival:
+            per_request[rid] = {"hit_tokens": records.hits.get(rid, 0), "tier_tokens": records.tier_tokens.get(rid, 0),
+                                "lost_hit_tokens": records.lost.get(rid, 0), **records.timing(rid)}
+    return SimResult(cfg, workload.name, _summary(workload, cfg, engine, plan), engine.timeline, records.ttfts(),
+                     per_request)
+
+
+def _run(engine: SimEngine, queue: ArrivalQueue, progress: Callable[[int, int], None] | None) -> None:
+    """Step ``engine`` until every request of ``queue`` ended; the requests due are added before each step."""
+    records = engine.records
+    while queue.done < queue.total:
+        now = engine.now
+        while queue.may_arrive() and queue.next_time() <= now:
+            req, records.arrival[req.request_id] = queue.pop(now)
+            if engine.add(make_sequence(req), req.max_new_tokens, now):
+                queue.in_flight += 1
+            else:
+                queue.ended(req.request_id, now, started=False)
+        if not engine.sched.has_unfinished:
+            if queue.done >= queue.total:
+                break
+            if not queue.ready:
+                raise RuntimeError("simulation stalled: requests remain but none can arrive")
+            engine.now = max(now, queue.next_time())
+            continue
+        ended = engine.step()
+        if ended is None:  # every waiting request waits for its tier load
+            engine.now = _next_event(engine, queue)
+            continue
+        for sid in ended:
+            queue.ended(sid, engine.now)
+        if progress and ended:
+            progress(queue.done, queue.total)
+
+
+def _next_event(engine: SimEngine, queue: ArrivalQueue) -> float:
+    """When something can happen after a step that scheduled nothing: a tier load finishes, or a
+    request arrives."""
+    times = [t for t in (engine.next_load(),) if t is not None]
+    if queue.may_arrive() and queue.next_time() > engine.now:
+        times.append(queue.next_time())
+    if not times:
+        raise RuntimeError("simulation stalled: waiting requests can neither load nor be admitted")
+    return min(times)
+
+
+def tier_keys(cfg: SimConfig, tiers: list[SimTiers], load_s: float, stored_bytes: int, hit: int, external: int,
+              queried: int) -> dict[str, Any]:
+    """The summary's tier keys (``tiers`` to ``tier_lookup_probes``) of engines with ``tiers``."""
+    return {
+        "tiers": [t.label for t in cfg.tiers],
+        "tier_hit_tokens": external,
+        "tier_hit_rate": external / queried if queried else 0.0,
+        "total_hit_rate": (hit + external) / queried if queried else 0.0,
+        "tier_load_s": load_s,
+        "tier_loads": cfg.tier_loads if tiers else None,
+        "tier_storage": tiers[0].connector.storage.name if tiers else None,
+        "tier_stored_bytes": stored_bytes,
+        "tier_lookup_probes": sum(t.connector.stats.probes for t in tiers),
+    }
+
+
+def _summary(workload: Workload, cfg: SimConfig, engine: SimEngine, plan: dict[str, Any]) -> dict[str, Any]:
+    """``SimResult.summary`` of a single-engine run."""
+    mgr, sched, records, cost, tiers = engine.mgr, engine.sched, engine.records, engine.cost, engine.tiers
+    now, st, timeline = engine.now, mgr.stats, engine.timeline
+    output_tokens = records.output_tokens
     summary: dict[str, Any] = {
-        "workload": workload.name,
-        "model": cfg.model,
-        "gpu": cfg.gpu,
-        "retention": mgr.retention.name,
-        "admission": cfg.admission,
-        "requests": total,
-        "finished": sched.stats.finished,
-        "rejected": rejected,
-        "preemptions": sched.stats.preemptions,
-        "steps": steps,
-        "duration_s": now,
-        "output_tokens": output_tokens,
+        "workload": workload.name, "model": cfg.model, "gpu": cfg.gpu, "retention": mgr.retention.name,
+        "admission": cfg.admission, "requests": len(workload.requests), "finished": sched.stats.finished,
+        "rejected": records.rejected, "preemptions": sched.stats.preemptions, "steps": engine.steps,
+        "duration_s": now, "output_tokens": output_tokens,
         "throughput_tokens_per_s": output_tokens / now if now else 0.0,
         "throughput_requests_per_s": sched.stats.finished / now if now else 0.0,
-        "prefix_hit_rate": st.hit_rate,
-        "hit_tokens": st.hit_tokens,
-        "queried_tokens": st.queried_tokens,
+        "prefix_hit_rate": st.hit_rate, "hit_tokens": st.hit_tokens, "queried_tokens": st.queried_tokens,
         "lost_hit_tokens": dict(st.lost_hit_tokens),
-        "ttft_p50_s": _percentile(ttfts, 0.5),
-        "ttft_p90_s": _percentile(ttfts, 0.9),
-        "ttft_p99_s": _percentile(ttfts, 0.99),
-        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
-        "itl_p50_s": _percentile(itl_sorted, 0.5),
-        "itl_p90_s": _percentile(itl_sorted, 0.9),
-        "itl_p99_s": _percentile(itl_sorted, 0.99),
+        **records.latency_summary(),
         "kv_capacity_tokens": plan["kv_capacity_tokens"] if cfg.kv_cache_tokens is None else None,
-        "efficiency": asdict(cost.efficiency),
-        "cost_model": cost.efficiency_source,
+        "efficiency": asdict(cost.efficiency), "cost_model": cost.efficiency_source,
         "lm_head": "per_sample" if cost.lm_head_params else "per_token",
-        "num_blocks": mgr.layout.num_blocks,
-        "max_concurrency": plan["max_concurrency"],
-        "peak_running": peak_running,
+        "num_blocks": mgr.layout.num_blocks, "max_concurrency": plan["max_concurrency"],
+        "peak_running": engine.peak_running,
         "kv_usage_mean": sum(u for _, u, _ in timeline) / len(timeline),
         "kv_usage_max": max(u for _, u, _ in timeline),
-        "tiers": [t.label for t in cfg.tiers],
-        "tier_hit_tokens": st.external_tokens,
-        "tier_hit_rate": st.external_tokens / st.queried_tokens if st.queried_tokens else 0.0,
-        "total_hit_rate": (st.hit_tokens + st.external_tokens) / st.queried_tokens if st.queried_tokens else 0.0,
-        "tier_load_s": sum(tiers.load_s) if tiers is not None else 0.0,
-        "tier_loads": cfg.tier_loads if tiers is not None else None,
-        "tier_storage": tiers.connector.storage.name if tiers is not None else None,
-        "tier_stored_bytes": sum(t.stats.bytes_written for t in tiers.tiers) if tiers is not None else 0,
-        "tier_lookup_probes": tiers.connector.stats.probes if tiers is not None else 0,
-        "rejected_too_long": too_long,
+        **tier_keys(cfg, [tiers] if tiers is not None else [], sum(tiers.load_s) if tiers is not None else 0.0,
+                    sum(t.stats.bytes_written for t in tiers.tiers) if tiers is not None else 0,
+                    st.hit_tokens, st.external_tokens, st.queried_tokens),
+        "rejected_too_long": records.too_long,
         "tier_stats": tiers.summary() if tiers is not None else {},
-        "spec_decode": spec.summary(),
+        "spec_decode": engine.spec.summary(),
     }
     if cfg.kv_cache_tokens is not None:
-        rep = capacity_report(mgr.layout, max_model_len=mgr.max_model_len, max_num_batched_tokens=batch)
+        rep = capacity_report(mgr.layout, max_model_len=mgr.max_model_len,
+                              max_num_batched_tokens=mgr.max_num_batched_tokens)
         summary["kv_capacity_tokens"] = rep.token_capacity
         summary["max_concurrency"] = rep.max_concurrency
-    return SimResult(cfg, workload.name, summary, timeline, ttfts, per_request)
+    return summary

@@ -1,40 +1,6 @@
 """Trace files: a workload as JSON Lines, one request per line (gzip-compressed when the path ends with ``.gz``).
 
-The first line may be a header that says how to drive the workload; every other line is one request::
-
-    {"hybridkv_trace": 1, "name": "example", "concurrency": null, "think_time_s": 0.0}
-    {"request_id": "r0", "timestamp": 0.08, "segments": [["prefix-3", 28000], ["suffix-r0", 256]], "output_len": 128}
-    {"request_id": "r1", "timestamp": 0.5, "prompt_token_ids": [101, 2009, 2003, 1037], "output_len": 16}
-    {"request_id": "r2", "timestamp": 0.75, "prompt_len": 2048, "prefix_group": 7, "prefix_len": 1536, "output_len": 64}
-    {"request_id": "r3", "timestamp": 2.0, "prompt_len": 900, "max_new_tokens": 200, "cache_salt": "tenant-a"}
-    {"request_id": "c0-t1", "timestamp": 2.5, "prompt_len": 90, "output_len": 20, "conversation_id": "c0", "turn": 1}
-
-Header keys (all optional but ``hybridkv_trace``, the format version, 1):
-
-- ``concurrency``: ``null`` for an open loop; an integer for a closed loop that keeps that many requests in flight
-  (then every ``timestamp`` must be 0).
-- ``name``: the workload's name (default: the file name without ``.jsonl``/``.gz``).
-- ``think_time_s``: pause between a turn's finish and the next turn of the same conversation (default 0).
-
-Request keys:
-
-- ``request_id`` (string, unique in the file) and ``timestamp`` (arrival, seconds from the start, >= 0).
-- The prompt, one of:
-
-  - ``prompt_token_ids``: explicit token ids (the request's content is private to it);
-  - ``segments``: runs ``[content key, num tokens]``; runs with the same key hold the same tokens in every request
-    (``prompt_len``, if also given, must equal their sum);
-  - ``prompt_len`` with ``prefix_group`` and ``prefix_len``: group ``g``'s shared prefix (key ``prefix-g``) of
-    ``prefix_len`` tokens, then a unique rest;
-  - ``prompt_len`` alone: a unique prompt.
-
-- ``max_new_tokens`` (alias ``output_len``): the number of tokens to generate, >= 1.
-- Optional: ``prefix_group`` (integer >= 0), ``conversation_id`` (string), ``turn`` (integer >= 0, default 0),
-  ``cache_salt`` (string).
-
-Lines may come in any time order (requests are sorted by ``timestamp``, stably); blank lines are skipped; unknown
-keys are errors. :func:`write_trace` writes the header, then ``segments`` (or ``prompt_token_ids``) for every
-request, so :func:`read_trace` gives back exactly the workload that was written.
+What it models, in full: ``docs/SIMULATOR.md``, "Trace files".
 """
 
 from __future__ import annotations
@@ -208,7 +174,7 @@ def _parse_segments(line: _Line) -> tuple[tuple[str, int], ...]:
 
 
 def _parse_prompt(line: _Line, rid: str) -> tuple[tuple[tuple[str, int], ...], tuple[int, ...] | None]:
-    """The prompt of a request line as (segments, token_ids or None), by the rules in the module docstring."""
+    """The prompt of a request line as (segments, token_ids or None), by the rules of ``docs/SIMULATOR.md``."""
     prompt_len = line.opt_int("prompt_len", 1)
     prefix_group = line.opt_int("prefix_group", 0)
     if line.has("prompt_token_ids"):

@@ -1,22 +1,6 @@
 """Synthetic workloads for the simulator: requests as runs of content, arrival processes, length distributions.
 
-A :class:`SimRequest` describes its prompt as *runs of content* ``(key, num_tokens)`` instead of token ids:
-runs with the same key hold the same tokens in every request, so a shared prefix is one key and a unique
-suffix a key of its own. Token ids are derived on demand (:meth:`SimRequest.prompt_token_ids`), which keeps
-generating 10,000 requests with 28k-token prefixes cheap.
-
-Generators (:func:`shared_prefix`, :func:`multi_turn_chat`, :func:`chat_lengths`) are deterministic in their
-``seed`` and return a :class:`Workload` whose requests are sorted by arrival time. Each aspect (prefix choice,
-lengths, arrivals) draws from its own random stream, so changing the arrival process leaves the prompts alone.
-
-Arrival processes are small objects (:class:`Poisson`, :class:`Bursty`, :class:`ClosedLoop`) behind one
-interface, :class:`Arrivals`. A closed loop sets ``Workload.concurrency``; the simulator then ignores arrival
-times (all 0.0) and keeps that many requests in flight.
-
-Multi-turn conversations: turn ``t``'s prompt is turn ``t-1``'s prompt, then turn ``t-1``'s output
-(content key :func:`output_key` of its request id, ``max_new_tokens`` tokens), then a new user message. A
-simulator must therefore generate exactly ``max_new_tokens`` tokens per request, and must not start turn ``t``
-before turn ``t-1`` has finished: :func:`release_time` gives the rule.
+What it models, in full: ``docs/SIMULATOR.md``, "Workloads".
 """
 
 from __future__ import annotations
