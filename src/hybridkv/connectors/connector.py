@@ -1,28 +1,9 @@
 """The connector: which tokens the external tiers can supply, loading them, storing blocks.
 
-The engine-facing flow for a new sequence (two-phase adoption: local hits, then external tokens)::
-
-    hit = mgr.lookup(seq)
-    load = conn.start_load(seq, hit.num_tokens)                        # lookup + verified reads
-    ...                                                                # others run until load.done()
-    got = load.result()                                                # a prefix; faults are misses
-    mgr.allocate(seq, n, hit=hit, num_external_tokens=got.num_tokens)
-    conn.write(got, mgr.block_table(seq.seq_id), write_block)          # cannot fail
-    seq.num_computed_tokens = hit.num_tokens + got.num_tokens
-
-``start_load`` runs in the caller's thread unless the connector was built with ``BackgroundLoads``
-(``connectors.loads``): then the lookup and the reads run on a worker thread, and a load that fails
-or outlasts the timeout is a miss. ``num_external_tokens`` + ``fetch`` are the same two halves,
-synchronous. Fetching before ``allocate`` means a tier fault only shortens what is allocated as
-external: ``allocate`` registers the external blocks in the prefix cache at once, so a block
-allocated but never filled would serve garbage. ``load`` (fetch + write after ``allocate``) is for
-callers that must allocate first; they must recompute every token past the prefix it returns.
-
-Which blocks a group needs for a hit at token ``P`` is the manager's own rule (``hit_span``): all
-for full attention, the window for a sliding window, the current chunk for chunked-local attention,
-the last state for Mamba. What is stored is a ``StoragePolicy`` (``connectors.storage``): by default
-every block, those a hit cannot use at low priority (a tier evicts them first), so under pressure
-each group keeps only what a hit can use. How a lookup probes the tiers: ``connectors.lookup``.
+``KVConnector`` looks up (``connectors.lookup``), reads and verifies (its codec, ``connectors.codec``),
+loads (``connectors.loads``) and stores (``KVTier.offer``) what its storage policy chooses
+(``connectors.storage``), for real and simulated tiers alike; tier faults are counted misses.
+The flow, stores and reads: docs/TIERS.md, "How the tiers work".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``SimTier`` implements the connectors' ``KVTier`` interface for the simulator (``sim.tiers``):
 low-priority entries are evicted first, then normal ones, least recently used first within each;
-a read answers with one byte naming the tier. Its bulk write (``offer``) puts a store's keys in as
+a read answers with one byte naming the tier. Its bulk ``KVTier.offer`` puts a store's keys in as
 few dict operations as leave the tier exactly as puts one by one would (a hypothesis test in
 tests/test_sim_tiers.py compares the two).
 """
@@ -32,7 +32,7 @@ class SimTier(KVTier):
     first, then normal ones, least recently used first within each (``KVTier.priorities``).
 
     ``get_many`` answers a held key with a 1-byte value, the tier's ``index``: the caller learns which
-    tier served the block (``SimConnector`` takes it as the payload; there is no frame to check).
+    tier served the block (``SimConnector``'s ``PlaceholderCodec`` serves it as the payload, unchecked).
     """
 
     priorities = True

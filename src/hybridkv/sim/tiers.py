@@ -1,50 +1,9 @@
 """External KV tiers in the simulator: capacity, bandwidth and latency, through the real connector.
 
-A simulated tier (``SimTier``) implements the connectors' ``KVTier`` interface but keeps only
-keys and the *nominal* size of each block (the bytes the block of that group really has for the
-simulated model), never the payload: a Gemma 3 27B block of 16 tokens and 10 layers is 1.25 MiB.
-Everything else is the real path: the scheduler asks the real ``KVConnector`` at admission to
-start a load (``start_load``: the probed lookup under the manager's hit rules, then the reads,
-lower-tier hits promoted to the tiers above); after each step the simulator stores what the step
-computed through the connector's storage policy (``KVConnector.offered``, write-through to every
-tier, as the engine does). A tier answers a read with a 1-byte value naming itself, so the
-simulator knows which tier served each loaded block (there are no frames to check: a simulated
-tier cannot corrupt anything).
-
-**Spec** (``--tier``, repeatable; tiers are queried in the order given)::
-
-    KIND:SIZE[@BANDWIDTH][@LATENCY]      e.g. host:64GiB   disk:1TiB@7GB/s   net:512GiB@3GB/s@1ms
-
-``KIND`` is ``host`` (CPU memory), ``disk`` (local NVMe) or ``net`` (a network KV store;
-``redis`` and ``network`` are aliases). ``SIZE`` as in ``--kv-cache-memory`` (``64GiB``,
-``1TiB``, ``500GB``); ``BANDWIDTH`` a size per second (``25GB/s``, ``800MiB/s``); ``LATENCY``
-a time (``1ms``, ``100us``, ``0.002s``). Defaults (``DEFAULT_BANDWIDTH``, ``DEFAULT_LATENCY_S``):
-host 25 GB/s (PCIe 5 x16 host-to-device, about what one GPU gets), 0 latency; disk 5 GB/s (one
-PCIe 4 NVMe drive's sequential read), 100 us; net 3 GB/s (a 25 GbE link), 1 ms. With
-``--compare tier=none,host:64GiB,host:64GiB+disk:1TiB`` a variant lists its tiers joined by ``+``.
-
-**Model.**
-
-* Capacity and bandwidth are per GPU (one tensor-parallel rank's shard of the KV), like the cost
-  model's ``tier_bandwidth``. A block of group ``g`` takes ``layers(g) * real page bytes`` of its
-  tier; a tier evicts its least recently used (stored, read or touched) entries to stay within
-  capacity, and skips a block larger than its whole capacity.
-* Loads (``SimConfig.tier_loads``): every block a load reads costs its bytes at the bandwidth of
-  the tier that served it, plus that tier's latency once per load. ``async`` (the default, as the
-  engine's ``BackgroundLoads``): the request waits that long in the queue while the others run,
-  then is admitted with the loaded tokens; a load longer than ``tier_load_timeout_s`` is a miss.
-  ``blocking``: the load's time is added to the step that admits the request (the cost model's
-  ``extra_load_s``). The loaded tokens are not computed.
-* Stores: write-through of what each step computed, to every tier, assumed to overlap with compute
-  (no time is charged); they take capacity and evict. What is written is the storage policy's
-  choice (``connectors.storage``): ``StoreSpansSpill`` (default) every block, those outside the hit
-  spans at low priority (evicted first; a low entry never evicts a normal one; one that serves a
-  read becomes normal), ``StoreHitSpans`` growing layers for every block and the other groups'
-  blocks only around checkpoints, ``StoreAll`` every layer of every block at normal priority.
-  The call that completes a prompt touches its chain head last, so a prompt's tail is evicted
-  before the prefix it shares.
-* Tier reads for an admission that did not fit yet count in the tier's hit counters
-  (``tier_stats``), not in the load time (charged once, at admission).
+``TierSpec`` parses ``--tier KIND:SIZE[@BANDWIDTH][@LATENCY]``; ``SimTiers`` builds one run's
+``SimTier``s behind a ``SimConnector`` (the real ``KVConnector`` with placeholder values, raw-hash
+keys and simulated load times) and accounts the loads. The tier model: docs/SIMULATOR.md, "The
+tier model".
 """
 
 from __future__ import annotations
@@ -131,7 +90,8 @@ class TierSpec:
 
     @classmethod
     def parse(cls, text: str) -> TierSpec:
-        """``KIND:SIZE[@BANDWIDTH][@LATENCY]`` (module docstring); ``InvalidInputError`` with the reason."""
+        """``KIND:SIZE[@BANDWIDTH][@LATENCY]`` (docs/SIMULATOR.md, "The tier model"); ``InvalidInputError``
+        with the reason."""
         spec = text.strip()
         head, *extras = spec.split("@")
         kind, sep, size = head.partition(":")
