@@ -40,12 +40,12 @@ class Guard(Protocol):
 class BlockOffer:
     """Blocks a store offers at one priority, in order: what ``KVTier.offer`` takes.
 
-    ``value(i)`` is what to store under ``keys[i]`` (the codec's encoding of the payload of block
-    ``blocks[i]`` of group ``groups[i]``), built on first use and shared by the tiers."""
+    ``runs``: ``(group, count)`` pairs, the keys' groups in order (``count`` keys of ``group``, then
+    the next run). ``value(i)`` is what to store under ``keys[i]`` (the codec's encoding of the
+    block's payload), built on first use and shared by the tiers."""
 
     keys: list[bytes]
-    groups: list[int]
-    blocks: list[int]
+    runs: list[tuple[int, int]]
     low: bool
     value: Callable[[int], bytes]
 

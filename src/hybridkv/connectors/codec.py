@@ -83,4 +83,4 @@ class PlaceholderCodec(BlockCodec):
         return value
 
     def decode_many(self, keys: Sequence[bytes], values: Sequence[bytes | None]) -> Decoded:
-        return list(values), []
+        return values if isinstance(values, list) else list(values), []

@@ -36,7 +36,7 @@ WriteBlock = Callable[[int, int, bytes], None]
 ReadBlock = Callable[[int, int], bytes]
 _T = TypeVar("_T")
 _A = TypeVar("_A")
-_block_of, _hash_of = itemgetter(1), itemgetter(2)
+_hash_of = itemgetter(2)
 
 
 @dataclass(frozen=True)
@@ -472,30 +472,42 @@ class KVConnector:
         codec holds no payload, else one per ``batch_blocks`` blocks (their values built on demand
         and dropped with the offer, so a store never holds more than a batch of values)."""
         keys: list[bytes] = []
-        groups: list[int] = []
-        blocks: list[int] = []
+        flat: list[Offer] = []
+        runs: list[tuple[int, int]] = []
         for g, offers in chosen.items():
-            keys += self.keys_of(g, map(_hash_of, offers))
-            groups += repeat(g, len(offers))
-            blocks += map(_block_of, offers)
+            if offers:
+                keys += self.keys_of(g, map(_hash_of, offers))
+                flat += offers
+                runs.append((g, len(offers)))
         if self.events is not None:
             self.events.note(seq, keys)
         if not keys:
             return
-        step = self.batch_blocks if self.codec.holds_payloads else len(keys)
-        encode = self.codec.encode
+        if not self.codec.holds_payloads:
+            yield BlockOffer(keys, runs, low, self._values(keys, runs, flat, read_block))
+            return
+        step = self.batch_blocks
         for lo in range(0, len(keys), step):
-            part, part_groups, part_blocks = keys[lo : lo + step], groups[lo : lo + step], blocks[lo : lo + step]
-            values: dict[int, bytes] = {}
+            part, part_runs = keys[lo : lo + step], _cut_runs(runs, lo, lo + step)
+            yield BlockOffer(part, part_runs, low, self._values(part, part_runs, flat[lo : lo + step], read_block))
 
-            def value(i: int, part: list[bytes] = part, part_groups: list[int] = part_groups,
-                      part_blocks: list[int] = part_blocks, values: dict[int, bytes] = values) -> bytes:
-                got = values.get(i)
-                if got is None:
-                    got = values[i] = encode(part[i], read_block(part_groups[i], part_blocks[i]))
-                return got
+    def _values(self, keys: list[bytes], runs: list[tuple[int, int]], offers: list[Offer], read_block: ReadBlock
+                ) -> Callable[[int], bytes]:
+        """``BlockOffer.value`` for these keys (of ``offers``, in ``runs``): encoded on first use, kept."""
+        values: dict[int, bytes] = {}
+        encode = self.codec.encode
+        groups: list[int] = []  # each key's, listed on first use
 
-            yield BlockOffer(part, part_groups, part_blocks, low, value)
+        def value(i: int) -> bytes:
+            got = values.get(i)
+            if got is None:
+                if not groups:
+                    for g, n in runs:
+                        groups.extend(repeat(g, n))
+                got = values[i] = encode(keys[i], read_block(groups[i], offers[i][1]))
+            return got
+
+        return value
 
     def chosen_in_order(self, seq: Sequence, num_tokens: int, start_token: int, targets: SequenceABC[KVTier]
                         ) -> Iterator[tuple[bool, dict[int, list[Offer]]]]:
@@ -559,6 +571,18 @@ class KVConnector:
         """Stop the background loads' worker (if any); the tiers stay open."""
         if self.loads is not None:
             self.loads.close()
+
+
+def _cut_runs(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The ``(group, count)`` runs of the keys ``[lo, hi)`` of keys in ``runs``."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for g, n in runs:
+        a, b = max(lo, start), min(hi, start + n)
+        if a < b:
+            out.append((g, b - a))
+        start += n
+    return out
 
 
 def _payload_sizes(layout: KVCacheLayout, given: Mapping[int, int] | None) -> dict[int, int]:

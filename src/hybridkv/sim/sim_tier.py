@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from itertools import filterfalse
+from itertools import filterfalse, repeat
 from typing import TYPE_CHECKING
 
 from hybridkv.connectors.base import BlockOffer, Guard, KVTier
@@ -110,7 +110,9 @@ class SimTier(KVTier):
     def offer(self, offer: BlockOffer, batch: int, guard: Guard) -> tuple[list[bytes], int]:
         """``KVTier.offer`` in one call, by the keys' nominal sizes (the values are placeholders, never
         built; this tier never raises, so ``guard`` is not needed): ``offer_keys``."""
-        sizes = list(map(self._group_bytes.__getitem__, offer.groups))
+        sizes: list[int] = []
+        for group, count in offer.runs:
+            sizes += repeat(self._group_bytes[group], count)
         return self.offer_keys(offer.keys, sizes, offer.low, batch), 0
 
     def offer_keys(self, keys: Sequence[bytes], sizes: Sequence[int], low: bool, batch: int) -> list[bytes]:
