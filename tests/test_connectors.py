@@ -18,6 +18,7 @@ from hybridkv.connectors import (
     encode_frame,
     tier_key,
 )
+from hybridkv.connectors.codec import FrameCodec, PlaceholderCodec
 from hybridkv.connectors.frame import FrameError
 from hybridkv.connectors.storage import StoreAll
 from hybridkv.errors import InvalidInputError
@@ -368,6 +369,38 @@ def test_store_skips_blocks_a_tier_already_holds() -> None:
     stored = conn.stats.stored_blocks
     produce(conn, TOKENS, seq_id="again")
     assert conn.stats.stored_blocks == stored
+
+
+def test_the_codec_builds_each_value_once_for_every_tier_and_only_for_blocks_a_tier_lacks(tmp_path: Path) -> None:
+    class Counting(FrameCodec):
+        encoded = 0
+
+        def encode(self, key: bytes, payload: bytes) -> bytes:
+            self.encoded += 1
+            return super().encode(key, payload)
+
+    host, disk = HostTier(1 << 20), DiskTier(tmp_path, 1 << 20)
+    conn = connector([host, disk], batch_blocks=2)
+    codec = conn.codec = Counting(conn.auth_key, conn.payload_bytes)
+    produce(conn, TOKENS)
+    assert codec.encoded == conn.stats.stored_blocks == len(host) == len(disk) > 0  # both tiers, one frame each
+    assert conn.stats.bytes_stored == 2 * host.used_bytes  # the same frames in both tiers
+    produce(conn, TOKENS, seq_id="again")
+    assert codec.encoded == conn.stats.stored_blocks  # nothing lacking, nothing encoded
+    consumer = connector([host, disk])
+    assert admit(consumer, Sequence("c", TOKENS), {}) == (0, 96)
+
+
+def test_placeholder_values_go_through_the_same_store_and_read() -> None:
+    host = HostTier(1 << 20)
+    conn = connector([host], codec=PlaceholderCodec())
+    produce(conn, TOKENS)
+    assert conn.stats.stored_blocks == len(host) > 0 and conn.stats.bytes_stored == 0
+    reader = connector([host], codec=PlaceholderCodec())
+    seq = Sequence("c", TOKENS)
+    got = reader.fetch(seq, 0, reader.num_external_tokens(seq, 0))
+    assert got.num_tokens == 96 and set(got.payloads.values()) == {b""}  # served unchecked
+    assert reader.stats.faults == dict.fromkeys(reader.stats.faults, 0)
 
 
 # ---------------------------------------------------------------------- end to end

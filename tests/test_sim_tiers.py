@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import json
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import pytest
@@ -13,14 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.cli import main
-from hybridkv.connectors import KVConnector
+from hybridkv.connectors import KVConnector, KVTier
+from hybridkv.connectors.codec import BlockCodec, PlaceholderCodec
 from hybridkv.errors import InvalidInputError
-from hybridkv.sim import simulator
 from hybridkv.sim.cli import variants
 from hybridkv.sim.cost_model import CostModel, SeqWork
 from hybridkv.sim.sim_tier import SimTier
 from hybridkv.sim.simulator import SimConfig, build_manager, simulate
-from hybridkv.sim.tiers import SimConnector, SimTiers, TierSpec, group_block_bytes, parse_tiers
+from hybridkv.sim.tiers import SimConnector, TierSpec, group_block_bytes, parse_tiers
 from hybridkv.sim.workloads import ClosedLoop, Workload, shared_prefix
 
 # Gemma 3 1B (sliding window 512 + full attention) with a 30k-token pool; 10 prefixes of 4,000
@@ -143,19 +142,20 @@ def test_a_lower_tier_serves_what_the_upper_one_evicted(workload: Workload) -> N
     assert two["tier_hit_rate"] > only_small_host["tier_hit_rate"]
 
 
-def test_sim_connector_stores_exactly_as_the_framed_connector(workload: Workload,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sim_tiers_take_offers_exactly_as_any_tier(workload: Workload, monkeypatch: pytest.MonkeyPatch) -> None:
+    # SimTier.offer's bulk path against KVTier.offer's steps (exists_many, put_many, prioritize_many)
+    # with values built through the codec, as a real tier takes them.
     fast = run(workload, "host:256MiB+disk:64GiB")
-    monkeypatch.setattr(simulator, "SimTiers", partial(SimTiers, framed_store=True))
-    framed = run(workload, "host:256MiB+disk:64GiB")
-    assert framed == fast
+    monkeypatch.setattr(SimTier, "offer", KVTier.offer)
+    steps = run(workload, "host:256MiB+disk:64GiB")
+    assert steps == fast
 
 
 def test_sim_connector_reads_and_writes_exactly_as_the_connector(workload: Workload,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # Two tiers: reads that fall through to the disk promote into the host tier.
     lean = run(workload, "host:256MiB+disk:64GiB")
-    monkeypatch.setattr(SimConnector, "_get", KVConnector._get)
+    monkeypatch.setattr(PlaceholderCodec, "decode_many", BlockCodec.decode_many)  # decode() key by key
     monkeypatch.setattr(SimConnector, "write", KVConnector.write)
     checked = run(workload, "host:256MiB+disk:64GiB")
     assert checked == lean and lean["tier_stats"]["1:disk"]["loaded_blocks"] > 0
@@ -301,7 +301,7 @@ def test_bulk_offers_leave_the_tier_as_puts_one_by_one(capacity: int, batch: int
                 steps.delete(key)
         elif op == "offer":
             block_sizes = [sizes[int(k.split(b"/")[2])] for k in keys]
-            assert bulk.offer(keys, block_sizes, low, batch) == _by_steps(steps, keys, low, batch)
+            assert bulk.offer_keys(keys, block_sizes, low, batch) == _by_steps(steps, keys, low, batch)
         elif op == "get":
             assert bulk.get_many(keys) == steps.get_many(keys)
         else:
@@ -328,9 +328,9 @@ def test_a_low_batch_larger_than_its_room_keeps_its_longest_suffix_that_fits() -
     bulk, steps = SimTier(spec, 0, sizes), SimTier(spec, 0, sizes)
     normal = [b"hkv1/ns/2/n1", b"hkv1/ns/2/n2"]
     batch = [b"hkv1/ns/2/a", b"hkv1/ns/0/b", b"hkv1/ns/1/c"]
-    bulk.offer(normal, [1, 1], False, 64)
+    bulk.offer_keys(normal, [1, 1], False, 64)
     _by_steps(steps, normal, False, 64)
-    bulk.offer(batch, [1, 5, 5], True, 64)
+    bulk.offer_keys(batch, [1, 5, 5], True, 64)
     _by_steps(steps, batch, True, 64)
     assert list(bulk._low) == batch[1:] and bulk.used_bytes == 12 and bulk.stats.low_evictions == 1
     assert _state(bulk) == _state(steps)

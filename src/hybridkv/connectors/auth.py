@@ -1,18 +1,9 @@
 """The secret that authenticates tier frames: given, from the environment, or from a key file.
 
-A tier shared between instances (Redis, a shared directory) can be written by anyone who reaches
-it. Frames are therefore HMAC-sha256 signed with a secret the instances share; without it a
-writer could inject KV that another tenant's request then reads. Where the secret comes from,
-first match wins:
-
-1. the connector's ``auth_key`` argument (used for every connector that is given one);
-2. ``HYBRIDKV_TIER_KEY``: the secret itself (text, at least 16 characters);
-3. ``HYBRIDKV_TIER_KEY_FILE``: a file holding it (trailing whitespace ignored).
-
-The environment is read only by connectors with a shared tier: a connector over private tiers
-(host memory, a private directory) keeps plain sha256 digests unless given ``auth_key``. A
-connector with a shared tier and no secret refuses to start unless it is built with
-``allow_unauthenticated=True``.
+First match wins: the connector's ``auth_key``, ``HYBRIDKV_TIER_KEY`` (the secret), then
+``HYBRIDKV_TIER_KEY_FILE`` (a file holding it); the environment is read only for a shared tier, and a
+shared tier without a secret is refused unless ``allow_unauthenticated``. Specification:
+docs/TIERS.md, "The frame secret".
 """
 
 from __future__ import annotations

@@ -1,14 +1,53 @@
-"""The tier interface: a byte store keyed by tier keys, with faults raised as ``TierError``."""
+"""The tier interface: a byte store keyed by tier keys, with faults raised as ``TierError``.
+
+Also what a store offers a tier (``BlockOffer``, ``KVTier.offer``) and the fault guard the
+connector lends a tier operation (``Guard``): how tiers are used is in docs/TIERS.md.
+"""
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Literal, Protocol, TypeVar
 
 Change = tuple[bool, bytes]
 """``(entered, key)``: the tier began (True) or stopped (False) holding ``key``."""
+
+_T = TypeVar("_T")
+_A = TypeVar("_A")
+
+
+class Failed(enum.Enum):
+    """The answer of a ``Guard``ed call that raised (the fault is counted)."""
+
+    FAILED = 0
+
+
+FAILED = Failed.FAILED
+
+
+class Guard(Protocol):
+    """``guard(method, arg)``: ``method(arg)``, or ``FAILED`` once the fault it raised is counted."""
+
+    def __call__(self, method: Callable[[_A], _T], arg: _A, /) -> _T | Literal[Failed.FAILED]: ...
+
+
+@dataclass(slots=True)
+class BlockOffer:
+    """Blocks a store offers at one priority, in order: what ``KVTier.offer`` takes.
+
+    ``runs``: ``(group, count)`` pairs, the keys' groups in order (``count`` keys of ``group``, then
+    the next run). ``value(i)`` is what to store under ``keys[i]`` (the codec's encoding of the
+    block's payload), built on first use and shared by the tiers."""
+
+    keys: list[bytes]
+    runs: list[tuple[int, int]]
+    low: bool
+    value: Callable[[int], bytes]
 
 
 class TierError(Exception):
@@ -81,6 +120,27 @@ class KVTier(ABC):
     @abstractmethod
     def delete(self, key: bytes) -> None:
         """Forget ``key`` (no error if absent)."""
+
+    def offer(self, offer: BlockOffer, batch: int, guard: Guard) -> tuple[list[bytes], int]:
+        """Store what the tier lacks of ``offer``, ``batch`` keys at a time: ``exists_many``; the absent
+        keys' values (``offer.value``) in one ``put_many`` (``low``: at low priority); for a normal
+        offer, the present ones made normal (``prioritize_many``). Every call goes through ``guard``:
+        a fault skips that step of that batch. Returns the keys put and their values' bytes."""
+        put: list[bytes] = []
+        nbytes = 0
+        keys, low, value = offer.keys, offer.low, offer.value
+        for lo in range(0, len(keys), batch):
+            part = keys[lo : lo + batch]
+            present = guard(self.exists_many, part)
+            if present is FAILED:
+                continue
+            items = [(k, value(lo + j)) for j, (k, there) in enumerate(zip(part, present)) if not there]
+            if items and guard(partial(self.put_many, low=low), items) is not FAILED:
+                put += [k for k, _ in items]
+                nbytes += sum(len(v) for _, v in items)
+            if not low and self.priorities and len(items) < len(part):
+                guard(self.prioritize_many, [k for k, there in zip(part, present) if there])
+        return put, nbytes
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` recently used, the last one most recently (absent keys are skipped). A tier that

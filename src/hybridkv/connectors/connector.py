@@ -1,52 +1,27 @@
 """The connector: which tokens the external tiers can supply, loading them, storing blocks.
 
-The engine-facing flow for a new sequence (two-phase adoption: local hits, then external tokens)::
-
-    hit = mgr.lookup(seq)
-    load = conn.start_load(seq, hit.num_tokens)                        # lookup + verified reads
-    ...                                                                # others run until load.done()
-    got = load.result()                                                # a prefix; faults are misses
-    mgr.allocate(seq, n, hit=hit, num_external_tokens=got.num_tokens)
-    conn.write(got, mgr.block_table(seq.seq_id), write_block)          # cannot fail
-    seq.num_computed_tokens = hit.num_tokens + got.num_tokens
-
-``start_load`` runs in the caller's thread unless the connector was built with ``BackgroundLoads``
-(``connectors.loads``): then the lookup and the reads run on a worker thread, and a load that fails
-or outlasts the timeout is a miss. ``num_external_tokens`` + ``fetch`` are the same two halves,
-synchronous. Fetching before ``allocate`` means a tier fault only shortens what is allocated as
-external: ``allocate`` registers the external blocks in the prefix cache at once, so a block
-allocated but never filled would serve garbage. ``load`` (fetch + write after ``allocate``) is for
-callers that must allocate first; they must recompute every token past the prefix it returns.
-
-Which blocks a group needs for a hit at token ``P`` is the manager's own rule (``hit_span``): all
-for full attention, the window for a sliding window, the current chunk for chunked-local attention,
-the last state for Mamba. What is stored is a ``StoragePolicy`` (``connectors.storage``): by default
-every block, those a hit cannot use at low priority (a tier evicts them first), so under pressure
-each group keeps only what a hit can use. How a lookup probes the tiers: ``connectors.lookup``.
+``KVConnector`` looks up (``connectors.lookup``), reads and verifies (its codec, ``connectors.codec``),
+loads (``connectors.loads``) and stores (``KVTier.offer``) what its storage policy chooses
+(``connectors.storage``), for real and simulated tiers alike; tier faults are counted misses.
+The flow, stores and reads: docs/TIERS.md, "How the tiers work".
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from functools import partial
+from itertools import repeat
+from operator import itemgetter
 from typing import Literal, TypeVar
 
 from hybridkv.connectors.auth import resolve_auth_key
-from hybridkv.connectors.base import KVTier, TierTimeout
-from hybridkv.connectors.frame import (
-    FAULT_KINDS,
-    FaultKind,
-    FrameError,
-    decode_frame,
-    encode_frame,
-    namespace_id,
-)
+from hybridkv.connectors.base import FAILED, BlockOffer, Failed, KVTier, TierTimeout
+from hybridkv.connectors.codec import BlockCodec, FrameCodec
+from hybridkv.connectors.frame import FAULT_KINDS, FaultKind, namespace_id
 from hybridkv.connectors.loads import BackgroundLoads, DoneLoad, PendingLoad
 from hybridkv.connectors.lookup import by_position, positions, probe_hit
 from hybridkv.connectors.storage import JunctionMemory, Offer, StoragePolicy, StoreSpansSpill
@@ -61,13 +36,7 @@ WriteBlock = Callable[[int, int, bytes], None]
 ReadBlock = Callable[[int, int], bytes]
 _T = TypeVar("_T")
 _A = TypeVar("_A")
-
-
-class _Failed(enum.Enum):
-    FAILED = 0
-
-
-_FAILED = _Failed.FAILED
+_hash_of = itemgetter(2)
 
 
 @dataclass(frozen=True)
@@ -150,7 +119,7 @@ class KVConnector:
                  promote: bool = True, write_through: bool = True, auth_key: bytes | None = None,
                  allow_unauthenticated: bool = False, payload_bytes: Mapping[int, int] | None = None,
                  batch_blocks: int = 64, storage: StoragePolicy | None = None,
-                 loads: BackgroundLoads | None = None, fanout: int = 16) -> None:
+                 loads: BackgroundLoads | None = None, fanout: int = 16, codec: BlockCodec | None = None) -> None:
         if not tiers:
             raise InvalidInputError("a KVConnector needs at least one tier")
         if not namespace:
@@ -178,6 +147,7 @@ class KVConnector:
         self.auth_key = resolve_auth_key(auth_key, self.tiers, allow_unauthenticated=allow_unauthenticated)
         self.payload_bytes = _payload_sizes(manager.layout, payload_bytes)
         self._smallest_payload = min(self.payload_bytes.values())  # a frame is larger than its payload
+        self.codec = codec if codec is not None else FrameCodec(self.auth_key, self.payload_bytes)
         self.batch_blocks = batch_blocks
         self.storage = storage if storage is not None else StoreSpansSpill()
         self.loads = loads
@@ -281,7 +251,7 @@ class KVConnector:
             with self._lock:
                 self.stats.probes += 1
                 self.stats.probed_blocks += len(pending)
-            if answer is _FAILED:
+            if answer is FAILED:
                 continue
             for j, ok in zip(pending, answer):
                 found[j] = bool(ok)
@@ -346,59 +316,47 @@ class KVConnector:
         return FetchedKV(seq.seq_id, start_token, stop - start_token, payloads)
 
     def _get(self, keys: list[bytes], seq: KVSequence | None = None) -> list[bytes | None]:
-        """Verified payloads of ``keys`` (blocks of ``seq``) from the first tier that serves each,
-        promoting upwards."""
+        """Payloads of ``keys`` (blocks of ``seq``) from the first tier that serves each, as the codec
+        decodes them (a rejected value is a fault, dropped from its tier), promoting upwards."""
         out: list[bytes | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         rejected: set[int] = set()  # counted as a fault already
         loaded = promoted = 0
-        decoded = self._decoded
         for depth, tier in enumerate(self.tiers):
             if not pending:
                 break
-            values = self._safe(tier.get_many, [keys[j] for j in pending])
-            if values is _FAILED:
+            asked = keys if len(pending) == len(keys) else [keys[j] for j in pending]
+            values = self._safe(tier.get_many, asked)
+            if values is FAILED:
                 rejected.update(pending)
                 continue
-            promote: list[tuple[bytes, bytes]] = []
-            still: list[int] = []
-            for j, value in zip(pending, values):
-                if value is None:
-                    still.append(j)
-                    continue
-                try:
-                    out[j] = decoded(keys[j], value)
-                except FrameError as exc:
-                    self._fault(exc.kind, f"tier {tier.name}: {exc}")
-                    rejected.add(j)
-                    still.append(j)
-                    self._safe(tier.delete, keys[j])
-                    continue
-                loaded += len(value)
-                promote.append((keys[j], value))
-            if depth and self.promote and promote:
+            payloads, bad = self.codec.decode_many(asked, values)
+            for i, exc in bad:
+                self._fault(exc.kind, f"tier {tier.name}: {exc}")
+                rejected.add(pending[i])
+                self._safe(tier.delete, asked[i])
+            found = [(i, value) for i, (payload, value) in enumerate(zip(payloads, values))
+                     if payload is not None and value is not None]
+            if not found:
+                continue
+            for i, _ in found:
+                out[pending[i]] = payloads[i]
+            loaded += sum(len(value) for _, value in found)
+            if depth and self.promote:
+                promote = [(asked[i], value) for i, value in found]
                 if self.events is not None and seq is not None:
                     self.events.note(seq, [k for k, _ in promote])
                 for upper in self.tiers[:depth]:
                     self._safe(upper.put_many, promote)
                 promoted += len(promote)
-            pending = still
+            pending = [j for j, payload in zip(pending, payloads) if payload is None]
+        missing = sum(1 for j in pending if j not in rejected)
         with self._lock:
             self.stats.bytes_loaded += loaded
             self.stats.promoted_blocks += promoted
-        for j in pending:
-            if j not in rejected:
-                self._fault("missing", "no tier holds a block it was asked for")
+        if missing:
+            self._fault("missing", "no tier holds a block it was asked for", missing)
         return out
-
-    def _decoded(self, key: bytes, value: bytes) -> bytes:
-        """The payload of a frame read under ``key``; ``FrameError`` if a check fails or its size is wrong."""
-        payload = decode_frame(key, value, self.auth_key)
-        group = int(key.rsplit(b"/", 2)[1])  # tier_key: hkv1/<namespace>/<group>/<hash>
-        if len(payload) != self.payload_bytes[group]:
-            raise FrameError("wrong_size", f"group {group}: a payload of {len(payload)} bytes, a block holds "
-                                           f"{self.payload_bytes[group]}")
-        return payload
 
     def write(self, fetched: FetchedKV, block_tables: BlockTables, write_block: WriteBlock) -> int:
         """Copy fetched payloads into the blocks ``allocate`` gave them; returns the tokens written.
@@ -482,43 +440,75 @@ class KVConnector:
         that already holds a block is skipped (one held at low priority that is now offered at normal
         priority becomes normal). Low-priority offers go only to tiers with ``priorities``, and are
         chosen only when one of them can take one after the normal puts (``takes_low_puts``).
-        ``read_block(group, block_id)`` returns the payload. ``block_tables`` is accepted for
-        compatibility; the blocks are the manager's own for the sequence (it must be running). The
-        call that completes the prompt marks the prompt's chain recently used, head last, so a tier
-        evicts a prompt's tail before the prefix it shares.
+        ``read_block(group, block_id)`` returns the payload, which the codec encodes when a tier
+        lacks the block. ``block_tables`` is accepted for compatibility; the blocks are the
+        manager's own for the sequence (it must be running). Each tier takes the offers through
+        ``KVTier.offer``. The call that completes the prompt marks the prompt's chain recently used,
+        head last, so a tier evicts a prompt's tail before the prefix it shares.
         """
         targets = self.tiers if self.write_through else self.tiers[:1]
-        stored: set[bytes] = set()
+        count = 0  # the keys of one store are distinct: one tier's puts are counted as they are
+        stored: set[bytes] = set()  # several tiers may put the same key
+        nbytes = 0
         for is_low, chosen in self.chosen_in_order(seq, num_tokens, start_token, targets):
-            offers = self._keyed(chosen)
-            if self.events is not None:
-                self.events.note(seq, [key for _, _, key in offers])
-            for lo in range(0, len(offers), self.batch_blocks):
-                batch = offers[lo : lo + self.batch_blocks]
-                frames: dict[bytes, bytes] = {}
+            for offer in self._block_offers(seq, chosen, is_low, read_block):
                 for tier in targets:
                     if is_low and not tier.priorities:
                         continue
-                    present = self._safe(tier.exists_many, [key for _, _, key in batch])
-                    if present is _FAILED:
-                        continue
-                    items = []
-                    for (group, b, key), there in zip(batch, present):
-                        if there:
-                            continue
-                        if key not in frames:
-                            frames[key] = encode_frame(key, read_block(group, b), self.auth_key)
-                        items.append((key, frames[key]))
-                    if items and self._safe(partial(tier.put_many, low=is_low), items) is not _FAILED:
-                        stored.update(k for k, _ in items)
-                        with self._lock:
-                            self.stats.bytes_stored += sum(len(v) for _, v in items)
-                    if not is_low and tier.priorities and len(items) < len(batch):
-                        self._safe(tier.prioritize_many, [key for (_, _, key), there in zip(batch, present) if there])
+                    put, n = tier.offer(offer, self.batch_blocks, self._safe)
+                    nbytes += n
+                    if len(targets) == 1:
+                        count += len(put)
+                    else:
+                        stored.update(put)
         with self._lock:
-            self.stats.stored_blocks += len(stored)
+            self.stats.stored_blocks += count + len(stored)
+            self.stats.bytes_stored += nbytes
         self._touch_prompt(seq, start_token, num_tokens, targets)
-        return len(stored)
+        return count + len(stored)
+
+    def _block_offers(self, seq: KVSequence, chosen: dict[int, list[Offer]], low: bool, read_block: ReadBlock
+                      ) -> Iterator[BlockOffer]:
+        """The storage policy's choice of one priority as ``BlockOffer``s: one for all of it when the
+        codec holds no payload, else one per ``batch_blocks`` blocks (their values built on demand
+        and dropped with the offer, so a store never holds more than a batch of values)."""
+        keys: list[bytes] = []
+        flat: list[Offer] = []
+        runs: list[tuple[int, int]] = []
+        for g, offers in chosen.items():
+            if offers:
+                keys += self.keys_of(g, map(_hash_of, offers))
+                flat += offers
+                runs.append((g, len(offers)))
+        if self.events is not None:
+            self.events.note(seq, keys)
+        if not keys:
+            return
+        if not self.codec.holds_payloads:
+            yield BlockOffer(keys, runs, low, self._values(keys, runs, flat, read_block))
+            return
+        step = self.batch_blocks
+        for lo in range(0, len(keys), step):
+            part, part_runs = keys[lo : lo + step], _cut_runs(runs, lo, lo + step)
+            yield BlockOffer(part, part_runs, low, self._values(part, part_runs, flat[lo : lo + step], read_block))
+
+    def _values(self, keys: list[bytes], runs: list[tuple[int, int]], offers: list[Offer], read_block: ReadBlock
+                ) -> Callable[[int], bytes]:
+        """``BlockOffer.value`` for these keys (of ``offers``, in ``runs``): encoded on first use, kept."""
+        values: dict[int, bytes] = {}
+        encode = self.codec.encode
+        groups: list[int] = []  # each key's, listed on first use
+
+        def value(i: int) -> bytes:
+            got = values.get(i)
+            if got is None:
+                if not groups:
+                    for g, n in runs:
+                        groups.extend(repeat(g, n))
+                got = values[i] = encode(keys[i], read_block(groups[i], offers[i][1]))
+            return got
+
+        return value
 
     def chosen_in_order(self, seq: KVSequence, num_tokens: int, start_token: int, targets: SequenceABC[KVTier]
                         ) -> Iterator[tuple[bool, dict[int, list[Offer]]]]:
@@ -563,25 +553,37 @@ class KVConnector:
         return [] if self.events is None else self.events.take()
 
     # ------------------------------------------------------------------ faults
-    def _safe(self, method: Callable[[_A], _T], arg: _A) -> _T | Literal[_Failed.FAILED]:
-        """``method(arg)`` (a tier method), or ``_FAILED`` and a counted fault if it raised."""
+    def _safe(self, method: Callable[[_A], _T], arg: _A) -> _T | Literal[Failed.FAILED]:
+        """``method(arg)`` (a tier method), or ``FAILED`` and a counted fault if it raised."""
         try:
             return method(arg)
         except Exception as exc:  # a tier fault must never take the engine down
             kind: FaultKind = "timeout" if isinstance(exc, (TierTimeout, TimeoutError)) else "error"
             target = getattr(method, "func", method)  # a functools.partial names its function
             self._fault(kind, f"{getattr(target, '__qualname__', target)}: {exc!r}")
-            return _FAILED
+            return FAILED
 
-    def _fault(self, kind: FaultKind, message: str) -> None:
+    def _fault(self, kind: FaultKind, message: str, count: int = 1) -> None:
         with self._lock:
-            self.stats.faults[kind] += 1
-        logger.debug("kv connector fault (%s): %s", kind, message)
+            self.stats.faults[kind] += count
+        logger.debug("kv connector fault (%s, %d): %s", kind, count, message)
 
     def close(self) -> None:
         """Stop the background loads' worker (if any); the tiers stay open."""
         if self.loads is not None:
             self.loads.close()
+
+
+def _cut_runs(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The ``(group, count)`` runs of the keys ``[lo, hi)`` of keys in ``runs``."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for g, n in runs:
+        a, b = max(lo, start), min(hi, start + n)
+        if a < b:
+            out.append((g, b - a))
+        start += n
+    return out
 
 
 def _payload_sizes(layout: KVCacheLayout, given: Mapping[int, int] | None) -> dict[int, int]:

@@ -1,30 +1,9 @@
 """A tier in a directory: one file per entry, LRU by modification time, survives restarts.
 
-A file is ``b"HKVD" | crc32 u32 | length u64 | value``. Writes go to a temporary file renamed
-into place (``os.replace``), so a reader sees a whole entry or none; temporary files are never
-served. Reads verify length and crc32 and delete a file that fails. A read bumps the file's
-modification time, which orders eviction, also across restarts.
-
-Low-priority entries (``KVTier.priorities``) carry a modification time ``LOW_AGE_S`` in the past:
-every process sharing the directory, and the tier after a restart, sees them as the oldest entries
-(evicted first, least recently used first among them) and tells them apart by that age alone. A
-read sets the time to now, which makes the entry normal; a low put never evicts a normal entry.
-
-The directory's environment is not trusted:
-
-* a read-only filesystem (or files owned by someone else) still serves: only the time bump of
-  a read is skipped, and writes fail as ``TierError`` (the connector counts them as faults);
-* a full filesystem (``ENOSPC``, ``EDQUOT``) evicts least recently used entries and retries;
-* other processes may add, read and remove entries at any time: a file that vanishes between
-  listing and use is a miss, never an error, and the tier re-reads the directory every
-  ``resync_interval_s`` seconds (and after a full filesystem) so ``used_bytes`` is what is on disk;
-* a temporary file is removed only when it is stale: its writer (named in the file name by host
-  and process id) is no longer running on this host, or it is older than ``STALE_TEMP_S``.
-
-Its KV events (``record_changes``) name the medium ``STORAGE``, as vLLM's file-system offloading tier
-does. A file is named by a digest of its key, so the tier reports only the entries this process
-stored while recording (it keeps their keys then): an entry found on disk (an earlier run's, another
-process's) is never reported, and neither is its removal.
+Atomic writes (temporary file renamed into place), a crc32 checked on read, low-priority entries
+aged ``LOW_AGE_S`` into the past, and an untrusted environment (read-only or full filesystems,
+other processes sharing the directory). The file layout and the rules: docs/TIERS.md, "The disk
+tier's layout".
 """
 
 from __future__ import annotations
@@ -135,7 +114,7 @@ class DiskTier(KVTier):
     def resync(self) -> None:
         """Re-read the directory: the index and ``used_bytes`` become what is on disk now.
 
-        Also removes stale temporary files (see the module docstring). Raises ``OSError`` only
+        Also removes stale temporary files (docs/TIERS.md, "The disk tier's layout"). Raises ``OSError`` only
         when the directory itself cannot be listed.
         """
         found: list[tuple[float, str, int]] = []

@@ -1,25 +1,8 @@
 """Tier keys and payload frames: what an external tier stores for one block of one group.
 
-Key (bytes)::
-
-    b"hkv1/" + namespace_id + b"/" + group index + b"/" + block hash (hex)
-
-``namespace_id`` is a digest of the caller's namespace (model id, dtype, ...), the layout's group
-specs and the hash algorithm, so different models or layouts never share an entry. The block hash
-is the device cache's chained hash: it fingerprints the whole prefix and carries the cache salt in
-the first block, so two salts never share a key.
-
-Frame (little-endian), the value stored under a key::
-
-    | magic b"HKVF" | version u8 | flags u8 | key length u16 | payload length u64 |
-    | digest (32 bytes) | key | payload |
-
-``digest`` is sha256 over key and payload, or HMAC-sha256 with a shared secret when one is
-configured (flag bit 0), so a writer without the secret cannot forge entries. Reading checks
-every field: a bad magic, version, flag, digest or trailing bytes is ``corrupt``, a truncated
-frame or payload is ``short``, an entry framed for another key (another prefix, another salt)
-is ``wrong_key``. The connector also rejects a payload whose size is not the block size of its
-group (``wrong_size``).
+A key is ``hkv1/<namespace id>/<group>/<block hash hex>``; a frame is a header (magic, version,
+flags, lengths, a sha256 or HMAC-sha256 digest), the key and the payload, checked field by field
+on read (``FrameError`` names the fault). The layouts: docs/TIERS.md, "Keys and frames".
 """
 
 from __future__ import annotations

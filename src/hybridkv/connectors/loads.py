@@ -1,17 +1,8 @@
 """Tier loads that do not stall the caller: a pending load per waiting request.
 
-The scheduler asks the connector to ``start_load`` a waiting request's external tokens and admits the
-request once ``done()``; meanwhile it admits the requests behind it and runs the others. A load is
-one of:
-
-* ``DoneLoad`` -- finished when started (the synchronous connector: the lookup and the reads run in
-  the caller's thread, as before);
-* ``ThreadLoad`` -- running on one of ``BackgroundLoads``' worker threads; ``done()`` once the reads have
-  finished or ``timeout_s`` has passed. A load that timed out or failed is a miss: ``result()`` then
-  holds no tokens (the worker's late answer is dropped), and the request computes its prompt.
-
-Nothing a tier does can raise out of ``result()``: the connector turns tier faults into a shorter
-(or empty) verified prefix before the result is set.
+``DoneLoad`` is finished when started (the synchronous connector); ``ThreadLoad`` runs on one of
+``BackgroundLoads``' worker threads and is a miss if it fails or outlasts ``timeout_s``. Nothing a
+tier does can raise out of ``result()``. Specification: docs/TIERS.md, "Loads".
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """How much of a sequence the external tiers can serve, in a logarithmic number of probes.
 
-A probe is one batched existence check (``KVTier.exists_many``) per tier. The hit itself is decided
-by ``HitRules.longest_hit`` -- the device cache's own hybrid rule -- over what the probes found; only
-*which* blocks get probed is chosen here:
-
-1. Growing groups (full attention) hold every block, and a tier evicts a sequence's tail before its
-   head (the connector touches a prompt's chain head last), so what a tier holds of a chain is a
-   prefix. Its end is found by a ``fanout``-ary search: each probe checks ``fanout`` evenly spaced
-   blocks of the interval still open, so a chain of ``n`` blocks takes ``log(n) / log(fanout) + 1``
-   probes (3 for 1,750 blocks at fanout 16).
-2. Every other group is asked only about the blocks ``HitRules`` reads: each group's mapping probes
-   on demand, a run of ``m`` blocks around the one asked for, ``m`` doubling with every probe
-   (8, 16, 32, ...), so a window found ``d`` blocks below the chain's end costs ``log2(d)`` probes.
-   Groups of one block size probe together: the probe for one asks about the same run in all of
-   them (the rules ask each of them about the same hit points), so Gemma 3's five window groups cost
-   the probes of one.
-
-The answer is a bound, not a promise: an entry evicted after the probe, or a chain with a hole, ends
-the fetch that follows (which verifies every block it reads) at the last block it could serve.
-Block positions stand in for block hashes in the rules (within one sequence, a block's chained hash
-and its index name the same block), so no hash-to-index table is built.
+The hit is the device cache's own rule (``HitRules.longest_hit``) over what batched existence
+probes found: a ``fanout``-ary search of the growing groups' chain, runs doubling around the blocks
+the other groups' rules ask about. Specification: docs/TIERS.md, "Lookup".
 """
 
 from __future__ import annotations
@@ -183,7 +166,7 @@ def probe_hit(rules: HitRules, seq: KVSequence, start: int, cap: int, probe: Pro
 
 def by_position(cached: Mapping[int, Mapping[int, int]]) -> Mapping[int, Mapping[bytes, Any]]:
     """``cached`` (per group, block positions held) as ``HitRules`` takes it (hashes held): positions
-    stand in for hashes (module docstring)."""
+    stand in for hashes (docs/TIERS.md, "Lookup")."""
     return cast("Mapping[int, Mapping[bytes, Any]]", cached)
 
 

@@ -1,50 +1,9 @@
 """What an external tier keeps of a sequence: per group, the blocks a later hit can use.
 
-A hit at token ``P`` reads, per group, the table indices ``manager.hit_span(group, P)``: every block
-before ``P`` for full attention, the window before ``P`` for a sliding window, the current chunk for
-chunked-local attention, the state at ``P`` for a recurrent group. Only growing groups (full
-attention) serve a hit at *every* block boundary; the others serve a hit only where their span was
-kept. A Gemma 3 27B block carries 52 sliding-window layers and 10 full-attention ones, so storing
-every layer of every block spends 84% of a tier on blocks that can serve a hit only inside the last
-window before some hit point.
-
-``StoreHitSpans`` (the default) keeps:
-
-* growing groups: every block;
-* recurrent groups: every state the device cache registered (the manager writes states only at its
-  own checkpoints: junctions, the prompt's end, ``checkpoint_interval``). A state enters the cache
-  once its step is reported computed, and the sequence drops it at its next allocation, so a store
-  call keeps the states of a step only when it comes after the step is reported computed
-  (``seq.num_computed_tokens`` advanced), as the simulator does;
-* every other group: the blocks of ``hit_span(group, P)`` for each *checkpoint* ``P``:
-
-  - a shared-prefix junction: where a lookup (the device's, remembered by window retention, or a
-    tier's, remembered by the connector) found a full-attention match longer than the hit every
-    group agreed on -- the next request with that prefix resumes exactly there;
-  - the end of the prompt: the prompt's length rounded down to a multiple of ``end_align`` tokens
-    (default: the hit alignment), where a later turn extending the prompt resumes; when that is the
-    whole prompt, also one alignment before it (a re-sent prompt resumes there, since a hit never
-    covers the last token). A trace that knows its requests' content only in blocks of ``B`` tokens
-    (Mooncake: 512) sets ``end_align=B``: its requests can share only whole blocks;
-  - every aligned boundary of the answer (past the prompt), when ``answer_ends`` is set (the
-    default): a finished sequence's end (prompt plus answer, rounded down to the hit alignment) is
-    where the next turn of a conversation resumes, and a store call cannot tell which boundary will
-    be the last. Consecutive spans overlap, so this costs about one block per window group per
-    ``align`` tokens of answer (what a recurrent group stores anyway: a state per boundary);
-  - every ``interval`` tokens, when set (more hit points, more bytes).
-
-Overlapping spans share their blocks (one entry per block and group). ``StoreAll`` keeps every
-registered block of every group (what tiers stored before; a baseline for comparisons).
-
-``StoreSpansSpill`` (the default, ``spans+spill``) keeps every block, as ``StoreAll`` does, but offers
-the blocks outside ``StoreHitSpans``' spans at *low priority* (``KVTier.put_many(low=True)``): a tier
-that supports priorities (``KVTier.priorities``: host, disk, simulated) evicts low entries before any
-other, least recently used first, and never evicts a normal entry to make room for a low one; a low
-entry that serves a hit (a read) becomes normal. So while a tier has room it keeps everything (the
-first reuse of a junction finds its window there), and under pressure it degrades to the hit spans.
-A tier without priorities (Redis evicts by its own policy) gets the hit spans only. A connector
-chooses the low-priority blocks only while some tier could take one (``KVTier.takes_low_puts``: a
-tier full of normal entries would skip them all), so a full tier costs no walk of the windows.
+``StoreHitSpans`` keeps every block of growing groups and, for the other groups, the hit spans of
+checkpoints (junctions, prompt ends, answer boundaries, an interval); ``StoreSpansSpill`` (the
+default) every block, those outside the spans at low priority; ``StoreAll`` every block.
+Specification: docs/TIERS.md, "Storage policies".
 """
 
 from __future__ import annotations
@@ -61,7 +20,8 @@ Offer = tuple[int, int, bytes]
 
 
 class StoragePolicy:
-    """Which registered blocks of a sequence a connector offers its tiers (see the module docstring)."""
+    """Which registered blocks of a sequence a connector offers its tiers (docs/TIERS.md, "Storage
+    policies")."""
 
     name = "policy"
 
@@ -194,7 +154,7 @@ class StoreHitSpans(StoragePolicy):
 @dataclass(frozen=True)
 class StoreSpansSpill(StoreHitSpans):
     """``StoreHitSpans``' blocks at normal priority and every other registered block at low priority:
-    everything while a tier has room, the hit spans under pressure (see the module docstring)."""
+    everything while a tier has room, the hit spans under pressure (docs/TIERS.md, "Storage policies")."""
 
     name = "spans+spill"
 

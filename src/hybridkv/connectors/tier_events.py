@@ -1,21 +1,9 @@
 """The KV-cache events of a connector's tiers: which blocks entered and left each, per medium.
 
-A tier with a ``medium`` (host: ``CPU``, disk: ``STORAGE``) logs the keys it starts and stops holding
-(``KVTier.record_changes``); ``TierEvents`` drains those logs and turns them into the core's events
-(``BlockStored`` / ``BlockRemoved``), which the cluster's publisher sends with the tier's medium,
-next to the device pool's own (``KVEventPublisher.publish_manager(manager, tiers=...)``). A tier key
-names its group and block hash (``frame.tier_key``), the same hash the device pool's events carry, so
-an index keys a block alike on every medium. A stored block's event also carries its parent hash
-and token ids, as the device's do: the connector notes which sequence each key it puts belongs to
-(``note``), and a run of consecutive blocks of one group becomes one event.
-
-Shared tiers (Redis, a disk directory opened with ``shared=True``) publish nothing: other instances
-store into them and the server or other processes evict from them, so one replica's view of their
-contents would be wrong, and an index must never predict a hit a replica cannot find. A replica
-reads a shared tier as well as any other: it cannot tell replicas apart.
-
-Recording starts when the connector's events are enabled (``KVConnector.enable_events``); until then
-the tiers log nothing, and what a tier held before is never reported (an index under-predicts it).
+``TierEvents`` drains the change logs of the tiers with a ``medium`` (``KVTier.record_changes``) into
+the core's ``BlockStored`` / ``BlockRemoved`` events, with parent hashes and token ids from the
+sequences the connector noted; shared tiers publish nothing. Specification: docs/TIERS.md, "Tier
+events".
 """
 
 from __future__ import annotations

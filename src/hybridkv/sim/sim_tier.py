@@ -2,7 +2,7 @@
 
 ``SimTier`` implements the connectors' ``KVTier`` interface for the simulator (``sim.tiers``):
 low-priority entries are evicted first, then normal ones, least recently used first within each;
-a read answers with one byte naming the tier. Its bulk write (``offer``) puts a store's keys in as
+a read answers with one byte naming the tier. Its bulk ``KVTier.offer`` puts a store's keys in as
 few dict operations as leave the tier exactly as puts one by one would (a hypothesis test in
 tests/test_sim_tiers.py compares the two).
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from itertools import filterfalse
+from itertools import filterfalse, repeat
 from typing import TYPE_CHECKING
 
-from hybridkv.connectors.base import KVTier
+from hybridkv.connectors.base import BlockOffer, Guard, KVTier
 from hybridkv.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ class SimTier(KVTier):
     first, then normal ones, least recently used first within each (``KVTier.priorities``).
 
     ``get_many`` answers a held key with a 1-byte value, the tier's ``index``: the caller learns which
-    tier served the block (``SimConnector`` takes it as the payload; there is no frame to check).
+    tier served the block (``SimConnector``'s ``PlaceholderCodec`` serves it as the payload, unchecked).
     """
 
     priorities = True
@@ -50,6 +50,7 @@ class SimTier(KVTier):
         """Bytes of the low-priority entries (part of ``used_bytes``)."""
         self._tag = bytes([index])
         self._block_bytes = {str(g).encode(): size for g, size in block_bytes.items()}  # keyed as in tier keys
+        self._group_bytes = dict(block_bytes)
         self._sizes = (max(1, min(block_bytes.values(), default=1)), max(1, max(block_bytes.values(), default=1)))
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # key -> nominal bytes, LRU first
         self._low: OrderedDict[bytes, int] = OrderedDict()  # the low-priority ones, LRU first
@@ -106,12 +107,19 @@ class SimTier(KVTier):
             if old is not None and key not in entries and key not in lows:
                 self._left(key)
 
-    def offer(self, keys: Sequence[bytes], sizes: Sequence[int], low: bool, batch: int) -> list[bytes]:
-        """``KVConnector.store``'s writes of one priority to this tier, in one call: per batch of
-        ``batch`` keys, those the tier lacks are put (``put_many``, with their nominal ``sizes`` given
-        rather than read from the keys), then, for a normal offer, those it holds at low priority are
-        promoted (``prioritize_many``). The same steps in the same order, so the same end state.
-        Returns the keys put (offered while absent, whether or not they fitted).
+    def offer(self, offer: BlockOffer, batch: int, guard: Guard) -> tuple[list[bytes], int]:
+        """``KVTier.offer`` in one call, by the keys' nominal sizes (the values are placeholders, never
+        built; this tier never raises, so ``guard`` is not needed): ``offer_keys``."""
+        sizes: list[int] = []
+        for group, count in offer.runs:
+            sizes += repeat(self._group_bytes[group], count)
+        return self.offer_keys(offer.keys, sizes, offer.low, batch), 0
+
+    def offer_keys(self, keys: Sequence[bytes], sizes: Sequence[int], low: bool, batch: int) -> list[bytes]:
+        """``KVTier.offer``'s steps for these keys of these nominal ``sizes``: per batch of ``batch``
+        keys, those the tier lacks are put (``put_many``), then, for a normal offer, those it holds
+        at low priority are promoted (``prioritize_many``). The same steps in the same order, so the
+        same end state. Returns the keys put (offered while absent, whether or not they fitted).
 
         When the tier holds none of ``keys`` (the common case) the batching changes nothing, and
         the whole list goes in at once; a batch's absent keys go in at once (``_put_fresh``) when

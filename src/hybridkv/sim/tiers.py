@@ -1,50 +1,9 @@
 """External KV tiers in the simulator: capacity, bandwidth and latency, through the real connector.
 
-A simulated tier (``SimTier``) implements the connectors' ``KVTier`` interface but keeps only
-keys and the *nominal* size of each block (the bytes the block of that group really has for the
-simulated model), never the payload: a Gemma 3 27B block of 16 tokens and 10 layers is 1.25 MiB.
-Everything else is the real path: the scheduler asks the real ``KVConnector`` at admission to
-start a load (``start_load``: the probed lookup under the manager's hit rules, then the reads,
-lower-tier hits promoted to the tiers above); after each step the simulator stores what the step
-computed through the connector's storage policy (``KVConnector.offered``, write-through to every
-tier, as the engine does). A tier answers a read with a 1-byte value naming itself, so the
-simulator knows which tier served each loaded block (there are no frames to check: a simulated
-tier cannot corrupt anything).
-
-**Spec** (``--tier``, repeatable; tiers are queried in the order given)::
-
-    KIND:SIZE[@BANDWIDTH][@LATENCY]      e.g. host:64GiB   disk:1TiB@7GB/s   net:512GiB@3GB/s@1ms
-
-``KIND`` is ``host`` (CPU memory), ``disk`` (local NVMe) or ``net`` (a network KV store;
-``redis`` and ``network`` are aliases). ``SIZE`` as in ``--kv-cache-memory`` (``64GiB``,
-``1TiB``, ``500GB``); ``BANDWIDTH`` a size per second (``25GB/s``, ``800MiB/s``); ``LATENCY``
-a time (``1ms``, ``100us``, ``0.002s``). Defaults (``DEFAULT_BANDWIDTH``, ``DEFAULT_LATENCY_S``):
-host 25 GB/s (PCIe 5 x16 host-to-device, about what one GPU gets), 0 latency; disk 5 GB/s (one
-PCIe 4 NVMe drive's sequential read), 100 us; net 3 GB/s (a 25 GbE link), 1 ms. With
-``--compare tier=none,host:64GiB,host:64GiB+disk:1TiB`` a variant lists its tiers joined by ``+``.
-
-**Model.**
-
-* Capacity and bandwidth are per GPU (one tensor-parallel rank's shard of the KV), like the cost
-  model's ``tier_bandwidth``. A block of group ``g`` takes ``layers(g) * real page bytes`` of its
-  tier; a tier evicts its least recently used (stored, read or touched) entries to stay within
-  capacity, and skips a block larger than its whole capacity.
-* Loads (``SimConfig.tier_loads``): every block a load reads costs its bytes at the bandwidth of
-  the tier that served it, plus that tier's latency once per load. ``async`` (the default, as the
-  engine's ``BackgroundLoads``): the request waits that long in the queue while the others run,
-  then is admitted with the loaded tokens; a load longer than ``tier_load_timeout_s`` is a miss.
-  ``blocking``: the load's time is added to the step that admits the request (the cost model's
-  ``extra_load_s``). The loaded tokens are not computed.
-* Stores: write-through of what each step computed, to every tier, assumed to overlap with compute
-  (no time is charged); they take capacity and evict. What is written is the storage policy's
-  choice (``connectors.storage``): ``StoreSpansSpill`` (default) every block, those outside the hit
-  spans at low priority (evicted first; a low entry never evicts a normal one; one that serves a
-  read becomes normal), ``StoreHitSpans`` growing layers for every block and the other groups'
-  blocks only around checkpoints, ``StoreAll`` every layer of every block at normal priority.
-  The call that completes a prompt touches its chain head last, so a prompt's tail is evicted
-  before the prefix it shares.
-* Tier reads for an admission that did not fit yet count in the tier's hit counters
-  (``tier_stats``), not in the load time (charged once, at admission).
+``TierSpec`` parses ``--tier KIND:SIZE[@BANDWIDTH][@LATENCY]``; ``SimTiers`` builds one run's
+``SimTier``s behind a ``SimConnector`` (the real ``KVConnector`` with placeholder values, raw-hash
+keys and simulated load times) and accounts the loads. The tier model: docs/SIMULATOR.md, "The
+tier model".
 """
 
 from __future__ import annotations
@@ -53,12 +12,11 @@ import argparse
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
-from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
-from hybridkv.connectors.connector import BlockTables, FetchedKV, KVConnector, ReadBlock, WriteBlock
+from hybridkv.connectors.codec import PlaceholderCodec
+from hybridkv.connectors.connector import BlockTables, FetchedKV, KVConnector, WriteBlock
 from hybridkv.connectors.loads import PendingLoad
 from hybridkv.connectors.storage import StoragePolicy
 from hybridkv.core import NULL_BLOCK, KVCacheManager, KVSequence
@@ -131,7 +89,8 @@ class TierSpec:
 
     @classmethod
     def parse(cls, text: str) -> TierSpec:
-        """``KIND:SIZE[@BANDWIDTH][@LATENCY]`` (module docstring); ``InvalidInputError`` with the reason."""
+        """``KIND:SIZE[@BANDWIDTH][@LATENCY]`` (docs/SIMULATOR.md, "The tier model"); ``InvalidInputError``
+        with the reason."""
         spec = text.strip()
         head, *extras = spec.split("@")
         kind, sep, size = head.partition(":")
@@ -241,16 +200,10 @@ class SimLoad(PendingLoad):
 
 
 class SimConnector(KVConnector):
-    """The real ``KVConnector`` (lookups, fetches, windows, promotion, storage policy) with simulated
-    time for loads and a ``store`` that skips frames.
-
-    ``SimTier`` keeps no payload, so framing every stored block (a sha256 each) would only cost
-    time: a simulation writes through millions of blocks. ``store`` here offers the same blocks
-    (``offered``: the storage policy's choice), in the same batches, to the same tiers, skipping
-    those a tier holds, and touches the same chain at the prompt's end, exactly as
-    ``KVConnector.store`` does -- ``tests/test_sim_tiers.py`` checks that both leave the tiers in
-    the same state -- but puts an empty value. Tier faults are not simulated (a ``SimTier`` never
-    raises), so there is nothing to catch.
+    """The real ``KVConnector`` (lookups, fetches, stores, windows, promotion, storage policy) with
+    simulated time for loads, placeholder values (``PlaceholderCodec``, the default ``codec``: a
+    ``SimTier`` keeps no payload, so framing millions of blocks would only cost time) and raw hash
+    bytes in the tier keys (a key never leaves the process).
 
     ``start_load`` reads at once and returns a ``SimLoad`` ready after the load's simulated
     duration (``async_loads``; else ready at once, and the simulator adds the duration to the step
@@ -260,16 +213,13 @@ class SimConnector(KVConnector):
     def __init__(self, tiers: Sequence[SimTier], manager: KVCacheManager, *, clock: SimClock,
                  block_bytes: Mapping[int, int], async_loads: bool = True, load_timeout_s: float | None = None,
                  **kw: Any) -> None:
+        kw.setdefault("codec", PlaceholderCodec())
         super().__init__(tiers, manager, **kw)
         self.clock = clock
         self.block_bytes = dict(block_bytes)
         self.async_loads = async_loads
         self.load_timeout_s = load_timeout_s
         self.sim_tiers = list(tiers)
-
-    def _decoded(self, key: bytes, value: bytes) -> bytes:
-        """A simulated tier holds no frames (and cannot corrupt one): the value is the serving tier's index."""
-        return value
 
     def write(self, fetched: FetchedKV, block_tables: BlockTables, write_block: WriteBlock) -> int:
         """``KVConnector.write`` for simulated payloads, which hold no KV: the same check that
@@ -280,37 +230,6 @@ class SimConnector(KVConnector):
             return super().write(fetched, block_tables, write_block)
         self._count_written(fetched)
         return fetched.num_tokens
-
-    def _get(self, keys: list[bytes], seq: KVSequence | None = None) -> list[bytes | None]:
-        """``KVConnector._get`` for tiers that never fail and hold no frames: the same reads,
-        promotions and counts without a check per key (a simulated fetch reads millions of blocks)."""
-        out: list[bytes | None] = [None] * len(keys)
-        pending = list(range(len(keys)))
-        loaded = promoted = 0
-        for depth, tier in enumerate(self.tiers):
-            if not pending:
-                break
-            values = tier.get_many(keys if not depth else [keys[j] for j in pending])
-            found = [(j, value) for j, value in zip(pending, values) if value is not None]
-            if not found:
-                continue
-            for j, value in found:
-                out[j] = value
-            loaded += len(found)  # a simulated value is 1 byte
-            pending = [j for j, value in zip(pending, values) if value is None]
-            if depth and self.promote:
-                promote = [(keys[j], value) for j, value in found]
-                if self.events is not None and seq is not None:
-                    self.events.note(seq, [k for k, _ in promote])
-                for upper in self.tiers[:depth]:
-                    upper.put_many(promote)
-                promoted += len(promote)
-        with self._lock:
-            self.stats.bytes_loaded += loaded
-            self.stats.promoted_blocks += promoted
-            if pending:
-                self.stats.faults["missing"] += len(pending)
-        return out
 
     def load_seconds(self, fetched: FetchedKV) -> float:
         """Simulated seconds to load ``fetched``: per serving tier, its bytes at its bandwidth plus its latency."""
@@ -345,43 +264,15 @@ class SimConnector(KVConnector):
         group = int(tier_key_group(key))
         return group, key[len(self._prefix[group]):]
 
-    def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables,
-              read_block: ReadBlock = _no_payload, start_token: int = 0) -> int:
-        targets: list[SimTier] = self.sim_tiers if self.write_through else self.sim_tiers[:1]
-        prefix, size = self._prefix, self.block_bytes
-        stored = 0
-        seen: set[bytes] = set()
-        for is_low, offers in self.chosen_in_order(seq, num_tokens, start_token, targets):
-            keys: list[bytes] = []
-            sizes: list[int] = []
-            for g, blocks in offers.items():
-                p = prefix[g]
-                keys += [p + h for _, _, h in blocks]
-                sizes += repeat(size[g], len(blocks))
-            if not keys:
-                continue
-            for tier in targets:
-                put = tier.offer(keys, sizes, is_low, self.batch_blocks)
-                if len(targets) == 1:
-                    stored += len(put)
-                else:
-                    seen.update(put)
-        stored += len(seen)
-        self.stats.stored_blocks += stored
-        self._touch_prompt(seq, start_token, num_tokens, self.tiers if self.write_through else self.tiers[:1])
-        return stored
-
 
 class SimTiers:
     """The simulated tiers of one run behind the real ``KVConnector``, and their load-time accounting."""
 
     def __init__(self, specs: Sequence[TierSpec], manager: KVCacheManager, namespace: str, *,
-                 framed_store: bool = False, storage: StoragePolicy | None = None, async_loads: bool = True,
+                 storage: StoragePolicy | None = None, async_loads: bool = True,
                  load_timeout_s: float | None = None) -> None:
-        """``framed_store``: store through ``KVConnector.store`` (frames built and dropped) instead of
-        ``SimConnector.store``; the same tier states, slower (for tests). ``storage``: what the tiers
-        keep (default ``StoreHitSpans()``). ``async_loads``: a request waits for its load while others
-        run (else the load's time is added to the step that admits it)."""
+        """``storage``: what the tiers keep (default ``StoreSpansSpill()``). ``async_loads``: a request
+        waits for its load while others run (else the load's time is added to the step that admits it)."""
         if not specs:
             raise InvalidInputError("SimTiers needs at least one tier")
         self.manager = manager
@@ -393,8 +284,6 @@ class SimTiers:
         self.connector = SimConnector(self.tiers, manager, clock=self.clock, block_bytes=self.block_bytes,
                                       async_loads=async_loads, load_timeout_s=load_timeout_s, namespace=namespace,
                                       payload_bytes=dict.fromkeys(self.block_bytes, 1), storage=storage)
-        if framed_store:
-            self.connector.store = partial(KVConnector.store, self.connector)  # type: ignore[method-assign]
         self.hash_block_size = manager.hash_block_size
         n = len(self.tiers)
         self.loaded_blocks = [0] * n
