@@ -1,10 +1,8 @@
 """Argument parsing of the ``hybridkv`` command: one-line errors, defaults in the help, checked values.
 
-Every sub-command parser is a ``Parser`` (``add_subparsers`` makes sub-parsers of the parent's
-class), so a wrong option anywhere prints one line naming it and exits with status 2, and every
-option's help ends with its default. The ``*_arg`` functions are ``type=`` callables that reject a
-bad value while parsing, before any work starts: an output path is checked to be writable, an
-input file to exist.
+Every sub-command parser is a ``Parser``, so a wrong option anywhere prints one line naming it and
+exits with status 2; the ``*_arg`` functions are ``type=`` callables that reject a bad value while
+parsing, before any work starts. See docs/CLI.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Tables for the terminal: aligned columns when they fit the width, one record per block when not.
 
-The width is ``COLUMNS`` when set, else the terminal's when standard output is one, else unlimited
-(a file or a pipe gets whole lines, never cut). A table wider than that is printed as records::
-
-    KV-cache groups
-      group 0
-        kind: sliding_window
-        layers: 10 (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
-
-so nothing is cut or squeezed into unreadable columns. Boxes come from ``rich`` when it is installed
-(the ``cli`` extra), plain aligned text otherwise.
+The width is ``COLUMNS``, else the terminal's, else unlimited (a pipe gets whole lines); boxes come
+from ``rich`` when installed. See docs/CLI.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """KV-cache events in vLLM's wire model, as plain data (standard library only).
 
-vLLM publishes a ``KVEventBatch`` per engine step: ``[ts, events, data_parallel_rank]`` (a msgpack
-array), each event a msgpack map tagged ``{"type": "BlockStored" | "BlockRemoved" |
-"AllBlocksCleared", ...}``. A store names its blocks' hashes (32 bytes, or the hash's low 64 bits as
-an integer, vLLM's default), the parent hash, the blocks' token ids and block size, the storage
-medium, and since the hybrid-aware versions the group index, the group's kind and window. This
-module holds those events as frozen dataclasses, converts the core's events to them and converts
-them to and from the plain lists and maps msgpack carries (``wire.py`` does the msgpack bytes).
-
-Older vLLM releases sent each event as an array (``["BlockStored", hashes, parent, tokens,
-block_size, lora_id, medium, ...]``); ``batch_from_obj`` reads both.
+vLLM's ``KVEventBatch`` and its ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events as
+frozen dataclasses, converted from the core's events and to and from the lists and maps msgpack
+carries (``wire.py`` does the bytes); ``batch_from_obj`` also reads older vLLM's array events.
+See docs/CLUSTER.md, "Events on the wire".
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """The block-hash schemes of the engines an index follows, computed from token ids.
 
-An index answers "what would replica r hit for these tokens?" by hashing the tokens the way r does
-and looking the hashes up in what r's events said it holds. Two schemes:
-
-* ``HybridkvHashes``: the core's chained hashes (``hybridkv.core.BlockHasher``; the cache salt
-  enters the first block);
-* ``VllmHashes``: vLLM's ``hash_block_tokens`` with its ``sha256`` (pickle protocol 5) or
-  ``xxhash`` function: block ``i`` is ``H((parent, tokens_of_block_i, extra_keys))``, the first
-  block's parent ``H(seed)`` where the seed is ``PYTHONHASHSEED`` or ``"vllm-none-hash"`` (vLLM's
-  default for sha256; xxhash without ``PYTHONHASHSEED`` draws a random seed no index can know), and
-  the first block's extra keys ``(("cache_salt", salt),)`` when the request has a salt. LoRA and
-  multimodal extra keys are not mirrored: such requests are predicted no hit.
-
-``check_block`` recomputes one stored block from an event's parent and token ids, so an index can
-tell a scheme that does not match a replica before it predicts anything from it.
+``HybridkvHashes`` (the core's chained hashes) and ``VllmHashes`` (vLLM's ``hash_block_tokens``,
+sha256 over pickle or xxhash); ``check_block`` tells a scheme that does not match a replica.
+See docs/CLUSTER.md, "Hash schemes".
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The global index: many replicas' KV-event streams in, "what would replica r serve from its cache
-for these tokens, per medium" out, with the core's hit rules (``HitRules``: the full-attention
-chain, the window before the hit point, a recurrent checkpoint at it).
+for these tokens, per medium" out, with the core's hit rules (``HitRules``).
 
-Each replica publishes numbered batches (0, 1, 2, ...). The index applies them in order and keeps,
-per replica, the next number it expects:
-
-* a batch past the expected number is a **gap**: the missing batches are asked from the replica's
-  replay buffer; what cannot be replayed is lost, so the view is cleared (a *resync*) and only the
-  run of batches that ends right before the new one is applied. A view built from part of a
-  stream only ever under-predicts: every hit rule is monotone in the hashes held;
-* a batch before the expected number on the live stream means the replica **restarted** (its
-  numbers start again at 0): the view is cleared and the new stream followed from its start;
-* ``AllBlocksCleared`` clears the replica's view.
-
-A replica that joins after its publisher started asks for the replay from 0: exact when the
-publisher's buffer still holds the whole history, a partial (safe) view otherwise.
-
-Pure Python and the standard library: the ZMQ subscriber (``subscriber.py``) feeds it.
+Batches are applied in order per replica; a gap is replayed or resynced, a number going back is a
+restart. A view built from part of a stream only under-predicts. Pure Python and the standard
+library: the ZMQ subscriber (``subscriber.py``) feeds it.
+See docs/CLUSTER.md, "Following the streams" and "The index's guarantees".
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Prompts on their way into a backend: the prefix it will hold before its events say so.
 
-The index learns what a backend caches from its KV events, and those come once the backend has
-computed the blocks. A request for a new document that arrives while the document's first request
-is still queued or in prefill on backend A is predicted no hit anywhere; sent elsewhere, it computes
-the document a second time, and the two copies each take pool space another prefix needed
-(``bench/cluster_serve.py``: four of the nine documents were placed twice or three times that
-way, missing 1,344 device-cached tokens, and the evictions the copies caused missed 912 more).
-
-So the router also remembers the full-attention chain of each request it has in flight at each
-backend, and for a new request predicts per backend the longest prefix of its chain one of them
-shares (never its last token, which is always computed): what that backend will have cached once
-the earlier request's prefill is done. The index's own prediction takes over when the request ends
-(its blocks are in the backend's events by then). For a model with sliding-window or recurrent
-layers this is an upper estimate: the hit rule may need window blocks or a checkpoint the earlier
-request does not leave at that point; the events then say what it left.
+The router remembers the full-attention chain of each request in flight at each backend and
+predicts, per backend, the longest prefix of a new request's chain one of them shares (an upper
+estimate for window and recurrent layers). See docs/CLUSTER.md, "Routing" (requests in flight).
 """
 
 from __future__ import annotations

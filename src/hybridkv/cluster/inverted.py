@@ -1,20 +1,9 @@
 """Which replicas hold a block hash, and every replica's hit from one walk of a request's chain.
 
-``ReplicaMasks`` keeps, per medium, one map from block hash to a bitmask of the replicas whose
-caches hold it, for ``SLOTS`` groups at once: each replica owns one bit per group, its bit for group
-``g`` being its replica bit shifted by ``g % SLOTS`` in map ``g // SLOTS`` (replica bits are
-``SLOTS`` places apart). A request's hashes at one block size are the same for every group of that
-size, so one lookup per hash reads a full-attention group and its window group together. The
-masks live beside each replica's own counts (``ReplicaView.media``) and are kept equal to them:
-the bit of replica ``b`` and group ``g`` is set for ``h`` exactly while ``b`` holds ``h`` in group
-``g`` of that medium.
-
-``predict_together`` predicts the hit of replicas that hash and lay out blocks alike (one hash
-scheme, one set of group block sizes, windows and alignment, one medium each; see
-``ReplicaView.joint_key`` and ``JointGroup``): the bitmask form of the hit rule
-(``hybridkv.core.hits.hits_together``) over these masks, ``FastHits.longest_hit`` for each of them.
-
-The predictions themselves are values, shared per replica and hit point (``JointGroup``).
+``ReplicaMasks`` keeps, per medium, maps from block hash to a bitmask of the replicas holding it
+(``SLOTS`` groups to a map), equal to each replica's own counts; ``predict_together`` runs the
+bitmask form of the hit rule (``hybridkv.core.hits.hits_together``) for replicas that hash and lay
+out blocks alike (``JointGroup``). See docs/CLUSTER.md, "Costs".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """What an index knows about a replica's KV-cache groups, and the hit rules that follow from it.
 
-A replica's layout is either configured (a ``KVCacheLayout``, exact from the first event) or
-learned from its store events, which carry each group's index, kind, window and block size. A
-learned layout is only usable once it is complete: groups ``0 .. n-1`` all seen (``n`` the
-expected group count when configured, else the highest index seen plus one) and every kind one the
-index can rebuild. Until then the replica is predicted no hit, never a hit it could not serve.
-Chunked-local attention cannot be learned (the events do not carry the chunk size): configure it.
+Configured (a ``KVCacheLayout``) or learned from store events; a learned layout is used only once
+complete, and until then the replica is predicted no hit. Chunked-local attention cannot be
+learned. See docs/CLUSTER.md, "The index's guarantees" and "Following the streams".
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Publish KV-cache events in vLLM's wire format over ZMQ (needs the ``cluster`` extra).
 
-``KVEventPublisher`` numbers each batch, sends it on a PUB socket as ``(topic, number, payload)``
-and keeps the last ``buffer_steps`` batches for subscribers that missed some: they ask the replay
-socket (a ROUTER) for the batches from a number on. A background thread owns both sockets, so
-``publish`` never blocks the engine step that calls it; a batch that does not fit in the queue is
-dropped (subscribers see a gap and resync). Unlike vLLM's publisher, which connects to any endpoint
-without a wildcard, this one always binds: replicas publish, the router connects to each.
-
-An engine calls ``publish_manager(manager, tiers=connector.take_events())`` after each step (the
-manager built with ``enable_events=True``, the connector's events enabled): the manager's events and
-its external tiers' become one batch, each tagged with its group's index, kind and window and its
-medium (``GPU`` for the device pool, ``CPU`` for a host tier, ``STORAGE`` for a disk tier).
+``KVEventPublisher`` numbers batches on a PUB socket and keeps the last ``buffer_steps`` for a
+ROUTER replay socket, from a background thread (``publish`` never blocks); ``publish_manager``
+turns a manager's and its tiers' events into one batch. See docs/CLUSTER.md, "The publisher".
 """
 
 from __future__ import annotations

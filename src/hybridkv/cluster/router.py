@@ -1,16 +1,9 @@
 """The KV-aware router: an OpenAI-compatible proxy in front of N backends (needs the ``cluster`` extra).
 
-For each completion or chat completion the router takes the prompt's token ids (given, or from a
-backend's ``/tokenize``), asks the index how many prompt tokens each backend would serve from its
-caches, per medium (fed by the backends' KV events over ZMQ), ranks the backends by predicted hit
-(device tokens in full, a tier's at a discount: its load costs time) against load
-(``routing.Policy``; load scraped from each backend's ``/metrics``) and forwards the request
-unchanged. Streams pass through as they arrive. A backend that fails before answering (connection
-refused or dropped, a 5xx) is taken out of rotation and the request goes to the next one; a stream
-that breaks after its first bytes ends with an error event (its tokens cannot be unsent).
-
-The router keeps no state a restart would lose: it rebuilds its index from the backends' events
-(replayed from their buffers) and their load from their metrics.
+Each request goes to the backend ranked best by predicted hit (the index, per medium) against load
+(``routing.Policy``, load scraped from ``/metrics``), unchanged; streams pass through. A failed
+backend is taken out of rotation. It keeps no state a restart would lose.
+See docs/CLUSTER.md, "Routing" and "The router's request".
 """
 
 from __future__ import annotations

@@ -2,11 +2,7 @@
 
 Only the standard library is imported at module level; FastAPI, uvicorn, httpx and pyzmq load when
 the router runs. ``main(argv)`` runs it standalone; ``add_parser(sub)`` registers it as a
-subcommand of ``hybridkv``.
-
-    hybridkv route --port 8000 \\
-        --backend http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 \\
-        --backend http://127.0.0.1:8002,events=tcp://127.0.0.1:5567,replay=tcp://127.0.0.1:5568
+subcommand of ``hybridkv``. See docs/CLUSTER.md, "Running N replicas, a router and Redis".
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """A backend's load from its Prometheus ``/metrics``: requests running and waiting, KV-cache usage,
 and (a hybridkv backend) the prompt tokens it has still to prefill.
 
-Both hybridkv's names (``hybridkv_num_requests_running``, ``hybridkv_num_requests_waiting``,
-``hybridkv_kv_cache_usage_perc``, older ``hybridkv_kv_cache_usage``) and vLLM's (``vllm:num_requests_running``,
-``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``)
-are read; samples of one name with different labels (vLLM labels by model and engine) are summed,
-usage averaged.
+hybridkv's and vLLM's metric names are both read. See docs/CLUSTER.md, "The router's request".
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Follow replicas' KV-event streams over ZMQ into a ``ClusterIndex`` (needs the ``cluster`` extra).
 
-One SUB socket per replica (the socket tells who sent a batch). A gap in the batch numbers is
-filled from the replica's replay socket (a ROUTER, asked through a fresh DEALER per request); what
-it cannot fill the index resyncs (see ``index.py``). Works with hybridkv's ``KVEventPublisher`` and
-vLLM's ``ZmqEventPublisher`` alike.
-
-A replica that restarts numbers its batches from 0 again, but the first ones can be lost while the
-subscription reconnects, and the numbers that do arrive may then continue the old ones. So every
-time a connection drops (a socket monitor reports it), the next batch is preceded by a continuity
-check: the replay buffer must still hold the last batch applied, byte for byte. If it does not (or
-there is no replay socket), the replica is treated as restarted: its view is cleared and its new
-stream replayed from the start. A batch number that goes back on the live stream is a restart too,
-unless it is a batch already applied (a sync and the live stream can both bring one).
-
-Every ``sync_interval`` seconds ``poll`` also asks each replay buffer for what came after the last
-batch applied: a batch published while a subscription was still coming up would otherwise only be
-noticed when the replica publishes again.
+One SUB socket per replica; gaps filled from its replay socket, resync otherwise; after a dropped
+connection a continuity check against the replay buffer tells a restart; ``poll`` syncs from the
+replay buffers every ``sync_interval`` seconds. See docs/CLUSTER.md, "Following the streams".
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """The block pool: ids, reference counts, free queues, the prefix-cache index and events.
 
-The pool knows nothing about attention. It hands out block ids, counts references, remembers
-which full blocks hold which content hash (per group), and decides which free block to reuse
-next. Block 0 is the null block: never allocated, freed or counted.
-
-A free block (reference count 0) sits in exactly one queue; allocation takes from the first
-non-empty queue, so the queues *are* the eviction order:
-
-1. ``uncached`` -- freed blocks without a hash (nothing to lose), last freed first;
-2. ``fresh``    -- never-used blocks ``next_fresh .. num_blocks - 1`` (a counter, no memory);
-3. ``low``      -- cached blocks that can serve no hit, oldest first;
-4. ``lru``      -- cached blocks, least recently freed first (the reference engine's LRU);
-5. ``kept``     -- cached blocks a retention policy keeps longest. The queue is an object the
-   policy owns (``KeptQueue``, see ``retention.py``): the pool takes from it last, tells it which
-   blocks become held or free, and which cached blocks lose their hash (a kept block may depend on
-   another block's prefix; when that one is evicted the kept block can serve nothing and the queue
-   hands it back, to ``low``). Kept blocks the queue calls *reserved* are not admissible: only a
-   running sequence's growth may take them.
-
-Eviction is lazy: a cached block keeps its hash (and can still be hit) until it is reused.
-Every queue is O(1) for insert, remove and pop (a list, a counter and ordered dicts).
+The pool knows nothing about attention. Block 0 is the null block: never allocated, freed or
+counted. A free block sits in exactly one free queue (``uncached``, ``fresh``, ``low``, ``lru``,
+then the retention policy's ``KeptQueue``); allocation takes from the first non-empty one, so the
+queues are the eviction order. Eviction is lazy: a cached block can be hit until it is reused.
+See docs/ARCHITECTURE.md, "The block pool and its free queues".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Chained, content-addressed block hashes.
 
-The hash of block ``i`` is ``H(hash of block i-1 || extra keys || token ids of block i)``, so it
-fingerprints the whole prefix up to the block's end. The first block's extra keys carry the
-cache salt and the adapter id: sequences with different salts never share a block, in the
-device cache or in any external tier keyed by these hashes.
-
-``sha256`` is the default and the only choice for caches shared between tenants or instances.
-``xxh3_128`` (needs the ``xxhash`` extra) is several times faster but **not cryptographic**:
-a client that can choose token ids could construct collisions and read another request's
-KV. Use it only where every client is trusted.
+Each block's hash covers the whole prefix up to its end; the cache salt and the adapter id enter
+the first block. ``sha256`` by default; ``xxh3_128`` is faster but not cryptographic.
+See docs/ARCHITECTURE.md, "Block hashes".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The engine-facing KV-cache manager: lookup, allocate, free.
 
-The life of one request::
-
-    hit = mgr.lookup(seq)                    # the prefix every group can serve (no side effects)
-    mgr.allocate(seq, n, hit=hit)            # admission: verify the hit, count, adopt, allocate
-    seq.num_computed_tokens += n             # the caller ran the step
-    mgr.allocate(seq, 1)                     # decode steps (most return at once: nothing to do)
-    mgr.free(seq)                            # finished or preempted
-
-``allocate`` is one path for new and running sequences: *validate* everything (a bad argument or
-a hit that does not hold the sequence's prefix raises before anything changes), *plan* (per group,
-the table indices that need a fresh block, checked against the free blocks), then *apply* (adopt
-the hit in every group, then allocate: two-phase adoption). A short guard at the top returns at
-once when the step of a running sequence has nothing to allocate, register or drop.
+``allocate`` is one path for new and running sequences: validate everything, plan against the
+free blocks, then apply (two-phase adoption); a short guard returns at once when a running
+sequence's step has nothing to allocate, register or drop.
+See docs/ARCHITECTURE.md, "The life of one request".
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """Retention: which freed blocks are kept longer, and for how long (window retention).
 
-A prefix hit in a hybrid model needs every group: the full-attention chain of the whole prefix
-*and* the window (or state) blocks just before the hit point. Window blocks are freed as the
-window moves, long before the chain they complete, so under plain LRU they are evicted first and
-hybrid hit rates collapse. A policy decides, for every block a sequence releases, which free queue
-of the pool it joins.
-
-Two policies (configuration objects; each manager builds its own ``Retainer`` from one):
-
-* ``NoRetention`` (``"none"``) -- the reference engine's behaviour: cached blocks join the LRU
-  tail, uncached ones are reused first.
-* ``WindowRetention`` (``"window"``) -- windows and recurrent states ending at shared-prefix
-  *junctions* (where a lookup found the full-attention chain matching further than the rest of
-  the prompt) are kept for exactly as long as the full-attention block at the junction -- their
-  *anchor* -- stays cached; window blocks dropped mid-sequence that end at no junction and at no
-  replay boundary can serve no hit and are evicted before every other cached block. Junctions
-  are remembered (by the anchor's hash), so a prefix recomputed after eviction keeps its window
-  too, and a recurrent group checkpoints its state there inside the prefill. A released
-  sequence's computed *end* (rounded down to the hit alignment) is kept the same way: the next
-  turn of a conversation (previous prompt + answer + a new message) and a preempted sequence's
-  re-admission resume exactly there.
-
-Window retention never stalls admission. Kept blocks form the pool's last free queue
-(``KeptBlocks``). A kept block whose anchor is free sits behind that anchor in the eviction order
-(evicting the anchor releases it); a kept block whose anchor is held by a running sequence is
-*reserved*: an admission cannot take it, a running sequence's growth can, as a last resort. A
-kept block is never an anchor itself (retention is one level deep), so every unreserved kept
-block is reachable through its anchor.
+A policy (``NoRetention``, ``WindowRetention``) decides which free queue of the pool each released
+block joins; each manager builds its own ``Retainer`` from one. ``KeptBlocks`` is the pool's last
+free queue: window and state blocks kept as long as their anchor stays cached, reserved while a
+running sequence holds the anchor.
+See docs/ARCHITECTURE.md, "Retention" and "Window retention".
 """
 
 from __future__ import annotations

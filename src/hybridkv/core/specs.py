@@ -1,14 +1,8 @@
 """Layer specs: one frozen dataclass per kind of KV memory.
 
-A spec knows three things about one layer of its kind:
-
-* ``page_size_bytes`` -- the bytes one block of this layer occupies;
-* ``max_blocks_per_request(max_num_batched_tokens, max_model_len)`` -- the most blocks one
-  request can hold at once in a group of this kind. It is the *single* source of truth for
-  pool sizing and for the admission gate (the admission bound): sizing the pool with one number and
-  admitting with another is how schedulers deadlock;
-* ``grows_with_sequence`` -- whether the group's memory grows with every token, and so
-  counts toward token capacity (growing-groups capacity).
+A spec gives a layer's bytes per block (``page_size_bytes``), the admission bound
+(``max_blocks_per_request``: the one number for pool sizing and admission) and whether its memory
+grows with the sequence. See docs/ARCHITECTURE.md, "Layer specs".
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The engine loop: hybridkv's scheduler picks the batch, hybridkv's manager owns the blocks,
 the model's forward pass reads and writes KV (and recurrent states) through the block tables.
-The model is a built-in one by name (``EngineConfig.model``: Gemma 3 270M, or ``hybrid-tiny``,
-attention and Mamba-2 layers) behind one interface (``models.ModelWeights``, ``model.EngineModel``).
 
     engine = LLMEngine.from_package(EngineConfig())
     for out in engine.generate(["The capital of France is"], SamplingParams(max_tokens=16)):
         print(out.text)
-
-A failure that belongs to one request (its sampler, its detokenization) ends that request with
-``finish_reason == "error"``; a failed forward pass ends every running request that way and
-clears the prefix cache (the blocks it was writing hold nothing valid). The loop goes on.
+See docs/ENGINE.md, "The step and its failures".
 """
 
 from __future__ import annotations

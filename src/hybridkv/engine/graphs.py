@@ -1,21 +1,8 @@
 """Decode steps replayed as CUDA graphs.
 
-On a GPU a small model's decode step is bound by kernel launches, not by the GPU: Gemma 3 270M's
-forward pass is several hundred small kernels, each launched from Python (measured before this
-module: 70 tokens/s for one sequence on an H100). ``DecodeGraphs`` captures the forward pass of a
-decode-only step once per bucket (rows padded to a power of two, the full-attention key width to a
-power-of-two number of ``KEY_TILE`` s) and replays it: one host-to-device copy of the step's
-integers, one graph launch, one device-to-host copy of each row's greedy token.
-
-The step's inputs are one flat ``int64`` buffer (token ids, positions, each group's write slot,
-each window's first key, each group's key blocks); the graph itself turns them into the masks and
-key slots the eager path builds on the host, with the same arithmetic (``batch.key_start``,
-``batch.key_blocks``), and runs the same ``forward``: a row computes what it would eagerly, and
-padding rows (token 0 at position 0, writing and reading slot 0 of the null block, which no real
-row's window sees unmasked) change nothing.
-
-Steps that are not decode-only (prefill chunks, scoring, logits sinks), batches larger than the
-largest bucket and models with recurrent layers run eagerly.
+``DecodeGraphs`` captures a decode-only step's forward pass once per bucket and replays it: one
+copy of the step's integers in, one graph launch, one copy of each row's greedy token out. Other
+steps run eagerly. See docs/ENGINE.md, "CUDA graphs".
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """``hybrid-tiny``: a small hybrid of attention and Mamba-2 layers, the engine's second built-in model.
 
-It exists to prove that recurrent states survive hybridkv's paged cache exactly: checkpoints,
-prefix hits, chunked prefill, preemption and external tiers. Six layers (Mamba-2, full attention,
-Mamba-2, sliding-window attention, Mamba-2, full attention), hidden size 64, bytes as tokens
-(256 bytes, BOS, EOS), weights drawn from a fixed seed (nothing to download); each layer is a
-mixer and an MLP, both pre-norm residual.
-
-A Mamba-2 layer: per head ``h``, ``S = exp(dt * A) * S + dt * x B^T`` and ``y = S C + D x``, after a
-causal depthwise convolution (kernel 4) over ``x, B, C`` whose last 3 inputs are state too; the
-output is gated by ``silu(z)``. One layer's state is its conv inputs ``[3, conv channels]`` then
-``S`` ``[heads, head dim, state size]``, float32, flattened in that order.
-
-Every row's arithmetic is independent of the batch and of where its chunk starts: linear layers
-run one row at a time (``rowwise``), attention is ``tiled_attention``, elementwise functions run on
-one thread over rows whose widths are multiples of the CPU vector width (``by_rows``), and the
-recurrence runs token by token in float32 on fixed-shape tensors. So the state after token ``p``
-is bitwise the same whether computed in one chunk, in several, or restored from a checkpoint, and
-so is every logit.
-
-States live in the pool's own pages (``KVCacheLayout.recurrent_states``): part ``j`` of a layer's
-state is the first ``part_bytes`` bytes of a page -- the block's K page then V page of the layer's
-slot, as raw bytes whatever the KV dtype -- so ``PagedKVCache.read_block`` / ``write_block`` carry
-states to and from the tiers as they carry K/V.
+Six layers (Mamba-2, full attention, Mamba-2, sliding window, Mamba-2, full attention), hidden size
+64, bytes as tokens, seeded weights. Every logit and state is bitwise the same however a prompt
+is split, and states live in the pool's own pages.
+See docs/ENGINE.md, "``hybrid-tiny``".
 """
 
 from __future__ import annotations

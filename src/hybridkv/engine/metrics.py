@@ -1,11 +1,7 @@
 """Engine counters and histograms, rendered in the Prometheus text format under vLLM's names.
 
-Metrics vLLM has keep vLLM's name and suffix; ``names="vllm"`` writes them exactly as vLLM does
-(``vllm:e2e_request_latency_seconds``), ``names="hybridkv"`` with ``hybridkv_`` in place of
-``vllm:``. Every sample carries a ``model_name`` label; the counts follow vLLM's rules (prompt tokens
-include cached ones, counted once per request when its prefill completes). Metrics vLLM has no
-name for are always ``hybridkv_*`` (``hybridkv_num_free_blocks``, ``hybridkv_step_seconds``, the
-external KV tier counters).
+``names="vllm"`` writes vLLM's names exactly, ``names="hybridkv"`` with ``hybridkv_`` for ``vllm:``;
+metrics vLLM has no name for are always ``hybridkv_*``. See docs/ENGINE.md, "The reference engine".
 """
 
 from __future__ import annotations

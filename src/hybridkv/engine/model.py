@@ -1,20 +1,9 @@
 """Gemma 3 text forward pass over a paged KV cache whose block tables come from hybridkv.
 
-One step runs a packed batch: the new tokens of every scheduled sequence in one ``[T, hidden]``
-tensor. Projections, norms and the MLP run on the packed batch; attention runs per *part*: one
-part per tile of a prefill chunk's queries (the keys they may see, a causal/window mask) and one
-part for all single-token decodes together (keys padded to the longest context, padding masked).
-
-Every row's arithmetic is a function of its token, its position and the cached K/V alone, not of
-how the tokens were split into steps, chunks or batches, so caching, chunking and batching never
-change an output: each matmul kernel computes rows independently whatever their count, a token's
-K/V is read back from the cache (rounded to its dtype) by the step that wrote it as by later ones,
-and attention runs over key tiles aligned to absolute positions (``tiled_attention``).
-
-KV memory is shared by the groups the way hybridkv plans it: a group of ``n`` layers uses ``n``
-per-slot tensors ``[num_blocks * block_size, kv_heads, head_dim]``; layer ``j`` of every group
-writes tensor ``j`` at the block ids of its own group, so one block id holds one page per layer
-of the group that owns it.
+One step runs a packed batch; attention runs per part (a prefill chunk's query tile, or all
+decodes together). Every row's arithmetic depends on its token, its position and the cached K/V
+alone, so caching, chunking and batching never change an output.
+See docs/ENGINE.md, "The forward pass over paged KV".
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Checks of the engine's command-line options that need no weights, run before the model loads.
 
-Loading Gemma 3 270M takes up to a minute on a small, busy CPU; a mistake that the options alone reveal is
-reported before that, as one line naming the flag the user typed: a KV tier spec that does not
-parse, a shared store without a tier key, a KV budget too small for one request, a
-``--max-model-len`` beyond the model's context. The model's layer shapes are those of the
-``gemma-3-270m`` planner preset (the GGUF's own, checked by the tests), so the KV layout the
-engine will plan is known before its weights are read (for another model, should the options
-name one, the layout checks wait for the engine's own after the load).
+A mistake the options alone reveal is reported as one line naming the flag, before a load of up
+to a minute. See docs/ENGINE.md, "Checks before the model loads".
 """
 
 from __future__ import annotations

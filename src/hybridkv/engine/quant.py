@@ -1,20 +1,8 @@
 """Weight-only quantized matmuls on the CPU: GGUF blocks as torch's int4-packed weights.
 
-A GGUF tensor stores each group of 32 weights as integer codes with a scale (and for some types
-a zero point): ``w = scale * code + zero``. ``group_codes`` recovers exactly those codes and
-per-group scales; ``PackedLinear`` runs them through ``torch.ops.aten._weight_int4pack_mm_for_cpu``
-(AVX-512/AVX2, bf16 activations), whose weights are 4-bit codes ``q`` in 0..15 with
-``w = (q - 8) * scale + zero`` per group along the input dimension.
-
-* 4-bit codes (Q4_K) pack as they are.
-* 8-bit codes (Q8_0, Q5_0) split into a high and a low nibble, ``code = 16 * hi + lo``, packed
-  side by side along the input dimension: one kernel call on ``[x, x]`` computes
-  ``x @ (16 * hi * scale).T + x @ (lo * scale + zero).T``: the same weights, twice the reads of 4-bit.
-* Types whose groups are not one affine map of small codes (Q6_K: 16-weight sub-blocks) and float
-  tensors are requantized to 8-bit codes per group of 32 (symmetric, scale = max |w| / 127).
-
-The scales go to the kernel as bf16 (relative error <= 2^-9, like bf16 weights); the codes are
-the GGUF's own.
+``PackedLinear`` runs the GGUF's own per-group codes through torch's int4 CPU kernel: 4-bit codes
+as they are, 8-bit codes as two nibbles, other types requantized to 8-bit codes.
+See docs/ENGINE.md, "Quantized matmuls".
 """
 
 from __future__ import annotations

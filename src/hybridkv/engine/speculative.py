@@ -1,22 +1,8 @@
 """Speculative decoding: n-gram (prompt-lookup) drafts and their verification.
 
-Each decode step of a sequence with drafts computes its last token and the ``k`` draft tokens in
-one row each of the packed batch; row ``i``'s logits give the token after draft ``i``. Drafts are
-accepted left to right while each is what the target model chooses there:
-
-* greedy: the draft equals the row's argmax; the first that differs is replaced by the argmax, and
-  when all are accepted the last row's argmax follows (so the tokens are exactly those of decoding
-  one token per step);
-* sampling (temperature > 0): the draft ``d`` proposed with certainty is accepted with probability
-  ``p(d)`` (the target distribution after temperature, top-k and top-p); on rejection the token is
-  drawn from ``p`` with ``d`` removed and renormalized. For a proposal that puts all its mass on
-  ``d`` this is the speculative-sampling rule (accept with ``min(1, p/q)``, resample from
-  ``(p - q)+``): every emitted token has the target distribution. The request's seeded generator
-  draws the acceptance tests and the samples, so a seed gives the same text every run (not the
-  same text as without speculation: the draws differ).
-
-The manager never registers a draft: a step's drafts sit on lookahead slots, and only the accepted
-ones, once the scheduler advances the sequence over them, enter the prefix cache.
+Drafts are accepted left to right while each is what the target model chooses there (greedy: the
+argmax; sampling: with probability ``p(d)``, else resampled without ``d``). The manager never
+registers a draft. See docs/ENGINE.md, "Speculative decoding (``--speculative ngram``)".
 """
 
 from __future__ import annotations

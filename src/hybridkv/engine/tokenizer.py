@@ -1,22 +1,8 @@
 """The Gemma 3 tokenizer, built from GGUF metadata with the ``tokenizers`` package alone.
 
-The pipeline is the one ``transformers`` builds for a Gemma GGUF (``GemmaTokenizer`` fed by
-``integrations/gguf/gguf_tokenizer_mapping.py``), component for component:
-
-* model: BPE with byte fallback, ``<unk>`` fused. The file lists no merges; they are derived
-  from the vocabulary: every split ``t = l + r`` of a token ``t`` into two tokens is a merge,
-  ranked by the position of ``t`` in the file, then by longer ``l`` first (``generate_merges``
-  with ``-index`` as the score). Tokens of two or more spaces are stored as real spaces and
-  are respelled with ``"\u2581"`` first.
-* normalizer ``" " -> "\u2581"``; pre-tokenizer ``Split(" ", merged_with_previous)``.
-* decoder ``"\u2581" -> " "``, byte fallback, fuse.
-* post-processor ``<bos> $A`` (``<bos> $A <bos> $B`` for pairs) when ``add_bos_token`` is set.
-* added tokens: control tokens (GGUF type 3) as special, user-defined ones (type 4, e.g. ``"\\n"``
-  runs, tab runs, ``<table>``) as plain added tokens, both matched whole in the raw text.
-
-``transformers`` derives the 514,906 merges with a Python sort over all splits (~12 s); here the
-splits are looked up with 64-bit rolling hashes in numpy and every hit is then checked exactly
-against the strings, so the whole build takes ~2 s.
+The same pipeline ``transformers`` builds for a Gemma GGUF; the merges are derived from the
+vocabulary with rolling hashes in numpy (about 2 s instead of 12 s).
+See docs/ENGINE.md, "The tokenizer".
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Accelerator presets for planning and cost models.
 
-``memory_bytes`` is the device memory a process sees (``nvidia-smi`` total), ``bandwidth`` the
-peak memory bandwidth in bytes/s and ``bf16_flops`` the dense (no sparsity) bf16 tensor-core
-peak in FLOP/s, from the vendors' data sheets.
-
-``cpu`` is a nominal preset for the reference engine on a small x86 machine: 2 cores with AVX2
-(2 FMA units of 8 fp32 lanes each at ~2.5 GHz: 160 GFLOP/s fp32 in ``bf16_flops``), 40 GB/s of
-DRAM bandwidth and 16 GiB of memory. Real CPUs differ widely; a calibration file fitted on
-measured engine steps supplies the efficiencies, so only the order of magnitude matters.
+Device memory, peak memory bandwidth and dense bf16 peak from the vendors' data sheets; ``cpu`` is
+a nominal preset for the reference engine on a small x86 machine.
+See docs/LIBRARY.md, "Models, presets and GPUs".
 """
 
 from __future__ import annotations

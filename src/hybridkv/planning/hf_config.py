@@ -1,29 +1,9 @@
 """Hugging Face ``config.json`` -> per-layer KV-cache specs.
 
-Reads the fields that decide each layer's kind of KV memory:
-
-* ``layer_types`` (Gemma 2/3/4, GPT-OSS, Qwen3-Next, recent configs of many families);
-* ``sliding_window`` + ``sliding_window_pattern`` (Gemma 3: every N-th layer is global), the
-  Gemma 2 alternation, or ``sliding_window`` alone (Mistral 7B v0.1, Phi-3: every layer);
-* ``attention_chunk_size`` + ``no_rope_layers`` (Llama 4: RoPE layers are chunked-local, NoPE
-  layers global);
-* linear attention (Qwen3-Next ``linear_*`` fields), Jamba (``attn_layer_period`` /
-  ``attn_layer_offset`` / ``mamba_*``), Nemotron-H (``hybrid_override_pattern``), Granite 4.0-H
-  (``layer_types`` of ``mamba`` / ``attention``);
-* parallel hybrids (Falcon-H1, ``model_type`` ``falcon_h1``): every decoder layer runs attention
-  and a Mamba-2 mixer side by side, so it keeps a KV cache *and* a recurrent state (kind
-  ``full+mamba``; ``layer_specs`` names the two ``model.layers.N.self_attn`` and
-  ``model.layers.N.mamba``);
-* recurrent state sizes: Mamba-1 (Jamba), Mamba-2 (Nemotron-H ``mamba_num_heads`` /
-  ``mamba_head_dim`` / ``ssm_state_size`` / ``n_groups`` / ``conv_kernel``; Granite 4.0-H and
-  Falcon-H1 ``mamba_n_heads`` / ``mamba_d_head`` / ``mamba_d_state`` / ``mamba_n_groups`` /
-  ``mamba_d_conv`` / ``mamba_expand`` or ``mamba_d_ssm``), Gated DeltaNet (Qwen3-Next);
-* MLA latent sizes (``kv_lora_rank`` + ``qk_rope_head_dim``, DeepSeek-V2/V3);
-* ``head_dim`` (else ``attention_head_dim``, Nemotron-H's spelling, else ``hidden_size /
-  num_attention_heads``), ``num_key_value_heads``, and a nested ``text_config`` for multimodal
-  wrappers.
-
-Unknown or inconsistent configs raise ``ConfigError`` naming the field.
+Reads the fields that decide each layer's kind of KV memory (layer types, windows, chunked
+attention, linear attention and Mamba variants, parallel hybrids, MLA, head sizes); unknown or
+inconsistent configs raise ``ConfigError`` naming the field.
+See docs/LIBRARY.md, "Models, presets and GPUs".
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Presets of real models: the ``config.json`` facts that decide their KV-cache layout.
 
-Each preset's ``config`` is a subset of the model's published Hugging Face ``config.json`` with
-the same key names and nesting (multimodal wrappers keep the text model under ``text_config``),
-so it goes through the same parser as a downloaded file. Only keys that matter for the KV cache
-and the layer layout are kept. Where the published file leaves a field to the ``transformers``
-class default, the preset writes the default out and its ``notes`` say so.
-
-``num_params`` is the total parameter count (every expert of an MoE, the vision tower of a
-multimodal model), recomputed from the config's shapes and checked against the model card.
-``max_model_len`` is the config's ``max_position_embeddings`` (what a server uses by default);
-``notes`` say where the model card advertises something else.
-
-Every config carries ``vocab_size`` and ``tie_word_embeddings`` (in ``text_config`` where the
-model nests one) for the cost model's LM head (``hybridkv.sim.cost_model``), copied from the
-published ``config.json``. Gemma 3 4B/12B/27B: 262,208 (the text config's vocabulary with the
-image tokens; the 270M and 1B text-only models have 262,144), tied as the ``Gemma3TextConfig``
-default; Gemma 2: 256,000, tied. Untied: gpt-oss (201,088), Mistral 7B v0.1 (32,000), Llama 3.1
-(128,256), Llama 4 Scout (202,048), Qwen3-Next (151,936), Jamba (65,536), DeepSeek-V3 (129,280),
-Phi-3-mini (32,064). These were written from the published files as recalled, not re-fetched;
-only Nemotron-H, Granite 4.0-H and Falcon-H1 had them before (their notes cite the files).
+Each preset's ``config`` is a subset of the published ``config.json`` (same keys and nesting), so
+it goes through the same parser as a downloaded file; ``num_params``, ``max_model_len``, the
+vocabulary and ``notes`` say where each fact comes from.
+See docs/LIBRARY.md, "Models, presets and GPUs".
 """
 
 from __future__ import annotations

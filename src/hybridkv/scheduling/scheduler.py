@@ -1,29 +1,9 @@
 """A continuous-batching scheduler on the manager that never deadlocks.
 
-Each step: running sequences first (decodes and continuing prefill chunks), in their order;
-when one cannot get blocks, the lowest-priority, newest running sequence is preempted (its blocks
-freed, its progress recomputed later -- prefix hits make that cheap). Then, if nothing was
-preempted, waiting sequences are admitted in order while the token budget and ``max_num_seqs``
-allow, each checked against the whole-sequence rule (the admission bound).
-
-Never deadlock, never hang:
-
-* a prompt longer than ``max_model_len`` is refused at ``add`` with an error;
-* a request that could not fit even in an empty pool, at its full length, is rejected (finished
-  with a reason) at ``add`` instead of blocking the queue;
-* a sequence that keeps preempting itself is rejected with a reason;
-* every other sequence eventually finishes: the head of the queue always fits in an empty pool,
-  and running sequences only shrink the pool until they finish or are preempted.
-
-Admission policies: ``max_utilization`` admits when the sequence's whole prompt fits now (later
-growth may preempt, as the reference engine does); ``guaranteed_no_preemption`` admits only when
-the remaining growth of every admitted sequence, up to its ``max_new_tokens`` and within the
-per-request bounds, still fits -- no sequence is ever preempted.
-
-With a connector (external KV tiers), a waiting request's tier load starts at its first admission
-attempt (``KVConnector.start_load``); while it is in flight the requests behind it are admitted
-and the running ones keep running, and the request is admitted once its load is done (a load that
-failed or timed out is a miss: the request computes its prompt).
+Each step: running sequences first (preempting the lowest-priority, newest when blocks run out),
+then waiting ones admitted under the admission bound (``max_utilization`` or
+``guaranteed_no_preemption``); requests that can never fit are rejected with a reason, and tier
+loads run while the queue moves on. See docs/ARCHITECTURE.md, "The scheduler".
 """
 
 from __future__ import annotations

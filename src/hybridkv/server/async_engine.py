@@ -1,14 +1,8 @@
 """An asyncio front for ``LLMEngine``: one background thread owns the engine and steps every request.
 
-The engine is not thread-safe, so no other thread touches it. Coroutines submit ``add``/``abort``
-commands through a locked queue; the engine thread drains it before every step, steps while any
-request is unfinished, sleeps on a condition variable when idle, and hands each ``RequestOutput``
-to the submitting event loop with ``call_soon_threadsafe``. Requests from many clients share the
-one engine, so they are batched together.
-
-A step that raises (the engine isolates per-request failures itself; this is the last line) ends
-every request in flight with ``finish_reason == "error"`` and the loop goes on; only an engine that
-fails ``MAX_CONSECUTIVE_FAILURES`` steps in a row is declared dead.
+Coroutines submit commands through a locked queue; outputs go back with ``call_soon_threadsafe``.
+A failed step ends the requests in flight; ``MAX_CONSECUTIVE_FAILURES`` in a row kill the engine.
+See docs/ENGINE.md, "The server's engine thread".
 """
 
 from __future__ import annotations

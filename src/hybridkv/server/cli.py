@@ -1,12 +1,8 @@
 """Arguments and entry point of ``hybridkv serve``.
 
 Only the standard library is imported here; the engine, FastAPI and uvicorn load when
-``serve_main`` runs, so building the ``hybridkv`` parser stays cheap.
-
-Start-up talks: the port is bound first (a port in use fails in a second, before the model
-loads), then one log line per phase (weights, tokenizer, KV pool and its capacity, chat template,
-listening). SIGTERM or Ctrl-C stops accepting requests, lets those in flight finish for up to
-``--shutdown-timeout`` seconds, then ends the rest (streams get an error event) and exits 0.
+``serve_main`` runs. The port is bound before the model loads; SIGTERM drains requests in flight
+for ``--shutdown-timeout`` seconds. See docs/ENGINE.md, "The server's engine thread".
 """
 
 from __future__ import annotations

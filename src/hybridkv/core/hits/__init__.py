@@ -1,13 +1,8 @@
-"""The hit rule: the longest prompt prefix every KV-cache group can serve. One rule, three forms:
+"""The hit rule: the longest prompt prefix every KV-cache group can serve, in three forms.
 
-* ``agreed_hit`` (``rule.py``): the rule itself, over the kinds' ``find_longest_cache_hit``, with
-  the block ids a pool adopts. ``HitRules`` runs it without a pool (what a cache holding given
-  hashes would serve); the manager runs it against its pool.
-* ``FastHits`` (``fast.py``): the same length without block ids, for layouts whose kinds say
-  which blocks decide a hit (``KindRule.hit_reads``): an index's hot path.
-* ``hits_together`` (``masks.py``): ``FastHits`` for many caches at once, one bit per cache.
-
-``tests/test_hit_rule_forms.py`` checks that the three give the same hit on random layouts and caches.
+``agreed_hit`` (``rule.py``) with block ids, ``FastHits`` (``fast.py``) the length only, and
+``hits_together`` (``masks.py``) for many caches at once over bitmasks; ``tests/test_hit_rule_forms.py``
+checks that they agree. See docs/ARCHITECTURE.md, "The hit rule and its forms".
 """
 
 from hybridkv.core.hits.fast import FastHits

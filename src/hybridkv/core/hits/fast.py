@@ -1,17 +1,8 @@
 """The fast form of the hit rule: the agreed hit as a length only, for an index's hot path.
 
-``HitRules.longest_hit`` runs the kinds' ``find_longest_cache_hit``, which also builds the block
-ids of the hit (a pool needs them, an index does not). ``FastHits`` answers the same length for
-layouts whose constraining groups all decide a hit by the blocks before it alone (``hit_reads``:
-full attention, sliding window, Mamba in align mode), with the membership tests done by ``map``
-over the request's hashes (no Python frame per block). It is the same fixed point as ``agreed_hit``:
-
-* full attention: the first block not held ends the chain;
-* a group that reads ``need`` blocks ending at block ``e`` needs blocks ``[max(0, e - need), e)``
-  (a window: its blocks; a Mamba checkpoint: block ``e - 1``): the longest such ``e`` within the
-  bound. A block missing at ``j`` rules out every end in ``(j, e]``, so the next candidate end is ``j``.
-
-``FastHits.for_rules`` returns None for any other layout (the caller keeps ``HitRules``).
+``FastHits`` serves layouts whose constraining groups decide a hit by the blocks before it alone
+(``KindRule.hit_reads``); ``FastHits.for_rules`` returns None for any other layout.
+See docs/ARCHITECTURE.md, "The hit rule and its forms".
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """The bitmask form of the hit rule: ``FastHits.longest_hit`` for many caches at once.
 
-Each cache (a replica, say) owns one bit. Per block of a request, a *mask* holds the bits of the
-caches that hold it; the masks of the request's chain and window blocks answer every cache's hit
-in one walk, every step a mask operation over all of them at once:
-
-* the masks of the request's chain hashes, AND-ed in order (``chain_reach``): cache ``b``'s chain
-  is as long as the run of leading masks with bit ``b``; where each cache's run ends is found by
-  bisection, once per distinct run end (``chain_ends``);
-* the window and checkpoint groups (``settle_together``): the caches whose chains end at one hit
-  point are checked together, one AND over the masks of the blocks a group needs before it; a
-  cache that lacks one moves to the next point that group accepts (``last_window``, a few byte
-  searches however far down it is) and is checked again there.
-
-``hits_together`` composes them. Where the masks come from (an index of replicas, kept beside each
-replica's own contents) is the caller's business: ``hybridkv.cluster.inverted``.
+Each cache owns one bit; per block of a request a mask holds the bits of the caches that hold it.
+``chain_reach`` and ``chain_ends`` find every cache's full-attention chain, ``settle_together``
+checks the window and checkpoint groups per hit point; ``hits_together`` composes them.
+See docs/ARCHITECTURE.md, "The hit rule and its forms".
 """
 
 from __future__ import annotations

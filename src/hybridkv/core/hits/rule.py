@@ -1,16 +1,9 @@
 """The hit rule: the prefix hit every group agrees on (``agreed_hit``), with block ids.
 
-Hits of different kinds are not alike: full attention's hit is downward-closed (a hit at L is a
-hit at every shorter length), a sliding window's or a recurrent state's is not (a hit at L says
-nothing about L - 16). The agreed hit is therefore a fixed point: downward-closed groups set an
-upper bound once, then the other groups are re-queried whenever the bound shrinks, until one
-pass changes nothing. Every length is rounded to the *hit alignment*, a boundary every group's
-block size divides.
-
-The manager runs ``agreed_hit`` against the device pool's index; external tiers and cluster
-indexes run it (or its fast forms, ``fast.py`` and ``masks.py``) against what they hold, so a hit
-means the same everywhere. ``verify_group_hit`` checks a hit the manager did not just find (from
-another manager, hand-built, stale) against the pool, group by group, before anything is adopted.
+A fixed point: downward-closed groups (full attention) bound the hit once, the others are asked
+again whenever it shrinks. ``HitRules`` runs it without a pool (tiers, indexes);
+``verify_group_hit`` checks a hit the manager did not just find.
+See docs/ARCHITECTURE.md, "The hit rule and its forms".
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """The per-group interface every kind implements: a stateless rule, and the tables most kinds share.
 
-One ``KindRule`` per KV-cache group says, for its kind of layer, what a hit is (no state, no pool:
-``HitRules`` holds only these):
-
-* ``find_longest_cache_hit`` -- the longest hit it can serve, given which hashes are cached (the
-  device pool's index, or any other mapping: an external tier's contents, a replica's index);
-* ``hit_span`` -- the table indices a hit ending at a token must hold (what the next token reads);
-* ``skipped_tokens`` / ``drop_point`` -- the leading tokens its attention no longer reads.
-
-One ``KindManager`` per group of a ``KVCacheManager`` owns the group's block tables (one per
-sequence that holds blocks), following its rule:
-
-* ``plan_indices`` -- which table indices an allocation must give a fresh block;
-* ``register`` -- which full blocks enter the prefix cache, and when.
-
-Token layout of one allocation, left to right::
-
-    | computed (or local hit) | external | new | lookahead |
-
-``computed`` tokens already have KV in the table (for a new sequence: the adopted hit);
-``external`` tokens get blocks an external tier writes; ``new`` tokens are computed this step;
-``lookahead`` tokens get slots but are never registered in the prefix cache.
+``KindRule`` says what a hit is for its kind (no state, no pool: ``HitRules`` holds only these);
+``KindManager`` owns a group's block tables in a ``KVCacheManager`` and follows the rule. One
+allocation's tokens: ``| computed (or local hit) | external | new | lookahead |``.
+See docs/ARCHITECTURE.md, "Kinds: a rule and the tables that follow it".
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
 """Recurrent state (Mamba, linear attention): a constant-size state per sequence, with checkpoints.
 
-Table entry ``i`` of a Mamba group holds the state after ``(i + 1) * block_size`` tokens (a
-*checkpoint*) or, for the last entry, the running state (the state after the tokens computed so
-far). A step computing tokens ``[c, t)`` reads its initial state from entry ``cdiv(c, bs) - 1`` and
-writes:
-
-* the state after ``t`` tokens into entry ``cdiv(t, bs) - 1`` (in place when the step stays in
-  the block, else a fresh block);
-* in mode ``align``, a checkpoint at each planned position ``p`` with ``c < p < t`` into entry
-  ``p / bs - 1`` -- positions a later request is known or likely to resume from:
-
-  - the shared-prefix *junction* the lookup found (full attention matched further than the hit
-    every group agreed on: the state there is what the next request with that prefix needs),
-  - junctions the retention policy remembers from earlier requests,
-  - the prompt's last aligned boundary (a re-sent prompt, a preempted sequence re-admitted),
-  - every ``MambaSpec.checkpoint_interval`` tokens, when that is set;
-
-  at most ``MambaSpec.checkpoint_blocks`` per step (junctions first, then the prompt's end, then
-  interval ones; the latest first within each), so a sequence holds at most
-  ``2 + checkpoint_blocks`` states at once: the one it reads, the checkpoints, the one it writes
-  (the spec's per-request bound);
-* in mode ``all``, a checkpoint at every block boundary (memory grows with the sequence).
-
-A step that ends on a block boundary writes the state there into its own entry, which is
-registered like a planned checkpoint: during decode every step ends on a token, so each boundary
-the sequence crosses leaves a state in the cache at no extra block (the running state's block
-becomes it). The next turn of a conversation resumes at the last one, the sequence's end rounded
-down: window retention keeps it (``retention.WindowRetention.keep_ends``).
-
-A checkpoint enters the prefix cache only once the caller reports its tokens computed (at the
-sequence's next allocation or at its free): a state is an input of the step that computes it,
-so a sequence admitted in the same step must not resume from it. A sequence drops a state as soon
-as a later one is written; dropped checkpoints stay cached (the retention policy decides how long).
+Table entry ``i`` holds the state after ``(i + 1) * block_size`` tokens (a checkpoint) or, last,
+the running state. Mode ``align`` checkpoints where later requests are known or likely to resume
+(at most ``checkpoint_blocks`` per step), mode ``all`` at every block boundary. A checkpoint enters
+the prefix cache only once the caller reports its tokens computed.
+See docs/ARCHITECTURE.md, "Recurrent state tables" and "Recurrent checkpoints".
 """
 
 from __future__ import annotations
