@@ -4,7 +4,7 @@
 with events on, publishing through vLLM's ``ZmqEventPublisher``), follows it with a
 ``ClusterIndex`` over ZMQ, and for every request of a shared-prefix workload asserts that the
 index's prediction equals the hit ``get_computed_blocks`` then finds. Used by
-``tests/test_cluster_vllm.py`` and ``bench/cluster_index.py``.
+``tests/cluster/test_cluster_vllm.py`` and ``bench/cluster_index.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Drives vLLM's scheduler-side ``KVCacheManager`` with ``enable_kv_cache_events`` on the CPU and
 publishes every step's events through vLLM's own ``ZmqEventPublisher``, the way its scheduler
-does (``KVEventBatch(ts, events)`` after each step). A controller (``tests/test_cluster_vllm.py``,
+does (``KVEventBatch(ts, events)`` after each step). A controller (``tests/cluster/test_cluster_vllm.py``,
 ``bench/cluster_index.py``) feeds it requests as JSON lines on stdin and reads one JSON line per
 request on stdout::
 

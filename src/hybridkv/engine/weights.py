@@ -118,7 +118,7 @@ GEMMA3_270M = Gemma3Config(
     vocab_size=262_144, max_position_embeddings=32_768, rms_norm_eps=9.999999974752427e-07, sliding_window=512,
     rope_theta_global=1_000_000.0,
 )
-"""Gemma 3 270M's shapes, as its GGUF states them (``tests/test_engine_units.py`` checks the two agree)."""
+"""Gemma 3 270M's shapes, as its GGUF states them (``tests/engine/test_engine_units.py`` checks the two agree)."""
 
 Linear = DenseLinear | GGUFLinear
 Embedding = DenseEmbedding | ScreenedEmbedding

@@ -4,7 +4,7 @@
 low-priority entries are evicted first, then normal ones, least recently used first within each;
 a read answers with one byte naming the tier. Its bulk ``KVTier.offer`` puts a store's keys in as
 few dict operations as leave the tier exactly as puts one by one would (a hypothesis test in
-tests/test_sim_tiers.py compares the two).
+tests/sim/test_sim_tiers.py compares the two).
 """
 
 from __future__ import annotations

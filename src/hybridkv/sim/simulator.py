@@ -210,7 +210,7 @@ def collector_paused() -> Iterator[None]:
     tens of millions of live references (the tier's and the pool's tables) that every full
     collection walks, and its offers come in lists of tuples that trigger them: the collector took
     14% of a trace-scale run (8 of 63 s) and found nothing, as a step leaves no reference cycle
-    behind (memory is freed by reference counts; tests/test_sim_tiers.py and test_sim_cluster.py
+    behind (memory is freed by reference counts; tests/sim/test_sim_tiers.py and test_sim_cluster.py
     check that)."""
     if not gc.isenabled():
         yield

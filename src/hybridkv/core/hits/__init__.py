@@ -1,7 +1,7 @@
 """The hit rule: the longest prompt prefix every KV-cache group can serve, in three forms.
 
 ``agreed_hit`` (``rule.py``) with block ids, ``FastHits`` (``fast.py``) the length only, and
-``hits_together`` (``masks.py``) for many caches at once over bitmasks; ``tests/test_hit_rule_forms.py``
+``hits_together`` (``masks.py``) for many caches at once over bitmasks; ``tests/core/test_hit_rule_forms.py``
 checks that they agree. See docs/ARCHITECTURE.md, "The hit rule and its forms".
 """
 

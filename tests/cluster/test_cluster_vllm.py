@@ -23,7 +23,7 @@ import pytest
 from hybridkv.cluster import AllClearedEvent, BlockRemovedEvent, BlockStoredEvent, make_batch
 from hybridkv.cluster.wire import decode_batch, encode_batch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from cluster_reference import compare_with_reference, vllm_env
 
 VLLM_PYTHON = os.environ.get("HYBRIDKV_VLLM_PYTHON", "")

@@ -16,7 +16,8 @@ from hybridkv.sim.tiers import parse_tiers
 from hybridkv.sim.trace import read_trace, replay, write_trace
 from hybridkv.sim.workloads import SimRequest
 
-EXCERPT = Path(__file__).parent / "data" / "mooncake_excerpt.jsonl"  # 8 requests, attribution in data/NOTICE.md
+# 8 requests, attribution in tests/data/NOTICE.md
+EXCERPT = Path(__file__).resolve().parents[1] / "data" / "mooncake_excerpt.jsonl"
 
 
 def test_hash_ids_become_512_token_runs_with_a_partial_last_block() -> None:

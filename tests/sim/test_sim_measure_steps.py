@@ -13,7 +13,7 @@ import pytest
 from hybridkv.errors import InvalidInputError
 from hybridkv.sim.cost_model import parse_profile
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "measure_steps.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "measure_steps.py"
 
 
 @pytest.fixture(scope="module")

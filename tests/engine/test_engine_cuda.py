@@ -4,7 +4,7 @@ steps replay CUDA graphs (``hybridkv.engine.graphs``) that give the tokens the e
 
 The embedded model when its package is installed, else ``gemma-3-270m-random`` (its shapes, random
 weights: GPU machines without the package). Run on a machine with a GPU:
-``.venv/bin/pytest tests/test_engine_cuda.py``.
+``.venv/bin/pytest tests/engine/test_engine_cuda.py``.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from hybridkv.connectors.base import KVTier
 from hybridkv.connectors.storage import StoreHitSpans, StoreSpansSpill
 from hybridkv.sim.sim_tier import SimTier
 from hybridkv.sim.tiers import TierSpec
-from test_connectors_storage import PAYLOAD, produce, stored
 
 from helpers import full, manager, swa, tokens
+from test_connectors_storage import PAYLOAD, produce, stored
 
 ENTRY = 100
 """Bytes of one entry's value in the tier tests (a disk entry adds its 16-byte header)."""

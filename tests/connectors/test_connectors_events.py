@@ -25,9 +25,9 @@ from hybridkv.cluster import (
 from hybridkv.cluster.events import WireEvent
 from hybridkv.connectors import DiskTier, FaultyTier, HostTier, KVConnector
 from hybridkv.core import KVCacheManager
-from test_connectors import Store, admit, connector, full, hybrid, produce, swa
 
 from helpers import manager
+from test_connectors import Store, admit, connector, full, hybrid, produce, swa
 
 HEADER = 16
 """Bytes of a disk entry's header."""

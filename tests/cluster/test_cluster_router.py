@@ -255,8 +255,10 @@ class Fake:
     """A fake backend process."""
 
     def __init__(self, num_blocks: int = 120, delay: float = 0.0) -> None:
+        tests = str(HERE.parents[1])  # the suite's shared helpers
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, str(HERE), "--fake-backend", str(num_blocks), str(delay)],
-                                     stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
+                                     stdout=subprocess.PIPE, text=True, cwd=HERE.parent, env=env)
         assert self.proc.stdout is not None
         info = json.loads(self.proc.stdout.readline())
         self.url, self.events, self.replay = info["url"], info["events"], info["replay"]

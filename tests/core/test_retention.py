@@ -12,7 +12,7 @@ from hybridkv import Sequence, WindowRetention
 
 from helpers import full, manager, run_prefill, swa, tokens
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from reference_trace import TraceConfig, build_workload, run_trace
 
 SMALL = replace(TraceConfig(), requests=240, prefixes=8, prefix_len=512, suffix_len=128, decode_steps=16,

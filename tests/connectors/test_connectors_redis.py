@@ -16,9 +16,9 @@ import pytest
 from hybridkv import Sequence
 from hybridkv.connectors import HostTier, KVTier, RedisTier, encode_frame
 from hybridkv.errors import InvalidInputError
-from test_connectors import PAGE, TOKENS, Store, admit, assert_loaded_exact, connector, full, hybrid, produce
 
 from helpers import manager
+from test_connectors import PAGE, TOKENS, Store, admit, assert_loaded_exact, connector, full, hybrid, produce
 
 pytest.importorskip("redis", reason="the redis client is not installed (pip install 'hybridkv[tiers]')")
 

@@ -18,6 +18,7 @@ import pytest
 from hybridkv import Sequence
 from hybridkv.connectors import DiskTier, TierError
 from hybridkv.connectors.disk import STALE_TEMP_S
+
 from test_connectors import TOKENS, Store, admit, assert_loaded_exact, connector, produce
 
 HEADER = 16

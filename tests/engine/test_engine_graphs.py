@@ -3,7 +3,7 @@ every request the tokens, and the log-probabilities, the eager path gives.
 
 Here the graph path runs with ``capture=False`` (the same packed, padded inputs, the masks and key
 slots computed from them, run eagerly): what a graph replays, minus the capture, which needs a GPU
-(``tests/test_engine_cuda.py`` runs it there). A small Gemma 3 with random weights keeps it fast and
+(``tests/engine/test_engine_cuda.py`` runs it there). A small Gemma 3 with random weights keeps it fast and
 needs no model package.
 """
 

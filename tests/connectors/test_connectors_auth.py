@@ -10,9 +10,9 @@ from hybridkv import Sequence
 from hybridkv.connectors import DiskTier, HostTier, KVConnector, decode_frame, encode_frame
 from hybridkv.connectors.frame import FrameError
 from hybridkv.errors import InvalidInputError
-from test_connectors import PAGE, TOKENS, Store, admit, connector, full, hybrid, produce
 
 from helpers import manager
+from test_connectors import PAGE, TOKENS, Store, admit, connector, full, hybrid, produce
 
 SECRET = "a-secret-of-32-characters-or-so!"
 
