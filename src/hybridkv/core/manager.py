@@ -399,112 +399,143 @@ class KVCacheManager:
                     and computed + num_new_tokens <= seq.num_tokens <= self.max_model_len):
                 return self._no_new_blocks()  # the step has nothing to allocate, register or drop
 
-        # 1. Validate.
-        self._check_step(seq, num_new_tokens, num_external_tokens, num_lookahead_tokens)
-        if type(reserve_lookahead_tokens) is not int or reserve_lookahead_tokens < 0:
+        # The checked path. Validate (the hit too, for a new sequence):
+        adopted, computed = self._checked_step(seq, num_new_tokens, hit, num_external_tokens, num_lookahead_tokens,
+                                               reserve_lookahead_tokens)
+        known = computed + num_external_tokens + num_new_tokens
+        total = known + num_lookahead_tokens
+        bound = num_lookahead_tokens + reserve_lookahead_tokens if whole_sequence_must_fit else None
+        # Free what the windows no longer need, count and check, adopt the hit (two-phase), allocate:
+        if adopted is None:
+            new_blocks = self._grow_running(seq, computed, known, total, bound)
+        else:
+            new_blocks = self._admit(seq, adopted, num_external_tokens, known, total, bound)
+        if new_blocks is None:
+            self._stats.allocation_failures += 1
+            return None
+        # Register the full blocks this step computes; note the progress (and the admission).
+        self._register(seq, computed, num_external_tokens, known)
+        self._note_progress(seq, computed, known, total, num_lookahead_tokens)
+        if adopted is not None:
+            self._count_admission(seq, adopted, num_external_tokens)
+        return new_blocks
+
+    def _checked_step(self, seq: KVSequence, num_new: int, hit: CacheHit | None, num_external: int,
+                      num_lookahead: int, reserve_lookahead: int) -> tuple[CacheHit | None, int]:
+        """``allocate``'s first phase, validate: everything is checked before anything changes. Returns
+        the hit to adopt, verified against the sequence (None for a running sequence), and the
+        tokens computed before the step."""
+        self._check_step(seq, num_new, num_external, num_lookahead)
+        if type(reserve_lookahead) is not int or reserve_lookahead < 0:
             raise InvalidInputError(
-                f"reserve_lookahead_tokens must be a non-negative integer, got {reserve_lookahead_tokens!r}")
-        if (num_lookahead_tokens or reserve_lookahead_tokens) and self._draft_blockers:
-            self._refuse_drafts(num_lookahead_tokens or reserve_lookahead_tokens)
-        sid = seq.seq_id
-        groups = self.groups
-        pool = self.pool
+                f"reserve_lookahead_tokens must be a non-negative integer, got {reserve_lookahead!r}")
+        if (num_lookahead or reserve_lookahead) and self._draft_blockers:
+            self._refuse_drafts(num_lookahead or reserve_lookahead)
         adopted: CacheHit | None = None
-        losses: dict[str, int] | None = None
-        if sid in self._seqs:
-            self._check_running(seq, hit, num_external_tokens)
-            if sid in self._orphaned:
-                raise InvalidInputError(
-                    f"sequence {sid!r} adopted blocks sequence {self._orphaned[sid]!r} was to compute in the same "
-                    f"step, and {self._orphaned[sid]!r} was freed before that step ran: free {sid!r} and admit "
-                    f"it again"
-                )
-            computed = seq.num_computed_tokens
-            progress = self._progress[sid]
-            lowest, ceiling = progress[self._whole_steps], progress[2]
-            if not lowest <= computed <= ceiling:
-                since = "that step's end" if self._whole_steps else "what was computed before it"
-                what = "a rewind, or a step re-planned or run in part," if self._whole_steps else "a rewind"
-                raise InvalidInputError(
-                    f"sequence {sid!r}: num_computed_tokens={computed}, but after its last allocation it can "
-                    f"only be {lowest}..{ceiling} ({since} .. the slots it holds): {what} needs free() and a "
-                    f"new admission"
-                )
-            hit_blocks: list[list[int]] | tuple[()] = ()
+        if seq.seq_id in self._seqs:
+            computed = self._check_running(seq, hit, num_external)
         else:
             adopted = self._verified_hit(seq, hit)
             computed = adopted.num_tokens
-            hit_blocks = [list(ids) for ids in adopted.block_ids]
-        known = computed + num_external_tokens + num_new_tokens
-        if known > seq.num_tokens:
+        if computed + num_external + num_new > seq.num_tokens:
             raise InvalidInputError(
-                f"sequence {sid!r}: {computed} computed + {num_external_tokens} external + "
-                f"{num_new_tokens} new tokens exceed its {seq.num_tokens} tokens"
+                f"sequence {seq.seq_id!r}: {computed} computed + {num_external} external + "
+                f"{num_new} new tokens exceed its {seq.num_tokens} tokens"
             )
-        total = known + num_lookahead_tokens
+        return adopted, computed
 
-        # 2. Plan: make room (what the windows no longer need), then count per group and check.
-        if adopted is None:
-            if self._deferred:
-                self._register_computed(seq, computed)
-            for g in self._droppers:
-                freed = g.remove_skipped(sid, computed)
-                pages = self._pages.get(g.group) if self._pages else None
-                if pages:
-                    freed = page_by_page(freed, [p.remove_skipped(sid, computed) for p in pages])
-                if freed:
-                    self.retainer.release_dropped(g, seq, freed)
-            plans = [g.plan_indices(sid, (), computed, 0, total if g.holds_lookahead else known) for g in groups]
-            need = sum(map(len, plans))
-            if whole_sequence_must_fit:
-                need = self._whole_sequence_need(seq, plans, None, num_lookahead_tokens + reserve_lookahead_tokens)
-            if need and need > pool.num_free_blocks:
-                self._stats.allocation_failures += 1
-                return None
-            new_blocks = tuple([g.grow(sid, indices, allow_reserved=True) if indices else []
-                                for g, indices in zip(groups, plans)])
+    def _grow_running(self, seq: KVSequence, computed: int, known: int, total: int,
+                      bound: int | None) -> tuple[list[int], ...] | None:
+        """``allocate``'s next phases for a running sequence: enter the checkpoints its last step
+        computed, free the blocks its windows no longer need, count the blocks the step needs (with
+        ``bound``, the admission bound for that many draft slots past its end), check them against the
+        free blocks and take them; None, with nothing taken, if they do not fit."""
+        sid = seq.seq_id
+        if self._deferred:
+            self._register_computed(seq, computed)
+        for g in self._droppers:
+            freed = g.remove_skipped(sid, computed)
+            pages = self._pages.get(g.group) if self._pages else None
+            if pages:
+                freed = page_by_page(freed, [p.remove_skipped(sid, computed) for p in pages])
+            if freed:
+                self.retainer.release_dropped(g, seq, freed)
+        plans = [g.plan_indices(sid, (), computed, 0, total if g.holds_lookahead else known) for g in self.groups]
+        need = sum(map(len, plans))
+        if bound is not None:
+            need = self._whole_sequence_need(seq, plans, None, bound)
+        if need and need > self.pool.num_free_blocks:
+            return None
+        return tuple([g.grow(sid, indices, allow_reserved=True) if indices else []
+                      for g, indices in zip(self.groups, plans)])
+
+    def _admit(self, seq: KVSequence, adopted: CacheHit, external: int, known: int, total: int,
+               bound: int | None) -> tuple[list[int], ...] | None:
+        """``allocate``'s next phases for a new sequence: count the blocks it needs besides its hit and
+        check them against the admissible blocks (None, with nothing changed, if they do not fit),
+        adopt the hit in every group before any group allocates (two-phase adoption), then take the
+        blocks of the external and the new tokens."""
+        planned = self._plan_admission(seq, adopted, external, known, total, bound)
+        if planned is None:
+            return None
+        hit_blocks, plans, live, free = planned
+        sid = seq.seq_id
+        # Why the hit is shorter than the full-attention prefix, on the pool as the lookup saw it.
+        if adopted.full_hit_tokens > adopted.num_tokens:
+            losses = self._hit_losses(seq, adopted)
+            if losses:
+                self._losses[sid] = losses
+                for cause, n in losses.items():
+                    self._stats.lost_hit_tokens[cause] += n
+        self.pool.touch(live, free)
+        for g, blocks in zip(self.groups, hit_blocks):
+            g.adopt(sid, blocks)
+        self._seqs[sid] = seq
+        return tuple([g.grow(sid, indices, allow_reserved=False) for g, indices in zip(self.groups, plans)])
+
+    def _plan_admission(self, seq: KVSequence, adopted: CacheHit, external: int, known: int, total: int,
+                        bound: int | None
+                        ) -> tuple[list[list[int]], list[range | list[int]], list[int], list[int]] | None:
+        """The admission's plan: per group the hit blocks to adopt and the table indices to fill,
+        the hit's live blocks and those of them now free; None if the blocks it takes (the free hit
+        blocks included, with what retention reserves for them) exceed the admissible ones."""
+        sid, computed, pool = seq.seq_id, adopted.num_tokens, self.pool
+        start = computed + external
+        hit_blocks = [g.adoptable(list(ids), start) if ids else list(ids)
+                      for g, ids in zip(self.groups, adopted.block_ids)]
+        for g in self._preparing:
+            g.prepare(seq, self._checkpoints(seq, g, adopted, start))
+        plans = [g.plan_indices(sid, blocks, computed, external, total if g.holds_lookahead else known)
+                 for g, blocks in zip(self.groups, hit_blocks)]
+        need = sum(map(len, plans))
+        if bound is not None:
+            need = self._whole_sequence_need(seq, plans, hit_blocks, bound)
+        # Null entries lead a hit (window hits are mostly null): a list without one is kept as is.
+        live = list(chain.from_iterable(b if not b or b[0] else filter(None, b) for b in hit_blocks))
+        ref = pool.ref_cnt
+        free = [b for b in live if not ref[b]]
+        if pool.kept is None:
+            need += len(free)
         else:
-            start = computed + num_external_tokens
-            hit_blocks = [g.adoptable(blocks, start) if blocks else blocks for g, blocks in zip(groups, hit_blocks)]
-            for g in self._preparing:
-                g.prepare(seq, self._checkpoints(seq, g, adopted, start))
-            plans = [g.plan_indices(sid, blocks, computed, num_external_tokens, total if g.holds_lookahead else known)
-                     for g, blocks in zip(groups, hit_blocks)]
-            need = sum(map(len, plans))
-            if whole_sequence_must_fit:
-                need = self._whole_sequence_need(seq, plans, hit_blocks,
-                                                 num_lookahead_tokens + reserve_lookahead_tokens)
-            # Null entries lead a hit (window hits are mostly null): a list without one is kept as is.
-            live = list(chain.from_iterable(b if not b or b[0] else filter(None, b) for b in hit_blocks))
-            ref = pool.ref_cnt
-            free = [b for b in live if not ref[b]]
-            if pool.kept is None:
-                need += len(free)
-            else:
+            cost = self.retainer.admission_cost(free)
+            if need + cost > pool.num_admissible_blocks >= need + len(free):
+                # Adopting the hit would reserve the blocks kept under its anchors and leave too
+                # little for the rest: they yield to the admission (to ``low``), or a request that
+                # fits an idle pool would wait for ever.
+                pool.unkeep(free)
                 cost = self.retainer.admission_cost(free)
-                if need + cost > pool.num_admissible_blocks >= need + len(free):
-                    # Adopting the hit would reserve the blocks kept under its anchors and leave too
-                    # little for the rest: they yield to the admission (to ``low``), or a request that
-                    # fits an idle pool would wait for ever.
-                    pool.unkeep(free)
-                    cost = self.retainer.admission_cost(free)
-                need += cost
-            if need > pool.num_admissible_blocks:
-                self._stats.allocation_failures += 1
-                for g in self._preparing:
-                    g.pop_table(sid)  # forget what ``prepare`` noted
-                return None
+            need += cost
+        if need > pool.num_admissible_blocks:
+            for g in self._preparing:
+                g.pop_table(sid)  # forget what ``prepare`` noted
+            return None
+        return hit_blocks, plans, live, free
 
-            # Why the hit is shorter than the full-attention prefix, on the pool as the lookup saw it.
-            if adopted.full_hit_tokens > computed:
-                losses = self._hit_losses(seq, adopted)
-            # 3. Apply: adopt the hit in every group before any group allocates (two-phase adoption).
-            pool.touch(live, free)
-            for g, blocks in zip(groups, hit_blocks):
-                g.adopt(sid, blocks)
-            self._seqs[sid] = seq
-            new_blocks = tuple([g.grow(sid, indices, allow_reserved=False) for g, indices in zip(groups, plans)])
-        self._register(seq, computed, num_external_tokens, known)
+    def _note_progress(self, seq: KVSequence, computed: int, known: int, total: int, lookahead: int) -> None:
+        """After a step's blocks are taken: the slot count up to which the next steps have nothing
+        to do (``_idle_until``), the counts the next allocation may report (``_progress``) and the
+        most tokens and slots given so far (``_reach``)."""
+        sid = seq.seq_id
         limit = self.max_model_len  # the slot count up to which the next steps have nothing to do
         for g in self._limiters:
             group_limit = g.idle_limit(sid)
@@ -512,24 +543,21 @@ class KVCacheManager:
                 limit = group_limit
         self._idle_until[seq] = limit
         ceiling = known if known > limit else limit
-        if num_lookahead_tokens and total > ceiling:
+        if lookahead and total > ceiling:
             ceiling = total  # verified drafts advance the count into the step's lookahead slots
         self._progress[sid] = (computed, known, ceiling)
         reach = self._reach.get(sid)
         self._reach[sid] = (known, total) if reach is None else (max(reach[0], known), max(reach[1], total))
-        if adopted is not None:
-            st = self._stats
-            st.admissions += 1
-            st.queried_tokens += seq.num_tokens
-            st.hit_tokens += computed
-            st.external_tokens += num_external_tokens
-            if losses:
-                self._losses[sid] = losses
-                for cause, n in losses.items():
-                    st.lost_hit_tokens[cause] += n
-            if self._tracks_admissions:
-                self.retainer.on_admit(seq, adopted)
-        return new_blocks
+
+    def _count_admission(self, seq: KVSequence, adopted: CacheHit, external: int) -> None:
+        """Count an admission (its prompt, hit and external tokens) and tell retention."""
+        st = self._stats
+        st.admissions += 1
+        st.queried_tokens += seq.num_tokens
+        st.hit_tokens += adopted.num_tokens
+        st.external_tokens += external
+        if self._tracks_admissions:
+            self.retainer.on_admit(seq, adopted)
 
     def release_lookahead(self, seq: KVSequence) -> int:
         """After a step with draft (lookahead) slots was verified: free every block wholly past the
@@ -757,7 +785,9 @@ class KVCacheManager:
                 f"exceed max_num_batched_tokens={self.max_num_batched_tokens}, which the per-request bounds assume"
             )
 
-    def _check_running(self, seq: KVSequence, hit: CacheHit | None, num_external_tokens: int) -> None:
+    def _check_running(self, seq: KVSequence, hit: CacheHit | None, num_external_tokens: int) -> int:
+        """A running sequence's next step is well formed: its computed-token count (returned) is one
+        its last allocation allows (see ``_progress``)."""
         sid = seq.seq_id
         if self._seqs[sid] is not seq:
             raise InvalidInputError(f"another Sequence object with id {sid!r} is already running")
@@ -769,6 +799,24 @@ class KVCacheManager:
             raise InvalidInputError(
                 f"sequence {sid!r} is running: external tokens can only be loaded at its first allocation"
             )
+        if sid in self._orphaned:
+            raise InvalidInputError(
+                f"sequence {sid!r} adopted blocks sequence {self._orphaned[sid]!r} was to compute in the same "
+                f"step, and {self._orphaned[sid]!r} was freed before that step ran: free {sid!r} and admit "
+                f"it again"
+            )
+        computed: int = seq.num_computed_tokens
+        progress = self._progress[sid]
+        lowest, ceiling = progress[self._whole_steps], progress[2]
+        if not lowest <= computed <= ceiling:
+            since = "that step's end" if self._whole_steps else "what was computed before it"
+            what = "a rewind, or a step re-planned or run in part," if self._whole_steps else "a rewind"
+            raise InvalidInputError(
+                f"sequence {sid!r}: num_computed_tokens={computed}, but after its last allocation it can "
+                f"only be {lowest}..{ceiling} ({since} .. the slots it holds): {what} needs free() and a "
+                f"new admission"
+            )
+        return computed
 
     def _verified_hit(self, seq: KVSequence, hit: CacheHit | None) -> CacheHit:
         """The hit to adopt for a new sequence, checked against the sequence before anything changes.
