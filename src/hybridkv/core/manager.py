@@ -78,6 +78,26 @@ def _count(name: str, value: object) -> int:
     return value
 
 
+def _checked_config(layout: KVCacheLayout, max_model_len: int, max_num_batched_tokens: int | None) -> int:
+    """The manager's arguments are well formed; returns ``max_num_batched_tokens`` (default ``max_model_len``)."""
+    if not isinstance(layout, KVCacheLayout):
+        raise InvalidInputError(f"layout must be a KVCacheLayout, got {type(layout).__name__}")
+    if _count("max_model_len", max_model_len) == 0:
+        raise InvalidInputError("max_model_len must be positive")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max_model_len
+    if _count("max_num_batched_tokens", max_num_batched_tokens) == 0:
+        raise InvalidInputError("max_num_batched_tokens must be positive")
+    for i, g in enumerate(layout.groups):
+        spec = g.spec
+        if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:
+            raise InvalidInputError(
+                f"group {i}: attention_chunk_size={spec.attention_chunk_size} is not a multiple "
+                f"of block_size={spec.block_size}"
+            )
+    return max_num_batched_tokens
+
+
 class KVCacheManager:
     """Paged KV-cache manager for hybrid models: prefix caching, admission, window dropping.
 
@@ -96,21 +116,7 @@ class KVCacheManager:
         hash_algorithm: HashAlgorithm = "sha256",
         enable_events: bool = False,
     ) -> None:
-        if not isinstance(layout, KVCacheLayout):
-            raise InvalidInputError(f"layout must be a KVCacheLayout, got {type(layout).__name__}")
-        if _count("max_model_len", max_model_len) == 0:
-            raise InvalidInputError("max_model_len must be positive")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max_model_len
-        if _count("max_num_batched_tokens", max_num_batched_tokens) == 0:
-            raise InvalidInputError("max_num_batched_tokens must be positive")
-        for i, g in enumerate(layout.groups):
-            spec = g.spec
-            if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:
-                raise InvalidInputError(
-                    f"group {i}: attention_chunk_size={spec.attention_chunk_size} is not a multiple "
-                    f"of block_size={spec.block_size}"
-                )
+        max_num_batched_tokens = _checked_config(layout, max_model_len, max_num_batched_tokens)
         self.layout = layout
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -128,29 +134,42 @@ class KVCacheManager:
                              max_model_len=max_model_len)
             for rule in self.rules.groups
         ]
-        caching = [g for g in self.groups if g.caching]
         self.hash_block_size = self.rules.hash_block_size
         """Granularity of the sequence's block hashes (every caching group's block size is a multiple)."""
         self.hit_alignment = self.rules.hit_alignment
         """Every hit, local or external, is a multiple of this many tokens."""
         self.retainer = self.policy.build(self.pool, self.groups, self.block_hashes, self.hit_alignment)
-        self._caching = caching
+        self._sort_groups()
+        self._tracks_admissions = self.retainer.tracks_admissions
+        self._start_bookkeeping()
+        self._no_new_blocks = _empty_lists(len(self.groups))
+        self._stats = KVCacheStats()
+        self._token = object()  # the identity hits found here carry
+        self.pool.remember_evictions(g.group for g in self._deferred)
+
+    def _sort_groups(self) -> None:
+        """The groups each step of ``allocate`` (and ``free``) visits, by what their kinds do."""
+        self._caching = [g for g in self.groups if g.caching]
         # The pages of a recurrent state after its first: groups with the first's rules and table shape.
         # Their dropped blocks go to retention with the first's, in one call, index by index (a state's
         # pages then also leave the cache together); their idle limits are the first's.
         self._pages: dict[int, list[KindManager]] = {
             st.groups[0]: [self.groups[g] for g in st.groups[1:]]
-            for st in layout.recurrent_states if len(st.groups) > 1
+            for st in self.layout.recurrent_states if len(st.groups) > 1
         }
         followers = {g.group for pages in self._pages.values() for g in pages}
         self._droppers = [g for g in self.groups
                           if g.drops_blocks and g.group not in followers]
         self._limiters = [g for g in self.groups if g.group not in followers]
         self.retainer.pages = {first: tuple(g.group for g in pages) for first, pages in self._pages.items()}
-        self._deferred = [g for g in caching if g.registers_when_computed]
+        self._deferred = [g for g in self._caching if g.registers_when_computed]
         self._checkpointing = [g for g in self._deferred if g.checkpoints]
         self._preparing = [g for g in self.groups if g.prepares]
-        self._tracks_admissions = self.retainer.tracks_admissions
+        self._draft_blockers = [g for g in self.groups if not g.supports_drafts]
+        self._whole_steps = bool(self._deferred)
+
+    def _start_bookkeeping(self) -> None:
+        """The per-sequence records, empty: no sequence holds blocks yet."""
         self._seqs: dict[str, KVSequence] = {}
         # Per running Sequence object (keyed by identity): the slot count up to which a step has
         # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
@@ -170,16 +189,10 @@ class KVCacheManager:
         # ``release_lookahead`` (which keeps the blocks of the verified tokens only). A table that
         # holds lookahead slots has no entry past what these slots need.
         self._reach: dict[str, tuple[int, int]] = {}
-        self._draft_blockers = [g for g in self.groups if not g.supports_drafts]
-        self._whole_steps = bool(self._deferred)
         # Running sequences whose hit took blocks another sequence was to compute in the same step,
         # freed before it ran: that KV will never be written, so they cannot go on (free them).
         self._orphaned: dict[str, str] = {}
         self._losses: dict[str, dict[str, int]] = {}  # per running sequence admitted on a shortened hit
-        self._no_new_blocks = _empty_lists(len(self.groups))
-        self._stats = KVCacheStats()
-        self._token = object()  # the identity hits found here carry
-        self.pool.remember_evictions(g.group for g in self._deferred)
 
     # ------------------------------------------------------------------ queries
     @property
