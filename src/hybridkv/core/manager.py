@@ -888,39 +888,59 @@ class KVCacheManager:
         """
         self.pool.check_invariants()
         self.retainer.check_invariants()
-        pool = self.pool
         refs: Counter[int] = Counter()
         orphans: Counter[int] = Counter()  # per block, tables of orphaned sequences listing it
         for g in self.groups:
             assert set(g.tables) <= set(self._seqs), f"group {g.group} has tables of unknown sequences"
             for sid, table in g.tables.items():
-                live = [b for b in table if b != NULL_BLOCK]
-                assert len(live) == len(set(live)), f"sequence {sid!r} has a block twice in group {g.group}"
+                live = self._check_table(g, sid, table)
                 refs.update(live)
                 if sid in self._orphaned:
                     orphans.update(live)
-                seq = self._seqs[sid]
-                g.check_table(sid, seq.num_computed_tokens)
-                for b in live:
-                    if pool.block_hash[b] is not None:
-                        assert pool.block_group[b] == g.group, (
-                            f"block {b} of group {g.group} is cached under group {pool.block_group[b]}"
-                        )
-                if g.caching:
-                    hashes = self.block_hashes(seq, g)
-                    for i, b in enumerate(table):
-                        if b == NULL_BLOCK or i >= len(hashes):
-                            continue
-                        h = pool.block_hash[b]
-                        assert h is None or h == hashes[i], (
-                            f"sequence {sid!r} group {g.group} block {b} at index {i} holds another prefix"
-                        )
+        self._check_references(refs, orphans)
+        self._check_records()
+        self._check_draft_state()
+        assert len(self._idle_until) <= len(self._seqs) and all(
+            self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
+        ), "idle limits of sequences that hold no blocks"
+
+    def _check_table(self, g: KindManager, sid: str, table: list[int]) -> list[int]:
+        """Check one table of group ``g`` (each block once, the group's own rules, registered blocks
+        hold the sequence's own hash and are cached under ``g``); returns its non-null blocks."""
+        pool = self.pool
+        live = [b for b in table if b != NULL_BLOCK]
+        assert len(live) == len(set(live)), f"sequence {sid!r} has a block twice in group {g.group}"
+        seq = self._seqs[sid]
+        g.check_table(sid, seq.num_computed_tokens)
+        for b in live:
+            if pool.block_hash[b] is not None:
+                assert pool.block_group[b] == g.group, (
+                    f"block {b} of group {g.group} is cached under group {pool.block_group[b]}"
+                )
+        if g.caching:
+            hashes = self.block_hashes(seq, g)
+            for i, b in enumerate(table):
+                if b == NULL_BLOCK or i >= len(hashes):
+                    continue
+                h = pool.block_hash[b]
+                assert h is None or h == hashes[i], (
+                    f"sequence {sid!r} group {g.group} block {b} at index {i} holds another prefix"
+                )
+        return live
+
+    def _check_references(self, refs: Counter[int], orphans: Counter[int]) -> None:
+        """Each block's reference count is the number of tables listing it (``refs``); a block in two
+        tables is cached (tables of orphaned sequences, ``orphans``, aside)."""
+        pool = self.pool
         for b in range(1, pool.num_blocks):
             r = pool.ref_cnt[b]
             assert r == refs.get(b, 0), f"block {b}: ref_cnt {r} but {refs.get(b, 0)} table references"
             assert r - orphans.get(b, 0) <= 1 or pool.block_hash[b] is not None, (
                 f"block {b} is in {r} tables without being cached (only hits may share blocks)"
             )
+
+    def _check_records(self) -> None:
+        """The per-sequence records cover the sequences holding blocks, and their values are consistent."""
         for sid, seq in self._seqs.items():
             assert any(sid in g.tables for g in self.groups) or not self.groups, f"{sid!r} has no tables"
             assert self._idle_until.get(seq, 0) <= self._idle_limit(sid), f"{sid!r}: idle limit too high"
@@ -930,6 +950,10 @@ class KVCacheManager:
         for sid, (base, known, ceiling) in self._progress.items():
             assert 0 <= base <= known <= ceiling, f"{sid!r}: progress {base}, {known}, {ceiling}"
         assert self._reach.keys() == self._seqs.keys(), "slot counts of sequences that hold no blocks"
+
+    def _check_draft_state(self) -> None:
+        """No table that holds lookahead slots has an entry past what its slots need, and no block is
+        registered past the tokens given slots as computed, external or new tokens."""
         for g in self.groups:
             for sid, table in g.tables.items():
                 known, slots = self._reach[sid]
@@ -947,9 +971,6 @@ class KVCacheManager:
                         f"sequence {sid!r} group {g.group}: {g.num_cached[sid]} blocks registered, but only "
                         f"{known} tokens were given slots as computed, external or new tokens"
                     )
-        assert len(self._idle_until) <= len(self._seqs) and all(
-            self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
-        ), "idle limits of sequences that hold no blocks"
 
     def __repr__(self) -> str:
         return (
