@@ -485,7 +485,7 @@ class KVCacheManager:
     def _admit(self, seq: KVSequence, adopted: CacheHit, external: int, known: int, total: int,
                bound: int | None) -> tuple[list[int], ...] | None:
         """``allocate``'s next phases for a new sequence: count the blocks it needs besides its hit and
-        check them against the admissible blocks (None, with nothing changed, if they do not fit),
+        check them against the admissible blocks (None if they do not fit: nothing is adopted),
         adopt the hit in every group before any group allocates (two-phase adoption), then take the
         blocks of the external and the new tokens."""
         planned = self._plan_admission(seq, adopted, external, known, total, bound)
