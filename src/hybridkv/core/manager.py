@@ -78,6 +78,26 @@ def _count(name: str, value: object) -> int:
     return value
 
 
+def _checked_config(layout: KVCacheLayout, max_model_len: int, max_num_batched_tokens: int | None) -> int:
+    """The manager's arguments are well formed; returns ``max_num_batched_tokens`` (default ``max_model_len``)."""
+    if not isinstance(layout, KVCacheLayout):
+        raise InvalidInputError(f"layout must be a KVCacheLayout, got {type(layout).__name__}")
+    if _count("max_model_len", max_model_len) == 0:
+        raise InvalidInputError("max_model_len must be positive")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max_model_len
+    if _count("max_num_batched_tokens", max_num_batched_tokens) == 0:
+        raise InvalidInputError("max_num_batched_tokens must be positive")
+    for i, g in enumerate(layout.groups):
+        spec = g.spec
+        if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:
+            raise InvalidInputError(
+                f"group {i}: attention_chunk_size={spec.attention_chunk_size} is not a multiple "
+                f"of block_size={spec.block_size}"
+            )
+    return max_num_batched_tokens
+
+
 class KVCacheManager:
     """Paged KV-cache manager for hybrid models: prefix caching, admission, window dropping.
 
@@ -96,21 +116,7 @@ class KVCacheManager:
         hash_algorithm: HashAlgorithm = "sha256",
         enable_events: bool = False,
     ) -> None:
-        if not isinstance(layout, KVCacheLayout):
-            raise InvalidInputError(f"layout must be a KVCacheLayout, got {type(layout).__name__}")
-        if _count("max_model_len", max_model_len) == 0:
-            raise InvalidInputError("max_model_len must be positive")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max_model_len
-        if _count("max_num_batched_tokens", max_num_batched_tokens) == 0:
-            raise InvalidInputError("max_num_batched_tokens must be positive")
-        for i, g in enumerate(layout.groups):
-            spec = g.spec
-            if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:
-                raise InvalidInputError(
-                    f"group {i}: attention_chunk_size={spec.attention_chunk_size} is not a multiple "
-                    f"of block_size={spec.block_size}"
-                )
+        max_num_batched_tokens = _checked_config(layout, max_model_len, max_num_batched_tokens)
         self.layout = layout
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -128,29 +134,42 @@ class KVCacheManager:
                              max_model_len=max_model_len)
             for rule in self.rules.groups
         ]
-        caching = [g for g in self.groups if g.caching]
         self.hash_block_size = self.rules.hash_block_size
         """Granularity of the sequence's block hashes (every caching group's block size is a multiple)."""
         self.hit_alignment = self.rules.hit_alignment
         """Every hit, local or external, is a multiple of this many tokens."""
         self.retainer = self.policy.build(self.pool, self.groups, self.block_hashes, self.hit_alignment)
-        self._caching = caching
+        self._sort_groups()
+        self._tracks_admissions = self.retainer.tracks_admissions
+        self._start_bookkeeping()
+        self._no_new_blocks = _empty_lists(len(self.groups))
+        self._stats = KVCacheStats()
+        self._token = object()  # the identity hits found here carry
+        self.pool.remember_evictions(g.group for g in self._deferred)
+
+    def _sort_groups(self) -> None:
+        """The groups each step of ``allocate`` (and ``free``) visits, by what their kinds do."""
+        self._caching = [g for g in self.groups if g.caching]
         # The pages of a recurrent state after its first: groups with the first's rules and table shape.
         # Their dropped blocks go to retention with the first's, in one call, index by index (a state's
         # pages then also leave the cache together); their idle limits are the first's.
         self._pages: dict[int, list[KindManager]] = {
             st.groups[0]: [self.groups[g] for g in st.groups[1:]]
-            for st in layout.recurrent_states if len(st.groups) > 1
+            for st in self.layout.recurrent_states if len(st.groups) > 1
         }
         followers = {g.group for pages in self._pages.values() for g in pages}
         self._droppers = [g for g in self.groups
                           if g.drops_blocks and g.group not in followers]
         self._limiters = [g for g in self.groups if g.group not in followers]
         self.retainer.pages = {first: tuple(g.group for g in pages) for first, pages in self._pages.items()}
-        self._deferred = [g for g in caching if g.registers_when_computed]
+        self._deferred = [g for g in self._caching if g.registers_when_computed]
         self._checkpointing = [g for g in self._deferred if g.checkpoints]
         self._preparing = [g for g in self.groups if g.prepares]
-        self._tracks_admissions = self.retainer.tracks_admissions
+        self._draft_blockers = [g for g in self.groups if not g.supports_drafts]
+        self._whole_steps = bool(self._deferred)
+
+    def _start_bookkeeping(self) -> None:
+        """The per-sequence records, empty: no sequence holds blocks yet."""
         self._seqs: dict[str, KVSequence] = {}
         # Per running Sequence object (keyed by identity): the slot count up to which a step has
         # nothing to allocate, drop or register in any group (most decodes), so ``allocate`` can
@@ -170,16 +189,10 @@ class KVCacheManager:
         # ``release_lookahead`` (which keeps the blocks of the verified tokens only). A table that
         # holds lookahead slots has no entry past what these slots need.
         self._reach: dict[str, tuple[int, int]] = {}
-        self._draft_blockers = [g for g in self.groups if not g.supports_drafts]
-        self._whole_steps = bool(self._deferred)
         # Running sequences whose hit took blocks another sequence was to compute in the same step,
         # freed before it ran: that KV will never be written, so they cannot go on (free them).
         self._orphaned: dict[str, str] = {}
         self._losses: dict[str, dict[str, int]] = {}  # per running sequence admitted on a shortened hit
-        self._no_new_blocks = _empty_lists(len(self.groups))
-        self._stats = KVCacheStats()
-        self._token = object()  # the identity hits found here carry
-        self.pool.remember_evictions(g.group for g in self._deferred)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -399,112 +412,143 @@ class KVCacheManager:
                     and computed + num_new_tokens <= seq.num_tokens <= self.max_model_len):
                 return self._no_new_blocks()  # the step has nothing to allocate, register or drop
 
-        # 1. Validate.
-        self._check_step(seq, num_new_tokens, num_external_tokens, num_lookahead_tokens)
-        if type(reserve_lookahead_tokens) is not int or reserve_lookahead_tokens < 0:
+        # The checked path. Validate (the hit too, for a new sequence):
+        adopted, computed = self._checked_step(seq, num_new_tokens, hit, num_external_tokens, num_lookahead_tokens,
+                                               reserve_lookahead_tokens)
+        known = computed + num_external_tokens + num_new_tokens
+        total = known + num_lookahead_tokens
+        bound = num_lookahead_tokens + reserve_lookahead_tokens if whole_sequence_must_fit else None
+        # Free what the windows no longer need, count and check, adopt the hit (two-phase), allocate:
+        if adopted is None:
+            new_blocks = self._grow_running(seq, computed, known, total, bound)
+        else:
+            new_blocks = self._admit(seq, adopted, num_external_tokens, known, total, bound)
+        if new_blocks is None:
+            self._stats.allocation_failures += 1
+            return None
+        # Register the full blocks this step computes; note the progress (and the admission).
+        self._register(seq, computed, num_external_tokens, known)
+        self._note_progress(seq, computed, known, total, num_lookahead_tokens)
+        if adopted is not None:
+            self._count_admission(seq, adopted, num_external_tokens)
+        return new_blocks
+
+    def _checked_step(self, seq: KVSequence, num_new: int, hit: CacheHit | None, num_external: int,
+                      num_lookahead: int, reserve_lookahead: int) -> tuple[CacheHit | None, int]:
+        """``allocate``'s first phase, validate: everything is checked before anything changes. Returns
+        the hit to adopt, verified against the sequence (None for a running sequence), and the
+        tokens computed before the step."""
+        self._check_step(seq, num_new, num_external, num_lookahead)
+        if type(reserve_lookahead) is not int or reserve_lookahead < 0:
             raise InvalidInputError(
-                f"reserve_lookahead_tokens must be a non-negative integer, got {reserve_lookahead_tokens!r}")
-        if (num_lookahead_tokens or reserve_lookahead_tokens) and self._draft_blockers:
-            self._refuse_drafts(num_lookahead_tokens or reserve_lookahead_tokens)
-        sid = seq.seq_id
-        groups = self.groups
-        pool = self.pool
+                f"reserve_lookahead_tokens must be a non-negative integer, got {reserve_lookahead!r}")
+        if (num_lookahead or reserve_lookahead) and self._draft_blockers:
+            self._refuse_drafts(num_lookahead or reserve_lookahead)
         adopted: CacheHit | None = None
-        losses: dict[str, int] | None = None
-        if sid in self._seqs:
-            self._check_running(seq, hit, num_external_tokens)
-            if sid in self._orphaned:
-                raise InvalidInputError(
-                    f"sequence {sid!r} adopted blocks sequence {self._orphaned[sid]!r} was to compute in the same "
-                    f"step, and {self._orphaned[sid]!r} was freed before that step ran: free {sid!r} and admit "
-                    f"it again"
-                )
-            computed = seq.num_computed_tokens
-            progress = self._progress[sid]
-            lowest, ceiling = progress[self._whole_steps], progress[2]
-            if not lowest <= computed <= ceiling:
-                since = "that step's end" if self._whole_steps else "what was computed before it"
-                what = "a rewind, or a step re-planned or run in part," if self._whole_steps else "a rewind"
-                raise InvalidInputError(
-                    f"sequence {sid!r}: num_computed_tokens={computed}, but after its last allocation it can "
-                    f"only be {lowest}..{ceiling} ({since} .. the slots it holds): {what} needs free() and a "
-                    f"new admission"
-                )
-            hit_blocks: list[list[int]] | tuple[()] = ()
+        if seq.seq_id in self._seqs:
+            computed = self._check_running(seq, hit, num_external)
         else:
             adopted = self._verified_hit(seq, hit)
             computed = adopted.num_tokens
-            hit_blocks = [list(ids) for ids in adopted.block_ids]
-        known = computed + num_external_tokens + num_new_tokens
-        if known > seq.num_tokens:
+        if computed + num_external + num_new > seq.num_tokens:
             raise InvalidInputError(
-                f"sequence {sid!r}: {computed} computed + {num_external_tokens} external + "
-                f"{num_new_tokens} new tokens exceed its {seq.num_tokens} tokens"
+                f"sequence {seq.seq_id!r}: {computed} computed + {num_external} external + "
+                f"{num_new} new tokens exceed its {seq.num_tokens} tokens"
             )
-        total = known + num_lookahead_tokens
+        return adopted, computed
 
-        # 2. Plan: make room (what the windows no longer need), then count per group and check.
-        if adopted is None:
-            if self._deferred:
-                self._register_computed(seq, computed)
-            for g in self._droppers:
-                freed = g.remove_skipped(sid, computed)
-                pages = self._pages.get(g.group) if self._pages else None
-                if pages:
-                    freed = page_by_page(freed, [p.remove_skipped(sid, computed) for p in pages])
-                if freed:
-                    self.retainer.release_dropped(g, seq, freed)
-            plans = [g.plan_indices(sid, (), computed, 0, total if g.holds_lookahead else known) for g in groups]
-            need = sum(map(len, plans))
-            if whole_sequence_must_fit:
-                need = self._whole_sequence_need(seq, plans, None, num_lookahead_tokens + reserve_lookahead_tokens)
-            if need and need > pool.num_free_blocks:
-                self._stats.allocation_failures += 1
-                return None
-            new_blocks = tuple([g.grow(sid, indices, allow_reserved=True) if indices else []
-                                for g, indices in zip(groups, plans)])
+    def _grow_running(self, seq: KVSequence, computed: int, known: int, total: int,
+                      bound: int | None) -> tuple[list[int], ...] | None:
+        """``allocate``'s next phases for a running sequence: enter the checkpoints its last step
+        computed, free the blocks its windows no longer need, count the blocks the step needs (with
+        ``bound``, the admission bound for that many draft slots past its end), check them against the
+        free blocks and take them; None, with nothing taken, if they do not fit."""
+        sid = seq.seq_id
+        if self._deferred:
+            self._register_computed(seq, computed)
+        for g in self._droppers:
+            freed = g.remove_skipped(sid, computed)
+            pages = self._pages.get(g.group) if self._pages else None
+            if pages:
+                freed = page_by_page(freed, [p.remove_skipped(sid, computed) for p in pages])
+            if freed:
+                self.retainer.release_dropped(g, seq, freed)
+        plans = [g.plan_indices(sid, (), computed, 0, total if g.holds_lookahead else known) for g in self.groups]
+        need = sum(map(len, plans))
+        if bound is not None:
+            need = self._whole_sequence_need(seq, plans, None, bound)
+        if need and need > self.pool.num_free_blocks:
+            return None
+        return tuple([g.grow(sid, indices, allow_reserved=True) if indices else []
+                      for g, indices in zip(self.groups, plans)])
+
+    def _admit(self, seq: KVSequence, adopted: CacheHit, external: int, known: int, total: int,
+               bound: int | None) -> tuple[list[int], ...] | None:
+        """``allocate``'s next phases for a new sequence: count the blocks it needs besides its hit and
+        check them against the admissible blocks (None if they do not fit: nothing is adopted),
+        adopt the hit in every group before any group allocates (two-phase adoption), then take the
+        blocks of the external and the new tokens."""
+        planned = self._plan_admission(seq, adopted, external, known, total, bound)
+        if planned is None:
+            return None
+        hit_blocks, plans, live, free = planned
+        sid = seq.seq_id
+        # Why the hit is shorter than the full-attention prefix, on the pool as the lookup saw it.
+        if adopted.full_hit_tokens > adopted.num_tokens:
+            losses = self._hit_losses(seq, adopted)
+            if losses:
+                self._losses[sid] = losses
+                for cause, n in losses.items():
+                    self._stats.lost_hit_tokens[cause] += n
+        self.pool.touch(live, free)
+        for g, blocks in zip(self.groups, hit_blocks):
+            g.adopt(sid, blocks)
+        self._seqs[sid] = seq
+        return tuple([g.grow(sid, indices, allow_reserved=False) for g, indices in zip(self.groups, plans)])
+
+    def _plan_admission(self, seq: KVSequence, adopted: CacheHit, external: int, known: int, total: int,
+                        bound: int | None
+                        ) -> tuple[list[list[int]], list[range | list[int]], list[int], list[int]] | None:
+        """The admission's plan: per group the hit blocks to adopt and the table indices to fill,
+        the hit's live blocks and those of them now free; None if the blocks it takes (the free hit
+        blocks included, with what retention reserves for them) exceed the admissible ones."""
+        sid, computed, pool = seq.seq_id, adopted.num_tokens, self.pool
+        start = computed + external
+        hit_blocks = [g.adoptable(list(ids), start) if ids else list(ids)
+                      for g, ids in zip(self.groups, adopted.block_ids)]
+        for g in self._preparing:
+            g.prepare(seq, self._checkpoints(seq, g, adopted, start))
+        plans = [g.plan_indices(sid, blocks, computed, external, total if g.holds_lookahead else known)
+                 for g, blocks in zip(self.groups, hit_blocks)]
+        need = sum(map(len, plans))
+        if bound is not None:
+            need = self._whole_sequence_need(seq, plans, hit_blocks, bound)
+        # Null entries lead a hit (window hits are mostly null): a list without one is kept as is.
+        live = list(chain.from_iterable(b if not b or b[0] else filter(None, b) for b in hit_blocks))
+        ref = pool.ref_cnt
+        free = [b for b in live if not ref[b]]
+        if pool.kept is None:
+            need += len(free)
         else:
-            start = computed + num_external_tokens
-            hit_blocks = [g.adoptable(blocks, start) if blocks else blocks for g, blocks in zip(groups, hit_blocks)]
-            for g in self._preparing:
-                g.prepare(seq, self._checkpoints(seq, g, adopted, start))
-            plans = [g.plan_indices(sid, blocks, computed, num_external_tokens, total if g.holds_lookahead else known)
-                     for g, blocks in zip(groups, hit_blocks)]
-            need = sum(map(len, plans))
-            if whole_sequence_must_fit:
-                need = self._whole_sequence_need(seq, plans, hit_blocks,
-                                                 num_lookahead_tokens + reserve_lookahead_tokens)
-            # Null entries lead a hit (window hits are mostly null): a list without one is kept as is.
-            live = list(chain.from_iterable(b if not b or b[0] else filter(None, b) for b in hit_blocks))
-            ref = pool.ref_cnt
-            free = [b for b in live if not ref[b]]
-            if pool.kept is None:
-                need += len(free)
-            else:
+            cost = self.retainer.admission_cost(free)
+            if need + cost > pool.num_admissible_blocks >= need + len(free):
+                # Adopting the hit would reserve the blocks kept under its anchors and leave too
+                # little for the rest: they yield to the admission (to ``low``), or a request that
+                # fits an idle pool would wait for ever.
+                pool.unkeep(free)
                 cost = self.retainer.admission_cost(free)
-                if need + cost > pool.num_admissible_blocks >= need + len(free):
-                    # Adopting the hit would reserve the blocks kept under its anchors and leave too
-                    # little for the rest: they yield to the admission (to ``low``), or a request that
-                    # fits an idle pool would wait for ever.
-                    pool.unkeep(free)
-                    cost = self.retainer.admission_cost(free)
-                need += cost
-            if need > pool.num_admissible_blocks:
-                self._stats.allocation_failures += 1
-                for g in self._preparing:
-                    g.pop_table(sid)  # forget what ``prepare`` noted
-                return None
+            need += cost
+        if need > pool.num_admissible_blocks:
+            for g in self._preparing:
+                g.pop_table(sid)  # forget what ``prepare`` noted
+            return None
+        return hit_blocks, plans, live, free
 
-            # Why the hit is shorter than the full-attention prefix, on the pool as the lookup saw it.
-            if adopted.full_hit_tokens > computed:
-                losses = self._hit_losses(seq, adopted)
-            # 3. Apply: adopt the hit in every group before any group allocates (two-phase adoption).
-            pool.touch(live, free)
-            for g, blocks in zip(groups, hit_blocks):
-                g.adopt(sid, blocks)
-            self._seqs[sid] = seq
-            new_blocks = tuple([g.grow(sid, indices, allow_reserved=False) for g, indices in zip(groups, plans)])
-        self._register(seq, computed, num_external_tokens, known)
+    def _note_progress(self, seq: KVSequence, computed: int, known: int, total: int, lookahead: int) -> None:
+        """After a step's blocks are taken: the slot count up to which the next steps have nothing
+        to do (``_idle_until``), the counts the next allocation may report (``_progress``) and the
+        most tokens and slots given so far (``_reach``)."""
+        sid = seq.seq_id
         limit = self.max_model_len  # the slot count up to which the next steps have nothing to do
         for g in self._limiters:
             group_limit = g.idle_limit(sid)
@@ -512,24 +556,21 @@ class KVCacheManager:
                 limit = group_limit
         self._idle_until[seq] = limit
         ceiling = known if known > limit else limit
-        if num_lookahead_tokens and total > ceiling:
+        if lookahead and total > ceiling:
             ceiling = total  # verified drafts advance the count into the step's lookahead slots
         self._progress[sid] = (computed, known, ceiling)
         reach = self._reach.get(sid)
         self._reach[sid] = (known, total) if reach is None else (max(reach[0], known), max(reach[1], total))
-        if adopted is not None:
-            st = self._stats
-            st.admissions += 1
-            st.queried_tokens += seq.num_tokens
-            st.hit_tokens += computed
-            st.external_tokens += num_external_tokens
-            if losses:
-                self._losses[sid] = losses
-                for cause, n in losses.items():
-                    st.lost_hit_tokens[cause] += n
-            if self._tracks_admissions:
-                self.retainer.on_admit(seq, adopted)
-        return new_blocks
+
+    def _count_admission(self, seq: KVSequence, adopted: CacheHit, external: int) -> None:
+        """Count an admission (its prompt, hit and external tokens) and tell retention."""
+        st = self._stats
+        st.admissions += 1
+        st.queried_tokens += seq.num_tokens
+        st.hit_tokens += adopted.num_tokens
+        st.external_tokens += external
+        if self._tracks_admissions:
+            self.retainer.on_admit(seq, adopted)
 
     def release_lookahead(self, seq: KVSequence) -> int:
         """After a step with draft (lookahead) slots was verified: free every block wholly past the
@@ -757,7 +798,9 @@ class KVCacheManager:
                 f"exceed max_num_batched_tokens={self.max_num_batched_tokens}, which the per-request bounds assume"
             )
 
-    def _check_running(self, seq: KVSequence, hit: CacheHit | None, num_external_tokens: int) -> None:
+    def _check_running(self, seq: KVSequence, hit: CacheHit | None, num_external_tokens: int) -> int:
+        """A running sequence's next step is well formed: its computed-token count (returned) is one
+        its last allocation allows (see ``_progress``)."""
         sid = seq.seq_id
         if self._seqs[sid] is not seq:
             raise InvalidInputError(f"another Sequence object with id {sid!r} is already running")
@@ -769,6 +812,24 @@ class KVCacheManager:
             raise InvalidInputError(
                 f"sequence {sid!r} is running: external tokens can only be loaded at its first allocation"
             )
+        if sid in self._orphaned:
+            raise InvalidInputError(
+                f"sequence {sid!r} adopted blocks sequence {self._orphaned[sid]!r} was to compute in the same "
+                f"step, and {self._orphaned[sid]!r} was freed before that step ran: free {sid!r} and admit "
+                f"it again"
+            )
+        computed: int = seq.num_computed_tokens
+        progress = self._progress[sid]
+        lowest, ceiling = progress[self._whole_steps], progress[2]
+        if not lowest <= computed <= ceiling:
+            since = "that step's end" if self._whole_steps else "what was computed before it"
+            what = "a rewind, or a step re-planned or run in part," if self._whole_steps else "a rewind"
+            raise InvalidInputError(
+                f"sequence {sid!r}: num_computed_tokens={computed}, but after its last allocation it can "
+                f"only be {lowest}..{ceiling} ({since} .. the slots it holds): {what} needs free() and a "
+                f"new admission"
+            )
+        return computed
 
     def _verified_hit(self, seq: KVSequence, hit: CacheHit | None) -> CacheHit:
         """The hit to adopt for a new sequence, checked against the sequence before anything changes.
@@ -827,39 +888,59 @@ class KVCacheManager:
         """
         self.pool.check_invariants()
         self.retainer.check_invariants()
-        pool = self.pool
         refs: Counter[int] = Counter()
         orphans: Counter[int] = Counter()  # per block, tables of orphaned sequences listing it
         for g in self.groups:
             assert set(g.tables) <= set(self._seqs), f"group {g.group} has tables of unknown sequences"
             for sid, table in g.tables.items():
-                live = [b for b in table if b != NULL_BLOCK]
-                assert len(live) == len(set(live)), f"sequence {sid!r} has a block twice in group {g.group}"
+                live = self._check_table(g, sid, table)
                 refs.update(live)
                 if sid in self._orphaned:
                     orphans.update(live)
-                seq = self._seqs[sid]
-                g.check_table(sid, seq.num_computed_tokens)
-                for b in live:
-                    if pool.block_hash[b] is not None:
-                        assert pool.block_group[b] == g.group, (
-                            f"block {b} of group {g.group} is cached under group {pool.block_group[b]}"
-                        )
-                if g.caching:
-                    hashes = self.block_hashes(seq, g)
-                    for i, b in enumerate(table):
-                        if b == NULL_BLOCK or i >= len(hashes):
-                            continue
-                        h = pool.block_hash[b]
-                        assert h is None or h == hashes[i], (
-                            f"sequence {sid!r} group {g.group} block {b} at index {i} holds another prefix"
-                        )
+        self._check_references(refs, orphans)
+        self._check_records()
+        self._check_draft_state()
+        assert len(self._idle_until) <= len(self._seqs) and all(
+            self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
+        ), "idle limits of sequences that hold no blocks"
+
+    def _check_table(self, g: KindManager, sid: str, table: list[int]) -> list[int]:
+        """Check one table of group ``g`` (each block once, the group's own rules, registered blocks
+        hold the sequence's own hash and are cached under ``g``); returns its non-null blocks."""
+        pool = self.pool
+        live = [b for b in table if b != NULL_BLOCK]
+        assert len(live) == len(set(live)), f"sequence {sid!r} has a block twice in group {g.group}"
+        seq = self._seqs[sid]
+        g.check_table(sid, seq.num_computed_tokens)
+        for b in live:
+            if pool.block_hash[b] is not None:
+                assert pool.block_group[b] == g.group, (
+                    f"block {b} of group {g.group} is cached under group {pool.block_group[b]}"
+                )
+        if g.caching:
+            hashes = self.block_hashes(seq, g)
+            for i, b in enumerate(table):
+                if b == NULL_BLOCK or i >= len(hashes):
+                    continue
+                h = pool.block_hash[b]
+                assert h is None or h == hashes[i], (
+                    f"sequence {sid!r} group {g.group} block {b} at index {i} holds another prefix"
+                )
+        return live
+
+    def _check_references(self, refs: Counter[int], orphans: Counter[int]) -> None:
+        """Each block's reference count is the number of tables listing it (``refs``); a block in two
+        tables is cached (tables of orphaned sequences, ``orphans``, aside)."""
+        pool = self.pool
         for b in range(1, pool.num_blocks):
             r = pool.ref_cnt[b]
             assert r == refs.get(b, 0), f"block {b}: ref_cnt {r} but {refs.get(b, 0)} table references"
             assert r - orphans.get(b, 0) <= 1 or pool.block_hash[b] is not None, (
                 f"block {b} is in {r} tables without being cached (only hits may share blocks)"
             )
+
+    def _check_records(self) -> None:
+        """The per-sequence records cover the sequences holding blocks, and their values are consistent."""
         for sid, seq in self._seqs.items():
             assert any(sid in g.tables for g in self.groups) or not self.groups, f"{sid!r} has no tables"
             assert self._idle_until.get(seq, 0) <= self._idle_limit(sid), f"{sid!r}: idle limit too high"
@@ -869,6 +950,10 @@ class KVCacheManager:
         for sid, (base, known, ceiling) in self._progress.items():
             assert 0 <= base <= known <= ceiling, f"{sid!r}: progress {base}, {known}, {ceiling}"
         assert self._reach.keys() == self._seqs.keys(), "slot counts of sequences that hold no blocks"
+
+    def _check_draft_state(self) -> None:
+        """No table that holds lookahead slots has an entry past what its slots need, and no block is
+        registered past the tokens given slots as computed, external or new tokens."""
         for g in self.groups:
             for sid, table in g.tables.items():
                 known, slots = self._reach[sid]
@@ -886,9 +971,6 @@ class KVCacheManager:
                         f"sequence {sid!r} group {g.group}: {g.num_cached[sid]} blocks registered, but only "
                         f"{known} tokens were given slots as computed, external or new tokens"
                     )
-        assert len(self._idle_until) <= len(self._seqs) and all(
-            self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
-        ), "idle limits of sequences that hold no blocks"
 
     def __repr__(self) -> str:
         return (
