@@ -24,7 +24,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ("admission compares against all free blocks, not the admissible ones", "manager.py",
      "if need > pool.num_admissible_blocks:", "if need > pool.num_free_blocks:"),
     ("a hit's revived windows are not counted in the admission cost", "manager.py",
-     "need += self.retainer.admission_cost(free)", "need += len(free)"),
+     "need += cost", "need += len(free)"),
     ("retention may nest two levels deep", "retention.py",
      "if block in self.by_anchor or anchor in self.kept or block in self.kept:", "if block in self.kept:"),
     ("a window's hit span is one block too wide", "kinds/sliding_window.py",

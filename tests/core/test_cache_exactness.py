@@ -203,6 +203,49 @@ def test_a_hit_ending_on_a_junction_pays_for_the_kept_windows_it_adopts() -> Non
     assert set(outcomes) == {True, False}, f"the sweep never crossed the boundary: {outcomes}"
 
 
+def _reserved_windows_setup(num_blocks: int, ballast: int) -> tuple[KVCacheManager, Sequence]:
+    """As ``_junction_setup``, but a running sequence ``d`` holds the prefix past the junction, so
+    the two windows kept at 64 are *reserved* (their anchor is held): no new sequence could take
+    them anyway, so ``c``'s hit adopting them consumes no admissible block."""
+    mgr = manager(num_blocks, full(), swa(32), max_model_len=512, batch=64, retention="window")
+    prefix = tokens(0, 64)
+    for i in range(2):
+        _computed_and_freed(mgr, f"w{i}", prefix + tokens(1000 * (i + 1), 32))
+    d = Sequence("d", prefix + tokens(1000, 32) + tokens(4000, 8))
+    hit = mgr.lookup(d)
+    assert hit.num_tokens == 96 and mgr.allocate(d, 8, hit=hit) is not None
+    d.num_computed_tokens = 104
+    if ballast:
+        run_prefill(mgr, Sequence("ballast", tokens(50_000, ballast)), 64)
+    return mgr, Sequence("c", prefix + tokens(3000, 40))
+
+
+def test_a_hit_on_reserved_windows_costs_no_admissible_block() -> None:
+    """``c``'s hit at the junction adopts 4 held full-attention blocks and the 2 reserved kept
+    windows: admission needs only the step's own blocks, and must admit exactly when they fit."""
+    mgr, c = _reserved_windows_setup(36, 0)
+    hit = mgr.lookup(c)
+    free = [b for ids in hit.block_ids for b in ids if b and not mgr.pool.ref_cnt[b]]
+    assert hit.num_tokens == 64 and len(free) == 2 and {mgr.pool.queue_of(b) for b in free} == {"kept"}
+    assert mgr.retainer.admission_cost(free) == 0
+    assert mgr.allocate(c, 40, hit=hit) is not None
+    step_blocks = mgr.num_held_blocks("c") - 6
+    outcomes = {}
+    for ballast in range(16, 304, 16):
+        mgr, c = _reserved_windows_setup(36, ballast)
+        hit = mgr.lookup(c)
+        if hit.num_tokens != 64:
+            continue  # the ballast evicted the prefix
+        admissible = mgr.num_admissible_blocks
+        result = mgr.allocate(c, 40, hit=hit)
+        mgr.check_invariants()
+        assert (result is not None) == (admissible >= step_blocks), (
+            f"{admissible} admissible blocks, {step_blocks} for the step (the hit costs none): allocate gave {result}"
+        )
+        outcomes[result is not None] = ballast
+    assert set(outcomes) == {True, False}, f"the sweep never crossed the boundary: {outcomes}"
+
+
 def test_a_chunked_local_hit_bounded_at_a_chunk_boundary_holds_no_block_of_that_group() -> None:
     """Chunks of 32 tokens: a hit ending at 64 starts a new chunk, so the chunked group reads
     nothing of the prefix (all null); a hit ending at 48 reads its chunk's block 2 (tokens 32..48)."""
