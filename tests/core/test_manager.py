@@ -426,3 +426,9 @@ def test_an_object_that_is_not_a_sequence_is_refused_with_its_type(bad: object) 
         mgr.allocate(bad, 16)
     mgr.check_invariants()
     assert mgr.num_free_blocks == 19
+
+
+def test_a_chunk_that_does_not_start_on_a_block_boundary_is_refused_naming_the_group() -> None:
+    with pytest.raises(InvalidInputError, match="group 1: attention_chunk_size=40 is not a multiple of block_size=16"):
+        manager(64, full(), chunked(40))
+    assert manager(64, full(), chunked(48)).num_free_blocks == 63

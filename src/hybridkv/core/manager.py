@@ -21,7 +21,6 @@ from hybridkv.core.kinds import KindManager, KindRule, kind_manager_for
 from hybridkv.core.layout import KVCacheLayout
 from hybridkv.core.retention import RetentionPolicy, make_policy
 from hybridkv.core.sequence import KVSequence, is_kv_sequence
-from hybridkv.core.specs import ChunkedLocalAttentionSpec
 from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequenceError
 
 
@@ -88,13 +87,6 @@ def _checked_config(layout: KVCacheLayout, max_model_len: int, max_num_batched_t
         max_num_batched_tokens = max_model_len
     if _count("max_num_batched_tokens", max_num_batched_tokens) == 0:
         raise InvalidInputError("max_num_batched_tokens must be positive")
-    for i, g in enumerate(layout.groups):
-        spec = g.spec
-        if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:
-            raise InvalidInputError(
-                f"group {i}: attention_chunk_size={spec.attention_chunk_size} is not a multiple "
-                f"of block_size={spec.block_size}"
-            )
     return max_num_batched_tokens
 
 

@@ -8,6 +8,7 @@ from hybridkv.core._util import cdiv
 from hybridkv.core.block_pool import NULL_BLOCK
 from hybridkv.core.kinds.base import KindManager, KindRule, scan_left_to_right
 from hybridkv.core.specs import ChunkedLocalAttentionSpec
+from hybridkv.errors import InvalidInputError
 
 
 class ChunkedLocalAttentionRule(KindRule):
@@ -16,6 +17,9 @@ class ChunkedLocalAttentionRule(KindRule):
     __slots__ = ("chunk",)
 
     def __init__(self, spec: ChunkedLocalAttentionSpec, group: int, *, enable_caching: bool) -> None:
+        if spec.attention_chunk_size % spec.block_size:  # a chunk must start on a block boundary
+            raise InvalidInputError(f"group {group}: attention_chunk_size={spec.attention_chunk_size} is not a "
+                                    f"multiple of block_size={spec.block_size}")
         super().__init__(spec, group, enable_caching=enable_caching)
         self.chunk = spec.attention_chunk_size
 
