@@ -62,7 +62,7 @@ def compute(conn: Any, mgr: Any, seq: Sequence) -> None:
         assert mgr.allocate(seq, n, hit=hit if hit is not None else None) is not None
         hit = None
         seq.num_computed_tokens = c + n
-        conn.store(seq, c + n, mgr.block_table(seq.seq_id), lambda g, b: b"k" * 64, c)
+        conn.store(seq, c + n, lambda g, b: b"k" * 64, c)
     mgr.free(seq)
 
 

@@ -68,7 +68,7 @@ def produce(conn: KVConnector, tokens: list[int], *, salt: str | None = None, ch
         assert mgr.allocate(seq, n) is not None
         compute(mgr, seq, store, seq.num_computed_tokens, seq.num_computed_tokens + n)
         seq.num_computed_tokens += n
-        conn.store(seq, seq.num_computed_tokens, mgr.block_table(seq.seq_id), lambda g, b: store[(g, b)])
+        conn.store(seq, seq.num_computed_tokens, lambda g, b: store[(g, b)])
         mgr.check_invariants()
     mgr.free(seq)
 

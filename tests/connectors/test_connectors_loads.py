@@ -44,7 +44,7 @@ def fill(tier: HostTier, prompt: list[int]) -> None:
     seq = Sequence("producer", prompt)
     assert mgr.allocate(seq, len(prompt)) is not None
     seq.num_computed_tokens = len(prompt)
-    conn.store(seq, len(prompt), mgr.block_table("producer"), lambda g, b: b"k" * PAYLOAD, 0)
+    conn.store(seq, len(prompt), lambda g, b: b"k" * PAYLOAD, 0)
     mgr.free(seq)
 
 

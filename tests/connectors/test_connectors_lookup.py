@@ -65,7 +65,7 @@ def produce(conn: KVConnector, prompt: list[int], chunk: int = 4096) -> None:
         n = min(chunk, seq.num_tokens - c)
         assert mgr.allocate(seq, n) is not None
         seq.num_computed_tokens = c + n
-        conn.store(seq, c + n, mgr.block_table("p"), lambda g, b: b"k" * 8, c)
+        conn.store(seq, c + n, lambda g, b: b"k" * 8, c)
     mgr.free(seq)
 
 

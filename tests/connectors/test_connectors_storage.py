@@ -30,7 +30,7 @@ def produce(conn: KVConnector, prompt: list[int], chunk: int = 100, seq_id: str 
         n = min(chunk, seq.num_tokens - c)
         assert mgr.allocate(seq, n, hit=hit if first else None) is not None
         seq.num_computed_tokens = c
-        conn.store(seq, c + n, mgr.block_table(seq_id), lambda g, b: b"k" * PAYLOAD, c)
+        conn.store(seq, c + n, lambda g, b: b"k" * PAYLOAD, c)
         seq.num_computed_tokens = c + n
         first = False
     mgr.free(seq)
@@ -131,7 +131,7 @@ def test_a_recurrent_state_is_stored_when_the_step_that_computed_it_is_offered()
         assert mgr.allocate(seq, 300) is not None
         if report_first:
             seq.num_computed_tokens = 300
-        conn.store(seq, offered, mgr.block_table("m"), lambda g, b: b"k" * PAYLOAD, 0)
+        conn.store(seq, offered, lambda g, b: b"k" * PAYLOAD, 0)
         assert stored(conn, host, prompt, 1) == expected
         mgr.free(seq)
 

@@ -20,14 +20,14 @@ def converse(mgr: KVCacheManager, seq: Sequence, answer: int, conn: KVConnector 
     is reported computed; the last sampled token is appended but never computed), free. Returns the hit."""
     hit = run_prefill(mgr, seq, 4096)
     if conn is not None:
-        conn.store(seq, seq.num_computed_tokens, mgr.block_table(seq.seq_id), lambda g, b: b"k", hit)
+        conn.store(seq, seq.num_computed_tokens, lambda g, b: b"k", hit)
     for k in range(answer - 1):
         seq.append_token_ids([ANSWER + k])
         c = seq.num_computed_tokens
         assert mgr.allocate(seq, 1) is not None
         seq.num_computed_tokens = c + 1
         if conn is not None:
-            conn.store(seq, c + 1, mgr.block_table(seq.seq_id), lambda g, b: b"k", c)
+            conn.store(seq, c + 1, lambda g, b: b"k", c)
         mgr.check_invariants()
     seq.append_token_ids([ANSWER + answer - 1])
     mgr.free(seq)

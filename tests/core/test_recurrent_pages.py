@@ -213,7 +213,7 @@ def test_a_tier_stores_a_split_state_only_at_checkpoints_and_a_hit_needs_every_p
     seq = Sequence("p", tokens)
     assert producer.manager.allocate(seq, 100) is not None  # one step: the prompt-end checkpoint at 96
     seq.num_computed_tokens = 100
-    producer.store(seq, 100, producer.manager.block_table("p"), lambda g, b: bytes(65536))
+    producer.store(seq, 100, lambda g, b: bytes(65536))
     producer.manager.free(seq)
     state_keys = [producer.keys(seq, g) for g in (1, 2, 3)]
     # Each page of the state is stored at the checkpoint (block 5, after 96 tokens), nowhere else.

@@ -431,8 +431,7 @@ class KVConnector:
                                                       start_token, num_tokens)
         return self.storage.prioritized(self.manager, seq, start_token, num_tokens, junctions, with_low=with_low)
 
-    def store(self, seq: KVSequence, num_tokens: int, block_tables: BlockTables, read_block: ReadBlock,
-              start_token: int = 0) -> int:
+    def store(self, seq: KVSequence, num_tokens: int, read_block: ReadBlock, start_token: int = 0) -> int:
         """Offer the blocks computed in ``(start_token, num_tokens]`` (``offered``); returns blocks stored.
 
         The caller vouches that the KV of the first ``num_tokens`` tokens is in the blocks (an
@@ -441,10 +440,10 @@ class KVConnector:
         priority becomes normal). Low-priority offers go only to tiers with ``priorities``, and are
         chosen only when one of them can take one after the normal puts (``takes_low_puts``).
         ``read_block(group, block_id)`` returns the payload, which the codec encodes when a tier
-        lacks the block. ``block_tables`` is accepted for compatibility; the blocks are the
-        manager's own for the sequence (it must be running). Each tier takes the offers through
-        ``KVTier.offer``. The call that completes the prompt marks the prompt's chain recently used,
-        head last, so a tier evicts a prompt's tail before the prefix it shares.
+        lacks the block. The blocks are the manager's own for the sequence (it must be running).
+        Each tier takes the offers through ``KVTier.offer``. The call that completes the prompt marks
+        the prompt's chain recently used, head last, so a tier evicts a prompt's tail before the
+        prefix it shares.
         """
         targets = self.tiers if self.write_through else self.tiers[:1]
         count = 0  # the keys of one store are distinct: one tier's puts are counted as they are

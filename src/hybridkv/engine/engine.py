@@ -413,7 +413,7 @@ class LLMEngine:
             first = seq.num_computed_tokens
             # Offering the step's blocks vouches that it ran: the recurrent checkpoints it wrote
             # register and are offered too (the scheduler advances the count after sampling).
-            self.connector.store(seq, first + n, self.manager.block_table(sid), self.kv.read_block, first)
+            self.connector.store(seq, first + n, self.kv.read_block, first)
 
     def _consume(self, batch: Batch, lo: int, logits: torch.Tensor, sampled: dict[str, list[int]],
                  failed: dict[str, str], argmax: list[int] | None = None, *, verify: bool = True) -> None:

@@ -323,7 +323,7 @@ class SimTiers:
         """Write-through of the full blocks a step computed, tokens ``[start, start + num_tokens)``."""
         bs = self.hash_block_size
         if (start + num_tokens) // bs > start // bs:  # a block was completed
-            self.connector.store(seq, start + num_tokens, (), _no_payload, start)  # the tables: the manager's own
+            self.connector.store(seq, start + num_tokens, _no_payload, start)
 
     def summary(self) -> dict[str, Any]:
         """Per tier figures, keyed ``"<index>:<kind>"`` (see ``simulator`` for the keys)."""
