@@ -13,6 +13,8 @@ Each test builds one situation by hand and fails, every run, if the behaviour it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from hybridkv import CacheHit, InvalidInputError, KVCacheManager, Sequence
@@ -186,19 +188,27 @@ def test_a_hit_ending_on_a_junction_pays_for_the_kept_windows_it_adopts() -> Non
     assert hit.num_tokens == 64
     assert sorted(mgr.pool.queue_of(b) for ids in hit.block_ids for b in ids if b) == ["kept"] * 2 + ["lru"] * 4
     assert mgr.allocate(c, 40, hit=hit) is not None
-    step_blocks = mgr.num_held_blocks("c") - 6
+    _sweep_admission(lambda ballast: _junction_setup(40, ballast), range(16, 400, 16),
+                     step_blocks=mgr.num_held_blocks("c") - 6, hit_cost=6)
+
+
+def _sweep_admission(setup: Callable[[int], tuple[KVCacheManager, Sequence]], ballasts: range, *,
+                     step_blocks: int, hit_cost: int) -> None:
+    """Admit ``c`` (40 new tokens on its 64-token hit) beside running ballasts of growing size: it must
+    be admitted exactly when the admissible blocks cover the step's and the hit's cost, and the sweep
+    must cross that boundary."""
     outcomes = {}
-    for ballast in range(16, 400, 16):
-        mgr, c = _junction_setup(40, ballast)
+    for ballast in ballasts:
+        mgr, c = setup(ballast)
         hit = mgr.lookup(c)
         if hit.num_tokens != 64:
             continue  # the ballast evicted the prefix
         admissible = mgr.num_admissible_blocks
         result = mgr.allocate(c, 40, hit=hit)
         mgr.check_invariants()
-        assert (result is not None) == (admissible >= step_blocks + 6), (
-            f"{admissible} admissible blocks, {step_blocks} for the step + 6 for the hit: allocate gave {result}"
-        )
+        assert (result is not None) == (admissible >= step_blocks + hit_cost), (
+            f"{admissible} admissible blocks, {step_blocks} for the step + {hit_cost} for the hit: allocate gave "
+            f"{result}")
         outcomes[result is not None] = ballast
     assert set(outcomes) == {True, False}, f"the sweep never crossed the boundary: {outcomes}"
 
@@ -229,21 +239,8 @@ def test_a_hit_on_reserved_windows_costs_no_admissible_block() -> None:
     assert hit.num_tokens == 64 and len(free) == 2 and {mgr.pool.queue_of(b) for b in free} == {"kept"}
     assert mgr.retainer.admission_cost(free) == 0
     assert mgr.allocate(c, 40, hit=hit) is not None
-    step_blocks = mgr.num_held_blocks("c") - 6
-    outcomes = {}
-    for ballast in range(16, 304, 16):
-        mgr, c = _reserved_windows_setup(36, ballast)
-        hit = mgr.lookup(c)
-        if hit.num_tokens != 64:
-            continue  # the ballast evicted the prefix
-        admissible = mgr.num_admissible_blocks
-        result = mgr.allocate(c, 40, hit=hit)
-        mgr.check_invariants()
-        assert (result is not None) == (admissible >= step_blocks), (
-            f"{admissible} admissible blocks, {step_blocks} for the step (the hit costs none): allocate gave {result}"
-        )
-        outcomes[result is not None] = ballast
-    assert set(outcomes) == {True, False}, f"the sweep never crossed the boundary: {outcomes}"
+    _sweep_admission(lambda ballast: _reserved_windows_setup(36, ballast), range(16, 304, 16),
+                     step_blocks=mgr.num_held_blocks("c") - 6, hit_cost=0)
 
 
 def test_a_chunked_local_hit_bounded_at_a_chunk_boundary_holds_no_block_of_that_group() -> None:
