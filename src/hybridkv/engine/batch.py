@@ -95,8 +95,8 @@ class BatchBuilder:
         sampling_rows: dict[str, int] = {}
         spans: dict[str, tuple[int, int, int]] = {}
         num_prompt_tokens = 0
+        prefills: list[tuple[int, int, int, Tables]] = []  # (row, position, tokens, tables)
         decodes: list[tuple[int, int, Tables]] = []  # (row, position, tables)
-        parts: dict[int | None, list[AttentionPart]] = {w: [] for w in self.windows}
         states: list[StateSpan] = []
         batch_drafts: dict[str, tuple[int, list[int]]] = {}
         for sid, n in scheduled.items():
@@ -132,21 +132,30 @@ class BatchBuilder:
             if n == 1:
                 decodes.append((row, start, table))
             else:
-                for lo in range(0, n, QUERY_TILE):
-                    tile = (row + lo, start + lo, min(QUERY_TILE, n - lo), table)
-                    for w in self.windows:
-                        parts[w].append(self._part([tile], w))
+                prefills.append((row, start, n, table))
+        index = self._index
+        inputs = StepInputs(input_ids=index(ids), positions=index(positions),
+                            slot_mapping=[index(s) for s in slots], parts=self._attention_parts(prefills, decodes),
+                            logits_rows=index(logits_rows), states=states)
+        return Batch(inputs, sampling_rows, spans, num_prompt_tokens, batch_drafts)
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _attention_parts(self, prefills: list[tuple[int, int, int, Tables]],
+                         decodes: list[tuple[int, int, Tables]]) -> dict[int | None, list[AttentionPart]]:
+        """The step's attention calls per window: each of ``prefills`` = (first row, first position, tokens,
+        block tables) in ``QUERY_TILE`` tiles, then every decode (row, position, block tables) in one call."""
+        parts: dict[int | None, list[AttentionPart]] = {w: [] for w in self.windows}
+        for row, start, n, table in prefills:
+            for lo in range(0, n, QUERY_TILE):
+                tile = (row + lo, start + lo, min(QUERY_TILE, n - lo), table)
+                for w in self.windows:
+                    parts[w].append(self._part([tile], w))
         if decodes:
             for w in self.windows:
                 parts[w].append(self._part([(row, pos, 1, table) for row, pos, table in decodes], w))
-
-        def index(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        inputs = StepInputs(input_ids=index(ids), positions=index(positions),
-                            slot_mapping=[index(s) for s in slots], parts=parts, logits_rows=index(logits_rows),
-                            states=states)
-        return Batch(inputs, sampling_rows, spans, num_prompt_tokens, batch_drafts)
+        return parts
 
     def _part(self, members: list[tuple[int, int, int, Tables]], window: int | None) -> AttentionPart:
         """One attention call for ``members`` = (first row, first position, tokens, block tables), all

@@ -10,7 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridkv.engine.engine import LLMEngine, RequestOutput
+    from hybridkv.engine.sampling import SamplingParams
 
 DOCUMENT = (
     "Harbour Street Bakery opens at six every morning. The ovens are lit at four, the sourdough is shaped "
@@ -45,7 +49,7 @@ def add_parser(sub: Any) -> None:
 def engine_demo(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from hybridkv.engine.engine import LLMEngine, RequestOutput
+    from hybridkv.engine.engine import LLMEngine
     from hybridkv.engine.preflight import checked_engine_config
     from hybridkv.engine.sampling import SamplingParams
     from hybridkv.errors import InvalidInputError
@@ -64,16 +68,6 @@ def engine_demo(args: argparse.Namespace) -> int:
     document = DOCUMENT * args.repeat_document
     prompts = [document + "\n" + q for q in QUESTIONS[:args.requests]]
     params = SamplingParams(max_tokens=args.max_tokens, stop=("\n",))
-
-    def run(engine: LLMEngine) -> tuple[list[RequestOutput], float]:
-        if not engine.manager.reset_prefix_cache():  # each run starts cold: the first request computes the document
-            raise RuntimeError("the engine still holds blocks between runs")
-        start = time.perf_counter()
-        # The first request computes the document; the rest arrive as it finishes (they hit its prefix).
-        outs = engine.generate(prompts[:1], params)
-        outs += engine.generate(prompts[1:], params) if len(prompts) > 1 else []
-        return outs, time.perf_counter() - start
-
     n_tokens = len(cached_engine.tokenizer.encode(prompts[0]))
     print(f"\n{len(prompts)} requests sharing a {n_tokens}-token document (window 512: the sliding-window "
           f"layers drop blocks behind it); greedy, up to {args.max_tokens} tokens each.")
@@ -81,16 +75,42 @@ def engine_demo(args: argparse.Namespace) -> int:
     for engine in sides.values():  # warm-up, untimed: the first prefill and decodes of a process are slower
         engine.generate(prompts[:1], SamplingParams(max_tokens=2))
     print(f"Warm; {args.runs} timed runs of each side, alternating; the best counts.\n")
+    best, times, same = _timed_runs(sides, prompts, params, args.runs)
+    return _report(best, times, same, args.runs)
+
+
+def _run_cold(engine: LLMEngine, prompts: list[str],
+              params: SamplingParams) -> tuple[list[RequestOutput], float]:
+    """One timed run from an empty prefix cache: the first request computes the document; the rest
+    arrive as it finishes (they hit its prefix)."""
+    if not engine.manager.reset_prefix_cache():
+        raise RuntimeError("the engine still holds blocks between runs")
+    start = time.perf_counter()
+    outs = engine.generate(prompts[:1], params)
+    outs += engine.generate(prompts[1:], params) if len(prompts) > 1 else []
+    return outs, time.perf_counter() - start
+
+
+def _timed_runs(sides: dict[str, LLMEngine], prompts: list[str], params: SamplingParams, runs: int
+                ) -> tuple[dict[str, tuple[list[RequestOutput], float]], dict[str, list[float]], bool]:
+    """``runs`` runs of each side, alternating: each side's best run (outputs, seconds), every run's
+    seconds, and whether each side's runs gave the same tokens."""
     best: dict[str, tuple[list[RequestOutput], float]] = {}
     times: dict[str, list[float]] = {label: [] for label in sides}
     same = True
-    for _ in range(args.runs):
+    for _ in range(runs):
         for label, engine in sides.items():
-            outs, secs = run(engine)
+            outs, secs = _run_cold(engine, prompts, params)
             times[label].append(secs)
             same &= label not in best or [o.token_ids for o in outs] == [o.token_ids for o in best[label][0]]
             if label not in best or secs < best[label][1]:
                 best[label] = (outs, secs)
+    return best, times, same
+
+
+def _report(best: dict[str, tuple[list[RequestOutput], float]], times: dict[str, list[float]], same: bool,
+            runs: int) -> int:
+    """Print each side's answers and the speed-up; 1 if the outputs differ between runs or sides."""
     for label, (outs, secs) in best.items():
         print(f"{label}: {secs:.2f} s (runs: {', '.join(f'{t:.2f}' for t in times[label])})")
         for q, o in zip(QUESTIONS, outs):
@@ -101,7 +121,7 @@ def engine_demo(args: argparse.Namespace) -> int:
     same &= [a.token_ids for a in plain] == [b.token_ids for b in cached]
     ttft_plain = sum(o.ttft or 0 for o in plain[1:]) / max(1, len(plain) - 1)
     ttft_cached = sum(o.ttft or 0 for o in cached[1:]) / max(1, len(cached) - 1)
-    print(f"\nPrefix caching: {t_plain / t_cached:.1f}x faster end to end (best of {args.runs}, warm), mean TTFT "
+    print(f"\nPrefix caching: {t_plain / t_cached:.1f}x faster end to end (best of {runs}, warm), mean TTFT "
           f"of the requests after the first {1000 * ttft_plain:.0f} -> {1000 * ttft_cached:.0f} ms "
           f"({ttft_plain / ttft_cached:.1f}x); hit tokens per run {sum(o.num_cached_tokens for o in cached)}; "
           f"outputs identical: {same}")

@@ -39,7 +39,7 @@ from hybridkv.engine.sampling import (
 from hybridkv.engine.speculative import Backoff, NgramProposer, accept_greedy, accept_or_resample
 from hybridkv.engine.tiers import build_connector, parse_tier
 from hybridkv.errors import InvalidInputError
-from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, Status
+from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Status
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "ScoringHead", "build_connector", "parse_tier",
            "plan_kv_layout"]
@@ -109,26 +109,15 @@ class LLMEngine:
                 f"max_model_len={cfg.max_model_len} exceeds the model's context of {weights.max_position_embeddings}"
             )
         self.layout = plan_kv_layout(weights.layer_specs(cfg), cfg)
-        self.proposer: NgramProposer | None = None
+        self.proposer = self._proposer(cfg)
         """Draft tokens for each decode step (``speculative``)."""
-        if cfg.speculative is not None:
-            if self.layout.recurrent_states:
-                raise InvalidInputError(
-                    f"speculative decoding is not supported with {cfg.model}: its recurrent layers write their "
-                    f"state after a step's last draft, and a rejected draft would leave the state wrong"
-                )
-            self.proposer = NgramProposer(cfg.num_speculative_tokens)
         self.manager = KVCacheManager(
             self.layout, cfg.max_model_len, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
             retention=cfg.retention, hash_algorithm=cfg.hash_algorithm,  # type: ignore[arg-type]
             enable_events=cfg.kv_events_endpoint is not None,
         )
-        self.events: Any = None
+        self.events = self._event_publisher(cfg)
         """The KV-event publisher (vLLM's wire format on ZMQ) when ``kv_events_endpoint`` is set."""
-        if cfg.kv_events_endpoint is not None:
-            from hybridkv.cluster.publisher import KVEventPublisher
-
-            self.events = KVEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint)
         self.connector = build_connector(cfg, self.manager) if cfg.kv_tiers else None
         if self.events is not None and self.connector is not None:
             self.connector.enable_events()  # host and disk tiers publish too (connectors.tier_events)
@@ -156,6 +145,24 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._aborted: list[str] = []
         self._uncached_requests = 0
+
+    def _proposer(self, cfg: EngineConfig) -> NgramProposer | None:
+        if cfg.speculative is None:
+            return None
+        if self.layout.recurrent_states:
+            raise InvalidInputError(
+                f"speculative decoding is not supported with {cfg.model}: its recurrent layers write their "
+                f"state after a step's last draft, and a rejected draft would leave the state wrong"
+            )
+        return NgramProposer(cfg.num_speculative_tokens)
+
+    @staticmethod
+    def _event_publisher(cfg: EngineConfig) -> Any:
+        if cfg.kv_events_endpoint is None:
+            return None
+        from hybridkv.cluster.publisher import KVEventPublisher
+
+        return KVEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint)
 
     def close(self) -> None:
         """Release what the engine holds outside Python objects (the KV-event sockets). Idempotent."""
@@ -313,37 +320,57 @@ class LLMEngine:
         sampled: dict[str, list[int]] = {}
         failed: dict[str, str] = {}
         if out.num_scheduled_tokens:
-            try:
-                if self.connector is not None:
-                    for sid, fetched in out.external.items():
-                        self.connector.write(fetched, self.manager.block_table(sid), self.kv.write_block)
-                seqs = {s: self._tracked[s].seq for s in out.num_scheduled_tokens}
-                replayed = None if self.graphs is None or out.draft_tokens else self.graphs.replay(
-                    out.num_scheduled_tokens, seqs, self.manager.block_table, self._every_row)
-                if replayed is not None:  # a decode-only step, run as a CUDA graph
-                    self._offer(out.num_scheduled_tokens)
-                    self._consume(replayed.batch, 0, replayed.logits, sampled, failed, replayed.argmax)
-                else:
-                    batch = self.batcher.build(out.num_scheduled_tokens, seqs, self.manager.block_table,
-                                               self._every_row,
-                                               self.manager.state_steps if self.layout.recurrent_states else None,
-                                               out.draft_tokens)
-                    self._run(batch, out.num_scheduled_tokens, sampled, failed)
-            except Exception as exc:
-                logger.exception("the model step failed; ending every running request with an error")
-                sampled.clear()
-                # Every running request ends; freed before their computed counts advance, the blocks
-                # this step was to compute leave the prefix cache (the manager's free). An admission
-                # counted its external tokens at once: their load may not have happened either.
-                for sid in out.admitted:
-                    self._tracked[sid].seq.num_computed_tokens = self.scheduler.requests[sid].num_hit_tokens
-                failed = {r.seq_id: f"the model step failed: {exc!r}" for r in self.scheduler.running}
+            failed = self._execute(out, sampled)
             self.metrics.computed_tokens += out.total_tokens
             self.metrics.iteration_tokens.observe(out.total_tokens)
         for sid, message in failed.items():
             self.scheduler.abort(sid)
             t = self._tracked[sid]
             t.stopped, t.error = "error", message
+        finished, generated = self._update(out, sampled)
+        outputs = self._outputs(out, sampled, failed, finished)
+        if self.events is not None:
+            tiers = self.connector.take_events() if self.connector is not None else ()
+            self.events.publish_manager(self.manager, tiers=tiers)
+        self.metrics.generation_tokens += generated
+        self.metrics.steps += 1
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        return outputs
+
+    def _execute(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> dict[str, str]:
+        """The step's model work: tier loads, the forward pass (a CUDA graph or a built batch), sampling
+        into ``sampled``; the requests that failed, with their error (all running ones if the step did)."""
+        failed: dict[str, str] = {}
+        try:
+            if self.connector is not None:
+                for sid, fetched in out.external.items():
+                    self.connector.write(fetched, self.manager.block_table(sid), self.kv.write_block)
+            seqs = {s: self._tracked[s].seq for s in out.num_scheduled_tokens}
+            replayed = None if self.graphs is None or out.draft_tokens else self.graphs.replay(
+                out.num_scheduled_tokens, seqs, self.manager.block_table, self._every_row)
+            if replayed is not None:  # a decode-only step, run as a CUDA graph
+                self._offer(out.num_scheduled_tokens)
+                self._consume(replayed.batch, 0, replayed.logits, sampled, failed, replayed.argmax)
+            else:
+                batch = self.batcher.build(out.num_scheduled_tokens, seqs, self.manager.block_table,
+                                           self._every_row,
+                                           self.manager.state_steps if self.layout.recurrent_states else None,
+                                           out.draft_tokens)
+                self._run(batch, out.num_scheduled_tokens, sampled, failed)
+        except Exception as exc:
+            logger.exception("the model step failed; ending every running request with an error")
+            sampled.clear()
+            # Every running request ends; freed before their computed counts advance, the blocks
+            # this step was to compute leave the prefix cache (the manager's free). An admission
+            # counted its external tokens at once: their load may not have happened either.
+            for sid in out.admitted:
+                self._tracked[sid].seq.num_computed_tokens = self.scheduler.requests[sid].num_hit_tokens
+            return {r.seq_id: f"the model step failed: {exc!r}" for r in self.scheduler.running}
+        return failed
+
+    def _update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> tuple[set[str], int]:
+        """The scheduler takes the sampled tokens: the requests it finished (their reasons kept, and the
+        rejected requests' too) and the number of tokens generated."""
         before = {sid: self._tracked[sid].seq.num_tokens for sid in sampled}
         finished = set()
         for r in self.scheduler.update(out, sampled):
@@ -353,6 +380,12 @@ class LLMEngine:
         for sid, reason in out.rejected:
             if sid in self._tracked:
                 self._tracked[sid].finish_reason = reason
+        return finished, generated
+
+    def _outputs(self, out: SchedulerOutput, sampled: dict[str, list[int]], failed: dict[str, str],
+                 finished: set[str]) -> list[RequestOutput]:
+        """One output per request that progressed, failed, was rejected or aborted; a finished request
+        is forgotten (a long-running engine keeps nothing of it)."""
         now = time.monotonic()
         outputs: dict[str, RequestOutput] = {}
         for sid in [*sampled, *failed, *(sid for sid, _ in out.rejected), *self._aborted]:
@@ -360,15 +393,9 @@ class LLMEngine:
                 outputs[sid] = self._output(sid, now, sid in finished or sid not in sampled)
         self._aborted.clear()
         for sid, o in outputs.items():
-            if o.finished:  # a long-running engine keeps nothing of finished requests
+            if o.finished:
                 del self._tracked[sid]
                 self.scheduler.forget(sid)
-        if self.events is not None:
-            tiers = self.connector.take_events() if self.connector is not None else ()
-            self.events.publish_manager(self.manager, tiers=tiers)
-        self.metrics.generation_tokens += generated
-        self.metrics.steps += 1
-        self.metrics.step_seconds.observe(time.perf_counter() - start)
         return list(outputs.values())
 
     def _on_admitted(self, t: _Tracked, now: float) -> None:

@@ -219,7 +219,26 @@ class EngineMetrics:
             entry[1].append((extra.rstrip("}"), value))
         for base, (help_text, samples) in grouped.items():
             family(base, "counter", help_text, samples)
-        plain = {
+        for name, (value, help_text) in self._plain_counters().items():
+            family(name, "counter", help_text, [("", value)])
+        family("prompt_tokens_by_source_total", "counter", "Number of prompt tokens by source.",
+               [(f'source="{s}"', self.prompt_tokens_by_source[s]) for s in PROMPT_SOURCES])
+        family("prefix_cache_lost_tokens_total", "counter",
+               "Prompt tokens the full-attention layers held but the prefix hit did not serve, by the cause "
+               "that cut the hit.", [(f'cause="{c}"', self.lost_hits[c]) for c in LOSS_CAUSES])
+        if self.spec_accepted_per_position:
+            family("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted tokens per draft position.",
+                   [(f'position="{p}"', self.spec_accepted_per_position[p])
+                    for p in range(max(self.spec_accepted_per_position) + 1)])
+        family("request_success_total", "counter", "Count of successfully processed requests.",
+               [(f'finished_reason="{r}"', self.finished[r]) for r in FINISH_REASONS])
+        for name, hist, help_text in self._histograms():
+            lines += hist.render(metric_name(name, names), help_text, label)
+        return "\n".join(lines) + "\n"
+
+    def _plain_counters(self) -> dict[str, tuple[float, str]]:
+        """The unlabelled counters: name -> (value, help)."""
+        return {
             "prompt_tokens_total": (self.prompt_tokens, "Number of prefill tokens processed."),
             "prompt_tokens_cached_total": (self.prompt_tokens_by_source["local_cache_hit"]
                                            + self.prompt_tokens_by_source["external_kv_transfer"],
@@ -241,20 +260,10 @@ class EngineMetrics:
             "spec_decode_num_draft_tokens_total": (self.spec_draft_tokens, "Number of draft tokens."),
             "spec_decode_num_accepted_tokens_total": (self.spec_accepted_tokens, "Number of accepted tokens."),
         }
-        for name, (value, help_text) in plain.items():
-            family(name, "counter", help_text, [("", value)])
-        family("prompt_tokens_by_source_total", "counter", "Number of prompt tokens by source.",
-               [(f'source="{s}"', self.prompt_tokens_by_source[s]) for s in PROMPT_SOURCES])
-        family("prefix_cache_lost_tokens_total", "counter",
-               "Prompt tokens the full-attention layers held but the prefix hit did not serve, by the cause "
-               "that cut the hit.", [(f'cause="{c}"', self.lost_hits[c]) for c in LOSS_CAUSES])
-        if self.spec_accepted_per_position:
-            family("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted tokens per draft position.",
-                   [(f'position="{p}"', self.spec_accepted_per_position[p])
-                    for p in range(max(self.spec_accepted_per_position) + 1)])
-        family("request_success_total", "counter", "Count of successfully processed requests.",
-               [(f'finished_reason="{r}"', self.finished[r]) for r in FINISH_REASONS])
-        histograms = (
+
+    def _histograms(self) -> tuple[tuple[str, Histogram, str], ...]:
+        """The histograms: (name, histogram, help)."""
+        return (
             ("time_to_first_token_seconds", self.ttft_seconds, "Histogram of time to first token in seconds."),
             ("inter_token_latency_seconds", self.inter_token_seconds, "Histogram of inter-token latency in seconds."),
             ("e2e_request_latency_seconds", self.e2e_seconds, "Histogram of e2e request latency in seconds."),
@@ -273,9 +282,6 @@ class EngineMetrics:
             ("iteration_tokens_total", self.iteration_tokens, "Histogram of number of tokens per engine_step."),
             ("step_seconds", self.step_seconds, "Wall time of one engine step."),
         )
-        for name, hist, help_text in histograms:
-            lines += hist.render(metric_name(name, names), help_text, label)
-        return "\n".join(lines) + "\n"
 
 
 def _escape(value: str) -> str:

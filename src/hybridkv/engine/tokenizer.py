@@ -8,7 +8,7 @@ See docs/ENGINE.md, "The tokenizer".
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -84,18 +84,9 @@ def _fmix64(h: _U64) -> _U64:
     return h
 
 
-def _derive_merges_numpy(tokens: Sequence[str]) -> list[tuple[str, str]]:
-    """Same result as `_derive_merges_python`, with the lookups done by hash in numpy.
-
-    Raises `_HashMiss` when two tokens share a hash or a hit fails the exact check.
-    """
-    n = len(tokens)
-    lens: _I64 = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
-    codepoints = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype="<u4").astype(np.uint64)
+def _substring_keys(codepoints: _U64) -> Callable[[_I64, _I64], _U64]:
+    """``key(a, b)``: the 64-bit hash of each substring ``[a, b)`` of the concatenated codepoints."""
     total = int(codepoints.size)
-    starts: _I64 = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lens, out=starts[1:])
-
     # prefix sums of (c + 1) * B**j over the concatenation; the hash of chars [a, b) is
     # (cs[b] - cs[a]) * B**-a, independent of where the string sits (all modulo 2**64).
     powers: _U64 = np.full(total + 1, _HASH_BASE, dtype=np.uint64)
@@ -109,12 +100,12 @@ def _derive_merges_numpy(tokens: Sequence[str]) -> list[tuple[str, str]]:
     def key(a: _I64, b: _I64) -> _U64:
         return _fmix64((cs[b] - cs[a]) * inverse_powers[a] + (b - a).astype(np.uint64) * _HASH_LEN_MIX)
 
-    token_keys = key(starts[:-1], starts[1:])
-    order = np.argsort(token_keys)
-    sorted_keys = token_keys[order]
-    if n > 1 and bool(np.any(sorted_keys[1:] == sorted_keys[:-1])):
-        raise _HashMiss("two tokens share a hash")
+    return key
 
+
+def _key_finder(sorted_keys: _U64) -> Callable[[_U64], _I64]:
+    """``find(query)``: the index into ``sorted_keys`` (distinct, ascending) of each queried key, or -1."""
+    n = int(sorted_keys.size)
     # bucket table on the top bits of the (well-mixed) key: ~0.5 tokens per bucket
     bits = max(n.bit_length() + 1, 1)
     shift = np.uint64(64 - bits)
@@ -122,7 +113,6 @@ def _derive_merges_numpy(tokens: Sequence[str]) -> list[tuple[str, str]]:
     np.cumsum(np.bincount((sorted_keys >> shift).astype(np.int64), minlength=1 << bits), out=bucket_start[1:])
 
     def find(query: _U64) -> _I64:
-        """Index into ``order`` of the token with each key, or -1."""
         bucket = (query >> shift).astype(np.int64)
         lo, hi = bucket_start[bucket], bucket_start[bucket + 1]
         found: _I64 = np.full(query.size, -1, dtype=np.int64)
@@ -134,6 +124,28 @@ def _derive_merges_numpy(tokens: Sequence[str]) -> list[tuple[str, str]]:
             lo[active] = probe + 1
             active = active[~hit & (probe + 1 < hi[active])]
         return found
+
+    return find
+
+
+def _derive_merges_numpy(tokens: Sequence[str]) -> list[tuple[str, str]]:
+    """Same result as `_derive_merges_python`, with the lookups done by hash in numpy.
+
+    Raises `_HashMiss` when two tokens share a hash or a hit fails the exact check.
+    """
+    n = len(tokens)
+    lens: _I64 = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
+    codepoints = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype="<u4").astype(np.uint64)
+    total = int(codepoints.size)
+    starts: _I64 = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=starts[1:])
+    key = _substring_keys(codepoints)
+    token_keys = key(starts[:-1], starts[1:])
+    order = np.argsort(token_keys)
+    sorted_keys = token_keys[order]
+    if n > 1 and bool(np.any(sorted_keys[1:] == sorted_keys[:-1])):
+        raise _HashMiss("two tokens share a hash")
+    find = _key_finder(sorted_keys)
 
     # split points: char positions strictly inside a token, in (token ascending, split descending)
     # order -- position g is mirrored to start + end - 1 - g within its token
@@ -231,13 +243,18 @@ def build_backend(
         if i not in special_ids and spelled[i] == tokens[i]
     ]
     backend.add_tokens(user_defined)
+    backend.post_processor = _post_processor(spelled, bos_token_id, eos_token_id, add_bos_token, add_eos_token)
+    return backend
 
+
+def _post_processor(spelled: Sequence[str], bos_token_id: int, eos_token_id: int, add_bos_token: bool,
+                    add_eos_token: bool) -> processors.TemplateProcessing:
+    """BOS and EOS around a single text or a pair, as ``add_bos_token``/``add_eos_token`` ask."""
     bos, eos = spelled[bos_token_id], spelled[eos_token_id]
     single = f"{f'{bos}:0 ' if add_bos_token else ''}$A:0{f' {eos}:0' if add_eos_token else ''}"
     pair = f"{single}{f' {bos}:1' if add_bos_token else ''} $B:1{f' {eos}:1' if add_eos_token else ''}"
     specials = ([(bos, bos_token_id)] if add_bos_token else []) + ([(eos, eos_token_id)] if add_eos_token else [])
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
-    return backend
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 class GemmaTokenizer:

@@ -143,36 +143,9 @@ def make_plan(inp: PlanInput) -> Plan:
     max_model_len = inp.max_model_len or default_len
     if not max_model_len:
         raise InvalidInputError(f"{name}: no default context length; pass max_model_len (--max-model-len)")
-    hw = None
-    if inp.gpu_memory_bytes:
-        gpu_mem = inp.gpu_memory_bytes
-    else:
-        if not inp.gpu:
-            raise InvalidInputError("give a GPU preset (--gpu) or a memory size (--gpu-memory)")
-        hw = get_hardware(inp.gpu)
-        gpu_mem = hw.memory_bytes
-    if not 0 < inp.gpu_memory_utilization <= 1:
-        raise InvalidInputError(f"gpu_memory_utilization must be in (0, 1], got {inp.gpu_memory_utilization}")
-    tp = inp.tensor_parallel_size
-    weights = int(num_params * _dtype(inp.weights_dtype, "weights dtype") / tp)
-    kv_bytes = int(gpu_mem * inp.gpu_memory_utilization) - weights - inp.reserve_bytes
-    if kv_bytes <= 0:
-        need = num_params * _dtype(inp.weights_dtype, "weights dtype")
-        per_gpu = gpu_mem * inp.gpu_memory_utilization - inp.reserve_bytes
-        if per_gpu <= 0:
-            raise InvalidInputError(
-                f"{name}: the {inp.reserve_bytes / GiB:.1f} GiB reserve takes all of the "
-                f"{gpu_mem * inp.gpu_memory_utilization / GiB:.1f} GiB the engine may use ({gpu_mem / GiB:.1f} GiB "
-                f"GPU x utilisation {inp.gpu_memory_utilization}): nothing is left for weights and KV cache; give a "
-                f"smaller reserve (--reserve) or more GPU memory")
-        min_tp = next((t for t in (1, 2, 4, 8, 16, 32, 64) if need / t < per_gpu), None)
-        raise InvalidInputError(
-            f"{name}: weights take {weights / GiB:.1f} GiB per GPU, more than the "
-            f"{per_gpu / GiB:.1f} GiB available at utilisation {inp.gpu_memory_utilization} with a "
-            f"{inp.reserve_bytes / GiB:.1f} GiB reserve"
-            + (f"; the smallest tensor-parallel size that fits is {min_tp}" if min_tp else "")
-        )
-    model = parse_config(config, tensor_parallel_size=tp)
+    hw, gpu_mem = _gpu(inp)
+    weights, kv_bytes = _kv_budget(inp, name, num_params, gpu_mem)
+    model = parse_config(config, tensor_parallel_size=inp.tensor_parallel_size)
     kv_dtype_bytes = _dtype(inp.kv_dtype, "KV dtype")
     if kv_dtype_bytes < 1:
         raise InvalidInputError("the KV cache dtype must be bf16, fp16 or fp8")
@@ -197,6 +170,43 @@ def make_plan(inp: PlanInput) -> Plan:
     plan.layout = layout
     plan.report = _full_report(plan, layout, batch, model.num_layers)
     return plan
+
+
+def _gpu(inp: PlanInput) -> tuple[Hardware | None, int]:
+    """The GPU preset (None for a bare memory size) and its memory in bytes."""
+    if inp.gpu_memory_bytes:
+        return None, inp.gpu_memory_bytes
+    if not inp.gpu:
+        raise InvalidInputError("give a GPU preset (--gpu) or a memory size (--gpu-memory)")
+    hw = get_hardware(inp.gpu)
+    return hw, hw.memory_bytes
+
+
+def _kv_budget(inp: PlanInput, name: str, num_params: int, gpu_mem: int) -> tuple[int, int]:
+    """The weights' bytes per GPU and the bytes left for the KV cache; raises when nothing is left,
+    naming the smallest tensor-parallel size whose weights would fit."""
+    if not 0 < inp.gpu_memory_utilization <= 1:
+        raise InvalidInputError(f"gpu_memory_utilization must be in (0, 1], got {inp.gpu_memory_utilization}")
+    tp = inp.tensor_parallel_size
+    weights = int(num_params * _dtype(inp.weights_dtype, "weights dtype") / tp)
+    kv_bytes = int(gpu_mem * inp.gpu_memory_utilization) - weights - inp.reserve_bytes
+    if kv_bytes <= 0:
+        need = num_params * _dtype(inp.weights_dtype, "weights dtype")
+        per_gpu = gpu_mem * inp.gpu_memory_utilization - inp.reserve_bytes
+        if per_gpu <= 0:
+            raise InvalidInputError(
+                f"{name}: the {inp.reserve_bytes / GiB:.1f} GiB reserve takes all of the "
+                f"{gpu_mem * inp.gpu_memory_utilization / GiB:.1f} GiB the engine may use ({gpu_mem / GiB:.1f} GiB "
+                f"GPU x utilisation {inp.gpu_memory_utilization}): nothing is left for weights and KV cache; give a "
+                f"smaller reserve (--reserve) or more GPU memory")
+        min_tp = next((t for t in (1, 2, 4, 8, 16, 32, 64) if need / t < per_gpu), None)
+        raise InvalidInputError(
+            f"{name}: weights take {weights / GiB:.1f} GiB per GPU, more than the "
+            f"{per_gpu / GiB:.1f} GiB available at utilisation {inp.gpu_memory_utilization} with a "
+            f"{inp.reserve_bytes / GiB:.1f} GiB reserve"
+            + (f"; the smallest tensor-parallel size that fits is {min_tp}" if min_tp else "")
+        )
+    return weights, kv_bytes
 
 
 def _base_report(plan: Plan, num_layers: int) -> dict[str, Any]:

@@ -479,7 +479,14 @@ class Scheduler:
             sampled = {}
         elif not isinstance(sampled, Mapping):
             raise InvalidInputError(f"sampled must map sequence ids to token lists, got {type(sampled).__name__}")
-        # 1. Validate.
+        steps = self._validated(out, sampled)
+        self._unapplied = None
+        return self._apply(out, steps)
+
+    def _validated(self, out: SchedulerOutput,
+                   sampled: Mapping[str, Iterable[int]]) -> list[tuple[Request, int, list[int] | None]]:
+        """``update``'s check: each running sequence the step ran, its scheduled tokens and the sampled
+        tokens it keeps (None: its step did not reach the end of its tokens); raises on bad samples."""
         steps: list[tuple[Request, int, list[int] | None]] = []
         for req in self.running:
             n = out.num_scheduled_tokens.get(req.seq_id)
@@ -502,8 +509,10 @@ class Scheduler:
                         f"{self.manager.max_model_len}"
                     )
             steps.append((req, n, tokens))
-        # 2. Apply.
-        self._unapplied = None
+        return steps
+
+    def _apply(self, out: SchedulerOutput, steps: list[tuple[Request, int, list[int] | None]]) -> list[Request]:
+        """``update``'s change: advance and extend the ``_validated`` sequences; finish and free the done ones."""
         finished: list[Request] = []
         for req, n, tokens in steps:
             seq = req.seq

@@ -114,6 +114,14 @@ def build_app(async_engine: AsyncEngine, model_name: str, options: ServerOptions
                   lifespan=lifespan)
     app.add_middleware(BodySizeLimit, limit=options.max_request_bytes)
     install_error_handlers(app)
+    _add_status_routes(app, async_engine, model_name, ctx)
+    _add_openapi_bodies(app)
+    _add_api_routes(app, async_engine, ctx)
+    return app
+
+
+def _add_status_routes(app: FastAPI, async_engine: AsyncEngine, model_name: str, ctx: ServerContext) -> None:
+    """``/health``, ``/metrics`` and the model list ``/v1/models``."""
     created = int(time.time())
     process_metrics = _process_metrics()
 
@@ -143,11 +151,9 @@ def build_app(async_engine: AsyncEngine, model_name: str, options: ServerOptions
         ctx.check_model(model_id)
         return model_card()
 
-    async def parsed(request: Request, model: type[Body]) -> Body:
-        """The request's body as ``model``: read here, parsed and validated in a worker thread."""
-        raw = await request.body()
-        return await asyncio.to_thread(parse_body, raw, model, max_model_len=ctx.max_model_len)
 
+def _add_openapi_bodies(app: FastAPI) -> None:
+    """The OpenAPI schema lists the request bodies (the routes read them raw, see ``_add_api_routes``)."""
     default_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -158,6 +164,15 @@ def build_app(async_engine: AsyncEngine, model_name: str, options: ServerOptions
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _add_api_routes(app: FastAPI, async_engine: AsyncEngine, ctx: ServerContext) -> None:
+    """The completions, chat completions and tokenizer routes."""
+
+    async def parsed(request: Request, model: type[Body]) -> Body:
+        """The request's body as ``model``: read here, parsed and validated in a worker thread."""
+        raw = await request.body()
+        return await asyncio.to_thread(parse_body, raw, model, max_model_len=ctx.max_model_len)
 
     @app.post("/v1/completions", response_model=None, openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
@@ -180,8 +195,6 @@ def build_app(async_engine: AsyncEngine, model_name: str, options: ServerOptions
     @app.get("/tokenizer_info")
     async def tokenizer_info_route() -> dict[str, Any]:
         return tokenizer_info(ctx)
-
-    return app
 
 
 def _check_open(async_engine: AsyncEngine) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from fastapi import Request
@@ -81,82 +81,95 @@ def _prepare(body: CompletionRequest, ctx: ServerContext) -> _Prepared:
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext) -> Response:
     prepared = await asyncio.to_thread(_prepare, body, ctx)
-    choices, n, echo, prompt_only = prepared.choices, prepared.n, prepared.echo, prepared.prompt_only
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    started = await start_choices(ctx, request, request_id, choices, cache_salt=body.cache_salt,
-                                  priority=body.priority or 0, n=n)
+    started = await start_choices(ctx, request, request_id, prepared.choices, cache_salt=body.cache_salt,
+                                  priority=body.priority or 0, n=prepared.n)
     if started is None:
         return Response(status_code=499)
     first, outputs = started
-    created = int(time.time())
+    responses = _Responses(body, ctx, prepared, request_id, int(time.time()))
+    if not body.stream:
+        finals = await cancel_on_disconnect(request, collect_finals(first, outputs))
+        if finals is None:
+            return Response(status_code=499)
+        # a scored prompt has an entry per token: built in a worker thread
+        return await asyncio.to_thread(responses.whole, finals)
+    include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+    return stream_response(first, outputs, len(prepared.choices), responses.chunk,
+                           closing=responses.closing if include_usage else None)
 
-    def prompt_text(prompt: Prompt) -> str:
-        return prompt.text if prompt.text is not None else ctx.tokenizer.decode(prompt.token_ids[prompt.num_added:])
 
-    def logprobs(choice: Choice, output: RequestOutput, start: int, with_prompt: bool, offset: int
-                 ) -> dict[str, Any] | None:
-        if body.logprobs is None:
+@dataclass
+class _Responses:
+    """A completion's response bodies: whole (``whole``) or streamed (``chunk``, then ``closing``)."""
+
+    body: CompletionRequest
+    ctx: ServerContext
+    prepared: _Prepared
+    request_id: str
+    created: int
+    sent_chars: dict[int, int] = field(default_factory=dict)
+    """Per choice: characters of text sent (the logprobs' text offsets)."""
+
+    def whole(self, finals: list[tuple[Choice, RequestOutput]]) -> JSONResponse:
+        echo, prompt_only = self.prepared.echo, self.prepared.prompt_only
+        body_choices = []
+        for choice, output in finals:
+            reason = finish_reason(output)
+            head = self._prompt_text(choice.prompt) if echo else ""
+            text = head + ("" if prompt_only else output.text)
+            body_choices.append(self._choice(choice, output, text, reason, self._logprobs(choice, output, 0, echo, 0)))
+        return JSONResponse(self._envelope(choices=body_choices, usage=self._usage(finals)))
+
+    def chunk(self, choice: Choice, output: RequestOutput, start: int, starting: bool, reason: str | None
+              ) -> dict[str, Any] | None:
+        i = choice.index
+        text, with_prompt = "", False
+        if starting:  # the choice's first chunk carries the echoed prompt
+            self.sent_chars[i] = 0
+            if self.prepared.echo:
+                text, with_prompt = self._prompt_text(choice.prompt), True
+        if not self.prepared.prompt_only:
+            text += output.new_text
+        if not (text or reason or (self.body.logprobs is not None and len(output.token_ids) > start)):
+            return None
+        lp = self._logprobs(choice, output, start, with_prompt, self.sent_chars[i])
+        self.sent_chars[i] += len(text)
+        return self._envelope(choices=[self._choice(choice, output, text, reason, lp)])
+
+    def closing(self, finals: list[tuple[Choice, RequestOutput]]) -> dict[str, Any]:
+        return self._envelope(choices=[], usage=self._usage(finals))
+
+    def _usage(self, finals: list[tuple[Choice, RequestOutput]]) -> dict[str, Any]:
+        per_prompt = {c.prompt_index: o for c, o in reversed(finals)}
+        return usage(per_prompt, [] if self.prepared.prompt_only else [o for _, o in finals])
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.ctx.tokenizer.decode(prompt.token_ids[prompt.num_added:])
+
+    def _logprobs(self, choice: Choice, output: RequestOutput, start: int, with_prompt: bool, offset: int
+                  ) -> dict[str, Any] | None:
+        if self.body.logprobs is None:
             return None
         entries: list[tuple[int, Any]] = []
         if with_prompt:
             skip = choice.prompt.num_added
             scores = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
             entries += list(zip(output.prompt_token_ids[skip:], scores[skip:]))
-        if not prompt_only:
+        if not self.prepared.prompt_only:
             entries += list(zip(output.token_ids[start:], (output.logprobs or [])[start:]))
-        return completion_logprobs(entries, ctx.token_text, offset)
+        return completion_logprobs(entries, self.ctx.token_text, offset)
 
-    def choice_body(choice: Choice, output: RequestOutput, text: str, reason: str | None,
-                    lp: dict[str, Any] | None) -> dict[str, Any]:
+    def _choice(self, choice: Choice, output: RequestOutput, text: str, reason: str | None,
+                lp: dict[str, Any] | None) -> dict[str, Any]:
         data: dict[str, Any] = {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": reason}
-        if body.return_token_ids:
+        if self.body.return_token_ids:
             data |= {"prompt_token_ids": output.prompt_token_ids,
-                     "token_ids": [] if prompt_only else output.token_ids}
+                     "token_ids": [] if self.prepared.prompt_only else output.token_ids}
         return data
 
-    def envelope(**fields: Any) -> dict[str, Any]:
-        return {"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name, **fields}
-
-    if not body.stream:
-        ordered = await cancel_on_disconnect(request, collect_finals(first, outputs))
-        if ordered is None:
-            return Response(status_code=499)
-        finals = ordered
-
-        def whole() -> JSONResponse:  # a scored prompt has an entry per token: built in a worker thread
-            body_choices = []
-            for choice, output in finals:
-                reason = finish_reason(output)
-                head = prompt_text(choice.prompt) if echo else ""
-                text = head + ("" if prompt_only else output.text)
-                body_choices.append(choice_body(choice, output, text, reason, logprobs(choice, output, 0, echo, 0)))
-            per_prompt = {c.prompt_index: o for c, o in reversed(finals)}
-            return JSONResponse(envelope(choices=body_choices, usage=usage(per_prompt, [] if prompt_only else
-                                                                             [o for _, o in finals])))
-
-        return await asyncio.to_thread(whole)
-
-    include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-    sent_chars: dict[int, int] = {}  # per choice: characters of text sent (the logprobs' text offsets)
-
-    def chunk(choice: Choice, output: RequestOutput, start: int, starting: bool, reason: str | None
-              ) -> dict[str, Any] | None:
-        i = choice.index
-        text, with_prompt = "", False
-        if starting:  # the choice's first chunk carries the echoed prompt
-            sent_chars[i] = 0
-            if echo:
-                text, with_prompt = prompt_text(choice.prompt), True
-        if not prompt_only:
-            text += output.new_text
-        if not (text or reason or (body.logprobs is not None and len(output.token_ids) > start)):
-            return None
-        lp = logprobs(choice, output, start, with_prompt, sent_chars[i])
-        sent_chars[i] += len(text)
-        return envelope(choices=[choice_body(choice, output, text, reason, lp)])
-
-    def closing(finals: list[tuple[Choice, RequestOutput]]) -> dict[str, Any]:
-        per_prompt = {c.prompt_index: o for c, o in reversed(finals)}
-        return envelope(choices=[], usage=usage(per_prompt, [] if prompt_only else [o for _, o in finals]))
-
-    return stream_response(first, outputs, len(choices), chunk, closing=closing if include_usage else None)
+    def _envelope(self, **fields: Any) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.model_name, **fields}
