@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
@@ -31,7 +30,7 @@ from hybridkv.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
 
-BlockTables = SequenceABC[SequenceABC[int]]
+BlockTables = Sequence[Sequence[int]]
 WriteBlock = Callable[[int, int, bytes], None]
 ReadBlock = Callable[[int, int], bytes]
 _T = TypeVar("_T")
@@ -115,7 +114,7 @@ class KVConnector:
     tiers with a medium log what enters and leaves them, for ``take_events`` (``connectors.tier_events``).
     """
 
-    def __init__(self, tiers: SequenceABC[KVTier], manager: KVCacheManager, *, namespace: str,
+    def __init__(self, tiers: Sequence[KVTier], manager: KVCacheManager, *, namespace: str,
                  promote: bool = True, write_through: bool = True, auth_key: bytes | None = None,
                  allow_unauthenticated: bool = False, payload_bytes: Mapping[int, int] | None = None,
                  batch_blocks: int = 64, storage: StoragePolicy | None = None,
@@ -509,7 +508,7 @@ class KVConnector:
 
         return value
 
-    def chosen_in_order(self, seq: KVSequence, num_tokens: int, start_token: int, targets: SequenceABC[KVTier]
+    def chosen_in_order(self, seq: KVSequence, num_tokens: int, start_token: int, targets: Sequence[KVTier]
                         ) -> Iterator[tuple[bool, dict[int, list[Offer]]]]:
         """``(is_low, offers)``: the storage policy's normal-priority choice, then its low-priority
         one, chosen only if one of ``targets`` can take a low put (``takes_low_puts``): asked first

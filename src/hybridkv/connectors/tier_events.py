@@ -9,8 +9,7 @@ events".
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Iterable, Sequence
 
 from hybridkv.connectors.base import Change, KVTier
 from hybridkv.core import BlockRemoved, BlockStored, KVCacheEvent, KVCacheManager, KVSequence
@@ -24,7 +23,7 @@ def publishing(tier: KVTier) -> bool:
 class TierEvents:
     """Drains the change logs of ``tiers`` (those ``publishing``) into the core's events per medium."""
 
-    def __init__(self, tiers: SequenceABC[KVTier], manager: KVCacheManager) -> None:
+    def __init__(self, tiers: Sequence[KVTier], manager: KVCacheManager) -> None:
         self.tiers = [t for t in tiers if publishing(t)]
         self.manager = manager
         self._notes: dict[bytes, KVSequence] = {}

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from hybridkv.errors import InvalidInputError
@@ -59,7 +58,7 @@ def encode_extra_keys(cache_salt: str | bytes | None, adapter_id: str | int | No
     return len(body).to_bytes(4, "little") + body
 
 
-def token_bytes(token_ids: SequenceABC[int]) -> bytes:
+def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian unsigned 64-bit integers (raises on non-integers)."""
     return array("Q", token_ids).tobytes()
 
@@ -83,13 +82,13 @@ class BlockHasher:
         """False for the opt-in non-cryptographic hash."""
         return self.algorithm == "sha256"
 
-    def hash_block(self, parent: bytes, token_ids: SequenceABC[int], extra: bytes = _EMPTY_EXTRA) -> bytes:
+    def hash_block(self, parent: bytes, token_ids: Sequence[int], extra: bytes = _EMPTY_EXTRA) -> bytes:
         """Hash of one block given its parent's hash, its tokens and its encoded extra keys."""
         return self._digest(parent + extra + token_bytes(token_ids))
 
     def hash_full_blocks(
         self,
-        token_ids: SequenceABC[int],
+        token_ids: Sequence[int],
         block_size: int,
         existing: list[bytes],
         first_extra: bytes,

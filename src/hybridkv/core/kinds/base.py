@@ -9,8 +9,7 @@ See docs/ARCHITECTURE.md, "Kinds: a rule and the tables that follow it".
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Mapping
-from collections.abc import Sequence as Seq
+from collections.abc import Mapping, Sequence
 from itertools import takewhile
 
 from hybridkv.core._util import cdiv, gather
@@ -167,7 +166,7 @@ class KindManager:
         skipped = min(self.rule.skipped_tokens(num_computed) // self.block_size, len(hit_blocks))
         return [NULL_BLOCK] * skipped + hit_blocks[skipped:] if skipped else hit_blocks
 
-    def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,
+    def plan_indices(self, seq_id: str, hit_blocks: Sequence[int], num_computed: int, num_external: int,
                      num_tokens: int) -> Indices:
         """Table indices that need a fresh block for the table to hold ``num_tokens`` slots.
 
@@ -241,7 +240,7 @@ class KindManager:
         return dropped if dropped < limit else limit
 
     def register(self, seq_id: str, hashes: list[bytes], num_computed: int, num_tokens: int,
-                 token_ids: Seq[int] | None = None) -> None:
+                 token_ids: Sequence[int] | None = None) -> None:
         """Enter into the prefix cache the full blocks of the first ``num_tokens`` tokens (those the
         step being allocated will compute: ``num_computed`` is what is computed already).
         ``token_ids`` (the sequence's, when the pool records events) describe the stored blocks."""
@@ -255,7 +254,7 @@ class KindManager:
         pool = self.pool
         block_hash = pool.block_hash
         blocks = table[start:end]
-        runs: list[Seq[int]]
+        runs: list[Sequence[int]]
         if NULL_BLOCK not in blocks and gather(block_hash, blocks).count(None) == len(blocks):
             runs = [range(start, end)]  # the common case: all fresh, checked in C
         else:  # null entries and blocks cached already (adopted hits) stay as they are
@@ -266,8 +265,8 @@ class KindManager:
             self._cache_run(pool, table, hashes, run, token_ids)
         self.num_cached[seq_id] = end
 
-    def _cache_run(self, pool: BlockPool, table: list[int], hashes: list[bytes], indices: Seq[int],
-                   token_ids: Seq[int] | None) -> None:
+    def _cache_run(self, pool: BlockPool, table: list[int], hashes: list[bytes], indices: Sequence[int],
+                   token_ids: Sequence[int] | None) -> None:
         """Cache the blocks at consecutive table ``indices``."""
         first, end = indices[0], indices[-1] + 1
         if not pool.enable_events:

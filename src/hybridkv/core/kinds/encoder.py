@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from collections.abc import Sequence as Seq
+from collections.abc import Mapping, Sequence
 
 from hybridkv.core._util import cdiv
 from hybridkv.core.block_pool import BlockPool
@@ -40,7 +39,7 @@ class CrossAttentionManager(KindManager):
     def prepare(self, seq: KVSequence, checkpoints: list[tuple[int, int]]) -> None:
         self.encoder_tokens[seq.seq_id] = seq.num_encoder_tokens
 
-    def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,
+    def plan_indices(self, seq_id: str, hit_blocks: Sequence[int], num_computed: int, num_external: int,
                      num_tokens: int) -> Indices:
         if seq_id in self.tables:
             return NOTHING  # all blocks come with the first allocation
