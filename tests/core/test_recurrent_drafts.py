@@ -256,3 +256,18 @@ def test_a_finished_request_registers_only_the_accepted_boundaries() -> None:
         assert (mgr.pool.block_hash[table[0]] is not None) == cached
         assert table[1] != NULL_BLOCK and mgr.pool.block_hash[table[1]] is None
         mgr.check_invariants()
+
+
+def test_drafts_never_released_are_settled_by_the_next_step() -> None:
+    # A caller that keeps the draft slots (no release_lookahead): the next step first frees the
+    # state's entries past the verified tokens, so it stays within the admission bound.
+    mgr = manager(32, full(16), mamba(16), max_model_len=256, batch=64)
+    seq = Sequence("a", tokens(0, 60))
+    assert mgr.allocate(seq, 20) is not None
+    seq.num_computed_tokens = 20
+    assert mgr.allocate(seq, 1, num_lookahead_tokens=15) is not None  # the state's entries 1 and 2
+    assert len(mgr.block_table("a")[1]) == 3
+    seq.num_computed_tokens = 21  # no draft accepted, nothing released
+    assert mgr.allocate(seq, 39) is not None
+    mgr.check_invariants()
+    assert mgr.block_table("a")[1][2] != NULL_BLOCK and mgr.num_held_blocks("a") - 4 <= mgr.groups[1].bound

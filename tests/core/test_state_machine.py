@@ -246,6 +246,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.anchor = next((gi for gi, g in enumerate(self.groups) if g.kind == "full" and cfg.caching), None)
         self.junctions: set[bytes] = set()
         self.plans: dict[str, list[tuple[int, int]]] = {}
+        # Sequences whose last step had draft slots and no release_lookahead: their next step first
+        # frees the recurrent entries past the verified tokens.
+        self.unreleased: set[str] = set()
         self.checkpoint_blocks = min((g.spec().checkpoint_blocks for g in self.groups  # type: ignore[attr-defined]
                                       if g.kind == "mamba_align"), default=0)
 
@@ -583,9 +586,17 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         tables_before = self._tables()
         own = tables_before[sid]
         free_before = mgr.num_free_blocks
+        dropped: set[int] = set()
+        if sid in self.unreleased:  # the recurrent entries past the verified tokens are freed first
+            self.unreleased.discard(sid)
+            own = tuple(t[:cdiv(computed, g.block_size)] if g.kind == "mamba_align" else t
+                        for g, t in zip(self.groups, own))
+            for table, kept in zip(tables_before[sid], own):
+                dropped.update(b for b in table[len(kept):] if b != NULL)
+            for b in dropped:
+                self.contents.pop(b, None)
         # Window drops: entries wholly before the window become null, in place.
         after_drop = []
-        dropped: set[int] = set()
         for g, table in zip(self.groups, own):
             skip = min(g.skip_blocks(computed), len(table))
             dropped.update(b for b in table[:skip] if b != NULL)
@@ -635,6 +646,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             return
         self._record_contents(seq, tables, result, known, 0, self._chosen(plan, computed, known))
         self.plans[sid] = [(p, r) for p, r in plan if p > known]
+        if lookahead:
+            self.unreleased.add(sid)
         seq.num_computed_tokens = known
         self._check_stats()
 
@@ -710,6 +723,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         ref_before = list(self.pool.ref_cnt)
         free_before = mgr.num_free_blocks
         freed = mgr.release_lookahead(seq)
+        self.unreleased.discard(sid)
         tables = mgr.block_table(sid)
         expected = []
         for g, table in zip(self.groups, own):
@@ -732,6 +746,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert mgr is not None
         seq = self.running.pop(sid)
         self.plans.pop(sid, None)
+        self.unreleased.discard(sid)
         ref_before = list(self.pool.ref_cnt)
         own = mgr.block_table(sid)
         others = self._tables()

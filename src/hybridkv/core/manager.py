@@ -523,6 +523,8 @@ class KVCacheManager:
         ``bound``, the admission bound for that many draft slots past its end), check them against the
         free blocks and take them; None, with nothing taken, if they do not fit."""
         sid = seq.seq_id
+        if sid in self._drafting:
+            self._settle_drafts(seq, computed)
         if self._deferred:
             self._register_computed(seq, computed)
         for g in self._droppers:
@@ -681,6 +683,29 @@ class KVCacheManager:
         self._progress[sid] = (computed, computed, computed)
         self._reach[sid] = (tokens, tokens)
         return len(freed)
+
+    def _settle_drafts(self, seq: KVSequence, computed: int) -> None:
+        """A step with drafts was not followed by ``release_lookahead``: before the next step, free the
+        recurrent entries past the verified tokens (they hold no state the sequence reaches, and would
+        take the next step past the admission bound) and note the boundaries accepted drafts crossed.
+        Attention groups keep their slots (the next steps write them again)."""
+        sid = seq.seq_id
+        reach = self._reach[sid]
+        tokens = max(computed, reach[0])
+        freed: list[int] = []
+        for g in self._deferred:
+            if not g.holds_lookahead:
+                continue
+            table = g.tables[sid]
+            keep = -(-tokens // g.block_size)
+            if len(table) > keep:
+                freed.extend(b for b in table[keep:] if b != NULL_BLOCK)
+                del table[keep:]
+        if freed:
+            self.pool.free(freed)
+        self._register_verified(seq, computed)
+        self._reach[sid] = (tokens, reach[1])
+        del self._drafting[sid]
 
     def _whole_sequence_need(self, seq: KVSequence, plans: list[range | list[int]],
                              hit_blocks: list[list[int]] | None, num_lookahead_tokens: int) -> int:
