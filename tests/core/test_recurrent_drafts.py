@@ -271,3 +271,15 @@ def test_drafts_never_released_are_settled_by_the_next_step() -> None:
     assert mgr.allocate(seq, 39) is not None
     mgr.check_invariants()
     assert mgr.block_table("a")[1][2] != NULL_BLOCK and mgr.num_held_blocks("a") - 4 <= mgr.groups[1].bound
+
+
+def test_drafts_never_released_are_settled_without_prefix_caching() -> None:
+    mgr = manager(32, full(16), mamba(16), max_model_len=256, batch=64, enable_prefix_caching=False)
+    seq = Sequence("a", tokens(0, 60))
+    assert mgr.allocate(seq, 20) is not None
+    seq.num_computed_tokens = 20
+    assert mgr.allocate(seq, 1, num_lookahead_tokens=15) is not None
+    seq.num_computed_tokens = 21
+    assert mgr.allocate(seq, 1) is not None  # entry 2 (the drafts' only) is freed first
+    assert len(mgr.block_table("a")[1]) == 2
+    mgr.check_invariants()

@@ -693,8 +693,8 @@ class KVCacheManager:
         reach = self._reach[sid]
         tokens = max(computed, reach[0])
         freed: list[int] = []
-        for g in self._deferred:
-            if not g.holds_lookahead:
+        for g in self.groups:
+            if not (g.registers_when_computed and g.holds_lookahead):  # recurrent, caching or not
                 continue
             table = g.tables[sid]
             keep = -(-tokens // g.block_size)
