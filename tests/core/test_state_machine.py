@@ -7,7 +7,8 @@
   against an independent model of the expected hit, block tables and free-block accounting,
   and ``check_invariants()`` runs after every step.
   Speculative decode steps allocate up to 8 draft slots, accept a random number of them and
-  release the rest (``release_lookahead``); a layout with a recurrent state refuses them.
+  release the rest (``release_lookahead``); on a recurrent state (within one block of it) the states
+  at the boundaries accepted drafts cross are registered, never one a rejected draft reached.
 * ``TestBlockPoolStateMachine`` drives ``BlockPool`` directly against a full model of its free
   tiers (uncached, fresh, low, lru, retained), reference counts, hash index and events.
 * Focused properties: cache salts; minimal reproductions of the bugs the machines found.
@@ -245,10 +246,11 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.anchor = next((gi for gi, g in enumerate(self.groups) if g.kind == "full" and cfg.caching), None)
         self.junctions: set[bytes] = set()
         self.plans: dict[str, list[tuple[int, int]]] = {}
+        # Sequences whose last step had draft slots and no release_lookahead: their next step first
+        # frees the recurrent entries past the verified tokens.
+        self.unreleased: set[str] = set()
         self.checkpoint_blocks = min((g.spec().checkpoint_blocks for g in self.groups  # type: ignore[attr-defined]
                                       if g.kind == "mamba_align"), default=0)
-        # A recurrent state cannot verify drafts: such a layout refuses lookahead tokens.
-        self.drafts = not any(g.kind.startswith("mamba") for g in self.groups)
 
     # ------------------------------------------------------------------ helpers
     def _hashes(self, seq: Sequence) -> list[list[bytes]]:
@@ -339,8 +341,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         """Fresh blocks group ``gi`` needs to hold ``total`` slots (table of ``length`` entries).
 
         ``external_end`` (> 0 when external tokens are loaded) is where the external tokens end:
-        a Mamba "align" group then needs a state for it as well as one for the step's end (at
-        ``known``: lookahead tokens get no state) and one per planned checkpoint the step writes.
+        a Mamba "align" group then needs a state for it as well as one for the step's end (the
+        lookahead slots' end: the accepted drafts may end there) and one per planned checkpoint.
         """
         g = self.groups[gi]
         bs = g.block_size
@@ -353,8 +355,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             if external_end:
                 out.append(cdiv(external_end, bs) - 1)
                 length = max(length, cdiv(external_end, bs))
-            out += [p // bs - 1 for p in self._chosen(plan, computed, known) if p // bs > length]
-            end = cdiv(known, bs)
+            out += [p // bs - 1 for p in self._chosen(plan, computed, total) if p // bs > length]
+            end = cdiv(total, bs)
             if end > length and (not out or out[-1] < end - 1):
                 out.append(end - 1)
             return len(out)
@@ -366,11 +368,11 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
 
     def _length(self, gi: int, length: int, total: int, actual: int, known: int) -> int:
         """Table length once ``total`` slots (``known`` tokens) are allocated (cross / no-cache Mamba:
-        checked by shape; a Mamba state holds no lookahead slots)."""
+        checked by shape; a Mamba state with checkpoints has an entry for every end the drafts allow)."""
         g = self.groups[gi]
         if g.kind in ("cross", "mamba_none"):
             return actual
-        return max(length, cdiv(known if g.kind == "mamba_align" else total, g.block_size))
+        return max(length, cdiv(total, g.block_size))
 
     def _check_table(self, gi: int, table: tuple[int, ...], computed: int, length: int, enc: int) -> None:
         """Shape of group ``gi``'s table once ``computed`` tokens are in and ``length`` entries exist."""
@@ -584,9 +586,17 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         tables_before = self._tables()
         own = tables_before[sid]
         free_before = mgr.num_free_blocks
+        dropped: set[int] = set()
+        if sid in self.unreleased:  # the recurrent entries past the verified tokens are freed first
+            self.unreleased.discard(sid)
+            own = tuple(t[:cdiv(computed, g.block_size)] if g.kind == "mamba_align" else t
+                        for g, t in zip(self.groups, own))
+            for table, kept in zip(tables_before[sid], own):
+                dropped.update(b for b in table[len(kept):] if b != NULL)
+            for b in dropped:
+                self.contents.pop(b, None)
         # Window drops: entries wholly before the window become null, in place.
         after_drop = []
-        dropped: set[int] = set()
         for g, table in zip(self.groups, own):
             skip = min(g.skip_blocks(computed), len(table))
             dropped.update(b for b in table[:skip] if b != NULL)
@@ -636,6 +646,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             return
         self._record_contents(seq, tables, result, known, 0, self._chosen(plan, computed, known))
         self.plans[sid] = [(p, r) for p, r in plan if p > known]
+        if lookahead:
+            self.unreleased.add(sid)
         seq.num_computed_tokens = known
         self._check_stats()
 
@@ -645,8 +657,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         return data.draw(st.one_of(st.just(most), st.integers(1, most)), label="tokens")
 
     def _lookahead(self, data: st.DataObject, seq: Sequence, n: int) -> int:
-        room = min(self.mnbt - n, self.mml - seq.num_computed_tokens - n, 3)
-        if room <= 0 or not self.drafts:
+        assert self.mgr is not None
+        room = min(self.mnbt - n, self.mml - seq.num_computed_tokens - n, 3, self.mgr.max_draft_tokens(n))
+        if room <= 0:
             return 0
         return data.draw(st.integers(0, room), label="lookahead")
 
@@ -672,43 +685,45 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self._step(seq, 1, self._lookahead(data, seq, 1))
 
     def speculate(self, data: st.DataObject) -> None:
-        """A speculative decode step: append the step's token, allocate it with 0..8 draft slots, accept
-        a random number of the drafts (their tokens appended, the count advanced over them) and release
-        the rejected ones' slots; a layout with a recurrent state refuses the drafts."""
+        """A speculative decode step: append the step's token, allocate it with 0..8 draft slots (within
+        one block of a recurrent state with checkpoints), accept a random number of the drafts (their
+        tokens appended, the count advanced over them) and release the rejected ones' slots. A
+        recurrent state holds the state at the boundaries the accepted drafts crossed and at their end
+        (as the engine writes them); the manager may register those only."""
         mgr = self.mgr
         assert mgr is not None
         seq = self.running[data.draw(st.sampled_from(self._decodable()), label="sequence")]
         sid = seq.seq_id
         seq.append_token_ids([data.draw(st.integers(0, VOCAB - 1), label="token")])
         room = min(8, self.mnbt - 1, self.mml - seq.num_tokens)
-        if not self.drafts:
+        if mgr.max_draft_tokens(1) < room:  # a recurrent state's block is the limit
+            room = mgr.max_draft_tokens(1)
             before = pool_state(self.pool)
             tables = self._tables()
             with pytest.raises(InvalidInputError, match="recurrent state"):
-                mgr.allocate(seq, 1, num_lookahead_tokens=max(1, room))
-            with pytest.raises(InvalidInputError, match="recurrent state"):
-                mgr.release_lookahead(seq)
+                mgr.allocate(seq, 1, num_lookahead_tokens=room + 1)  # past one block of the state
             assert pool_state(self.pool) == before and self._tables() == tables, "a refused draft step changed things"
-            self._step(seq, 1, 0)
-            return
         k = data.draw(st.integers(0, max(0, room)), label="drafts")
         failures = self.expected_stats["allocation_failures"]
         self._step(seq, 1, k)  # checks the allocation against the model, advances the count over the step's token
         if self.expected_stats["allocation_failures"] > failures:
             return  # did not fit: the sequence stays as it was (the scheduler retries without drafts)
+        known = seq.num_computed_tokens
         accepted = data.draw(st.integers(0, k), label="accepted")
         seq.append_token_ids(data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=accepted, max_size=accepted),
                                        label="accepted tokens"))
         seq.num_computed_tokens += accepted
         if data.draw(st.integers(0, 5), label="keep the draft slots") == 0:
             # A caller may keep the slots (the next steps write them again): nothing is freed.
-            self._record_contents(seq, mgr.block_table(sid), (), seq.num_computed_tokens, 0)
+            self._record_contents(seq, mgr.block_table(sid), (), seq.num_computed_tokens, 0,
+                                  list(range(known + 1, seq.num_computed_tokens)))
             return
         own = mgr.block_table(sid)
         others = {k_: v for k_, v in self._tables().items() if k_ != sid}
         ref_before = list(self.pool.ref_cnt)
         free_before = mgr.num_free_blocks
         freed = mgr.release_lookahead(seq)
+        self.unreleased.discard(sid)
         tables = mgr.block_table(sid)
         expected = []
         for g, table in zip(self.groups, own):
@@ -723,13 +738,15 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             self.contents.pop(b, None)
         assert mgr.num_free_blocks == free_before + freed, "free-block accounting"
         assert {k_: v for k_, v in self._tables().items() if k_ != sid} == others, "another sequence's table changed"
-        self._record_contents(seq, tables, (), seq.num_computed_tokens, 0)
+        self._record_contents(seq, tables, (), seq.num_computed_tokens, 0,
+                              list(range(known + 1, seq.num_computed_tokens)))
 
     def _release(self, sid: str, by_id: bool) -> Sequence:
         mgr = self.mgr
         assert mgr is not None
         seq = self.running.pop(sid)
         self.plans.pop(sid, None)
+        self.unreleased.discard(sid)
         ref_before = list(self.pool.ref_cnt)
         own = mgr.block_table(sid)
         others = self._tables()

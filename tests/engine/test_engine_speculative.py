@@ -5,7 +5,8 @@ distribution; the metrics count drafts under the reference engine's names.
 
 A small Gemma 3 with random weights keeps it fast; its drafts come from the known continuations,
 corrupted at random (``OracleProposer``), so every acceptance length and draft position occurs;
-the n-gram proposer itself is tested alone and on the embedded model.
+the n-gram proposer itself is tested alone and on the embedded model. ``hybrid-tiny`` (Mamba-2 and
+attention layers) verifies drafts through its recurrent states the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from hybridkv.engine.config import EngineConfig  # noqa: E402
 from hybridkv.engine.engine import LLMEngine  # noqa: E402
-from hybridkv.engine.hybrid import ByteTokenizer  # noqa: E402
+from hybridkv.engine.hybrid import ByteTokenizer, HybridWeights  # noqa: E402
 from hybridkv.engine.sampling import SamplingParams  # noqa: E402
 from hybridkv.engine.speculative import Backoff, NgramProposer, accept_greedy, accept_or_resample  # noqa: E402
 from hybridkv.engine.weights import Gemma3Config, Gemma3Weights  # noqa: E402
@@ -217,8 +218,9 @@ def test_bad_settings_are_one_clear_error(tiny: Gemma3Weights) -> None:
         EngineConfig(num_speculative_tokens=3)
     with pytest.raises(InvalidInputError, match="speculative must be"):
         EngineConfig(speculative="eagle", num_speculative_tokens=3)
-    with pytest.raises(InvalidInputError, match="recurrent"):
-        LLMEngine.from_package(EngineConfig(model="hybrid-tiny", speculative="ngram", num_speculative_tokens=4))
+    with pytest.raises(InvalidInputError, match="recurrent"):  # a step with drafts stays in one state block
+        LLMEngine.from_package(EngineConfig(model="hybrid-tiny", speculative="ngram", num_speculative_tokens=8,
+                                            block_size=8))
 
 
 @pytest.mark.model
@@ -272,3 +274,89 @@ def test_the_server_speculates_and_exports_the_counters(tiny: Gemma3Weights) -> 
     assert resp.json()["usage"]["completion_tokens"] == 40
     drafted = next(x for x in metrics.splitlines() if x.startswith("vllm:spec_decode_num_draft_tokens_total"))
     assert float(drafted.rsplit(" ", 1)[1]) > 0
+
+
+# ---------------------------------------------------------------------- recurrent layers (hybrid-tiny)
+@pytest.fixture(scope="module")
+def hybrid() -> Any:
+    """``hybrid-tiny``'s weights, on one torch thread (its many small ops spin on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield HybridWeights.generate()
+    torch.set_num_threads(before)
+
+
+def hybrid_engine(weights: HybridWeights, k: int = 0, **kw: Any) -> LLMEngine:
+    cfg = EngineConfig(**{"model": "hybrid-tiny", "max_model_len": 256, "kv_cache_memory": 8 << 20,
+                          "max_num_seqs": 8, "speculative": "ngram" if k else None, "num_speculative_tokens": k,
+                          **kw})
+    return LLMEngine(weights, ByteTokenizer(), cfg)
+
+
+def hybrid_prompts(seed: int) -> list[list[int]]:
+    """Bytes: a repetitive prompt, a random one and a short one (16-token blocks: the drafts cross
+    block boundaries of the states at every offset)."""
+    gen = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(0, 256, (13,), generator=gen).tolist()
+    return [[256] + phrase * 4, [256] + torch.randint(0, 256, (37,), generator=gen).tolist(), [256, 65, 66]]
+
+
+HYBRID_GREEDY = SamplingParams(max_tokens=28, ignore_eos=True, logprobs=0)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_hybrid_greedy_tokens_equal_one_token_per_step(hybrid: HybridWeights, caching: bool) -> None:
+    # Per-position states: a rejected draft never reaches a state the next step reads, and with
+    # caching the second run resumes from checkpoints the accepted drafts reached.
+    batch = hybrid_prompts(1)
+    plain = hybrid_engine(hybrid, enable_prefix_caching=caching).generate(batch, HYBRID_GREEDY)
+    want = [o.token_ids for o in plain]
+    for k in (3, 8):
+        eng = oracle(hybrid_engine(hybrid, k, enable_prefix_caching=caching), batch, want)
+        outs = eng.generate(batch, HYBRID_GREEDY)
+        assert [o.token_ids for o in outs] == want
+        for a, b in zip(outs, plain):
+            assert [x.logprob for x in a.logprobs or []] == pytest.approx([x.logprob for x in b.logprobs or []],
+                                                                           abs=1e-5)
+        assert run(eng, batch, HYBRID_GREEDY) == want  # again: from the prefix cache when caching
+        m = eng.metrics
+        assert m.spec_accepted_tokens > 0 and m.spec_draft_tokens > m.spec_accepted_tokens  # both outcomes ran
+        eng.manager.check_invariants()
+        if caching:
+            assert eng.manager.stats.hit_tokens > 0
+
+
+def test_hybrid_mixed_batches_and_preemption_keep_greedy_tokens(hybrid: HybridWeights) -> None:
+    batch = hybrid_prompts(3) + hybrid_prompts(4)[:2]
+    want = run(hybrid_engine(hybrid), batch, HYBRID_GREEDY)
+    eng = oracle(hybrid_engine(hybrid, 6, max_num_batched_tokens=32), batch, want)
+    for i, p in enumerate(batch[:3]):
+        eng.add_request(f"r{i}", p, HYBRID_GREEDY)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished or len(done) < len(batch):
+        steps += 1
+        if steps == 4:
+            for i, p in enumerate(batch[3:], start=3):
+                eng.add_request(f"r{i}", p, HYBRID_GREEDY)
+        if steps == 9:
+            assert eng.preempt("r0")
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+        eng.manager.check_invariants()
+    assert [done[f"r{i}"] for i in range(len(batch))] == want
+    assert eng.scheduler.stats.preemptions == 1 and eng.metrics.spec_accepted_tokens > 0
+
+
+def test_hybrid_ngram_drafts_keep_greedy_tokens(hybrid: HybridWeights) -> None:
+    # The random model repeats no 3-gram of its own, so the proposer matches single tokens here: its
+    # drafts are proposed (and rejected) as the engine's own are.
+    prompt = ByteTokenizer().encode("abcabcabcabc" * 3)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    want = run(hybrid_engine(hybrid), [prompt], params)
+    eng = hybrid_engine(hybrid, 4)
+    eng.proposer = NgramProposer(4, min_n=1)
+    assert run(eng, [prompt], params) == want
+    assert eng.metrics.spec_draft_tokens > 0
+    eng.manager.check_invariants()

@@ -111,8 +111,9 @@ def test_bad_drafts_and_settings_are_refused() -> None:
     with pytest.raises(InvalidInputError, match="num_speculative_tokens"):
         SchedulerConfig(num_speculative_tokens=17)
     mgr = manager(64, full(16), mamba(16), max_model_len=512, batch=256)
-    with pytest.raises(InvalidInputError, match="recurrent"):
-        Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=256, num_speculative_tokens=4))
+    Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=256, num_speculative_tokens=15))
+    with pytest.raises(InvalidInputError, match="recurrent"):  # a step with drafts stays in one state block
+        Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=256, num_speculative_tokens=16))
 
 
 def test_drafts_yield_before_anyone_is_preempted() -> None:
@@ -337,23 +338,16 @@ def test_the_scheduler_admits_with_the_draft_slots_reserved() -> None:
         assert sched.schedule().admitted == admitted
 
 
-def test_a_recurrent_layout_refuses_drafts_and_changes_nothing() -> None:
-    mgr = manager(64, full(16), mamba(16), max_model_len=512, batch=256)
-    seq = Sequence("a", tokens(0, 30))
-    with pytest.raises(InvalidInputError, match="recurrent state"):
-        mgr.allocate(seq, 30, reserve_lookahead_tokens=4, whole_sequence_must_fit=True)
-    assert mgr.num_sequences == 0 and mgr.num_free_blocks == 63
-    assert mgr.allocate(seq, 30) is not None
-    seq.num_computed_tokens = 30
-    seq.append_token_ids([1])
-    tables, free = mgr.block_table("a"), mgr.num_free_blocks
-    with pytest.raises(InvalidInputError, match="recurrent state"):
-        mgr.allocate(seq, 1, num_lookahead_tokens=1)  # inside the idle limit too
-    with pytest.raises(InvalidInputError, match="recurrent state"):
-        mgr.release_lookahead(seq)
-    assert mgr.block_table("a") == tables and mgr.num_free_blocks == free
-    assert mgr.allocate(seq, 1) is not None
-    mgr.check_invariants()
+def test_a_recurrent_layout_verifies_drafts() -> None:
+    # Mamba + full attention: admission reserves draft slots, drafts are verified and the state's
+    # rejected entry is freed (tests/core/test_recurrent_drafts.py has the state's contents).
+    sched, seq = decoding(specs=(full(16), mamba(16)))
+    mgr = sched.manager
+    step(sched, [901, 902, 903, 904], [901, 5])  # 31 tokens: drafts at 31..34 cross into block 2
+    assert seq.num_computed_tokens == 32 and [len(t) for t in mgr.block_table("a")] == [2, 2]
+    step(sched, [1, 2, 3], [1, 2, 7])  # 33 tokens: the accepted drafts end at 34, in the state's block 2
+    assert seq.num_computed_tokens == 35 and [len(t) for t in mgr.block_table("a")] == [3, 3]
+    assert mgr.block_table("a")[1][:1] == (NULL_BLOCK,)  # superseded states are dropped
 
 
 def test_a_preempted_sequence_takes_its_drafts_out_of_the_step() -> None:

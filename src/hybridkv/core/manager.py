@@ -58,7 +58,38 @@ class StateStep:
     """The pages holding the state the step starts from (None: the zero state)."""
     writes: tuple[tuple[int, tuple[int, ...]], ...]
     """``(p, pages)``, ascending: store the state after ``p`` tokens into ``pages``. Every ``p`` but
-    the last is a checkpoint the manager planned; the last is the step's end (the running state)."""
+    the last is a checkpoint the manager planned; the last is the step's end (the running state).
+    For a step with drafts, only ``certain`` are unconditional: see ``after_acceptance``."""
+    drafts_from: int | None = None
+    """For a step with drafts: the tokens before them (the step's new tokens end here; every
+    position after it is a draft). None for a step without drafts."""
+
+    @property
+    def certain(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """The writes to make whatever the verification accepts (during the forward pass): all of
+        them without drafts, else those at or before ``drafts_from``."""
+        if self.drafts_from is None:
+            return self.writes
+        return tuple(w for w in self.writes if w[0] <= self.drafts_from)
+
+    def after_acceptance(self, end: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """For a step with drafts whose accepted tokens end at ``end`` (``drafts_from <= end <=``
+        the step's end): the writes still to make, ``(p, pages)``: store the state after ``p``
+        tokens into ``pages``. The boundaries the accepted drafts crossed, then the running state at
+        ``end`` into the pages of the first write at or past it; nothing past ``end`` (a rejected
+        draft's checkpoint is never written, its pages are freed by ``release_lookahead``)."""
+        base = self.drafts_from
+        if base is None or not base <= end <= self.writes[-1][0]:
+            raise InvalidInputError(f"accepted end {end} outside the step's drafts ({base}..{self.writes[-1][0]})")
+        out = []
+        for p, pages in self.writes:
+            if p >= end:
+                if p > base:  # else the certain write at ``end`` holds it already
+                    out.append((end, pages))
+                break
+            if p > base:
+                out.append((p, pages))
+        return tuple(out)
 
 
 def _empty_lists(n: int) -> Callable[[], tuple[list[int], ...]]:
@@ -157,7 +188,8 @@ class KVCacheManager:
         self._deferred = [g for g in self._caching if g.registers_when_computed]
         self._checkpointing = [g for g in self._deferred if g.checkpoints]
         self._preparing = [g for g in self.groups if g.prepares]
-        self._draft_blockers = [g for g in self.groups if not g.supports_drafts]
+        spans = [g.draft_span for g in self.groups if g.draft_span is not None]
+        self._draft_span = min(spans, default=None)
         self._whole_steps = bool(self._deferred)
 
     def _start_bookkeeping(self) -> None:
@@ -184,6 +216,9 @@ class KVCacheManager:
         # Running sequences whose hit took blocks another sequence was to compute in the same step,
         # freed before it ran: that KV will never be written, so they cannot go on (free them).
         self._orphaned: dict[str, str] = {}
+        # Per running sequence whose last allocation had drafts: (base, known, total), the tokens
+        # computed before it, its new tokens' end and its lookahead slots' end (``state_steps``).
+        self._drafting: dict[str, tuple[int, int, int]] = {}
         self._losses: dict[str, dict[str, int]] = {}  # per running sequence admitted on a shortened hit
 
     # ------------------------------------------------------------------ queries
@@ -251,20 +286,40 @@ class KVCacheManager:
         after the step's ``allocate``; ``num_computed`` includes tokens an external tier loaded), one
         ``StateStep`` per ``layout.recurrent_states``: the pages to read the state from and the pages
         to write it into, after each planned checkpoint and at the step's end. Read before writing:
-        the read pages may be the last written ones (a step that stays inside one block)."""
+        the read pages may be the last written ones (a step that stays inside one block).
+
+        For a step with drafts (``num_tokens`` past its new tokens, at most its lookahead slots'
+        end) the writes cover every position the accepted tokens may end at and ``drafts_from`` is
+        set: make the ``certain`` writes, keep the state after each draft position, and once the
+        drafts are verified make ``after_acceptance(end)`` (then ``release_lookahead``)."""
         if not isinstance(seq_id, str) or seq_id not in self._seqs:
             raise UnknownSequenceError(f"sequence {seq_id!r} holds no blocks")
         if _count("num_computed", num_computed) >= _count("num_tokens", num_tokens):
             raise InvalidInputError(f"a step computes at least one token: num_computed={num_computed} "
                                     f">= num_tokens={num_tokens}")
+        drafting = self._drafting.get(seq_id)
+        drafts_from = None
+        if drafting is not None and num_computed == drafting[0] and num_tokens > drafting[1]:
+            drafts_from = drafting[1]
+            if num_tokens > drafting[2]:
+                raise InvalidInputError(f"sequence {seq_id!r}: a step over [{num_computed}, {num_tokens}) passes its "
+                                        f"lookahead slots (they end at {drafting[2]})")
         steps = []
         for state in self.layout.recurrent_states:
             parts = [self.groups[g] for g in state.groups]
             read, writes = parts[0].state_entries(seq_id, num_computed, num_tokens)
             tables = [g.tables[seq_id] for g in parts]
             steps.append(StateStep(None if read is None else tuple(t[read] for t in tables),
-                                   tuple((p, tuple(t[i] for t in tables)) for p, i in writes)))
+                                   tuple((p, tuple(t[i] for t in tables)) for p, i in writes), drafts_from))
         return tuple(steps)
+
+    def max_draft_tokens(self, num_new_tokens: int = 1) -> int:
+        """The most lookahead tokens ``allocate`` takes with ``num_new_tokens`` new tokens: one step
+        stays within ``max_num_batched_tokens`` and, with a recurrent group that checkpoints (mode
+        ``align``), within one block of it (``KindManager.draft_span``)."""
+        limit = self.max_num_batched_tokens if self._draft_span is None else min(self._draft_span,
+                                                                                  self.max_num_batched_tokens)
+        return max(0, limit - _count("num_new_tokens", num_new_tokens))
 
     def lost_hit_tokens(self, seq_id: str) -> dict[str, int]:
         """Why the running sequence's hit at admission stopped short of the prefix its full-attention
@@ -434,8 +489,12 @@ class KVCacheManager:
         if type(reserve_lookahead) is not int or reserve_lookahead < 0:
             raise InvalidInputError(
                 f"reserve_lookahead_tokens must be a non-negative integer, got {reserve_lookahead!r}")
-        if (num_lookahead or reserve_lookahead) and self._draft_blockers:
-            self._refuse_drafts(num_lookahead or reserve_lookahead)
+        if num_lookahead and self._draft_span is not None and num_new + num_lookahead > self._draft_span:
+            raise InvalidInputError(
+                f"sequence {seq.seq_id!r}: {num_new} new + {num_lookahead} lookahead tokens, but a step with drafts "
+                f"spans at most {self._draft_span} tokens (one block of the recurrent state: "
+                f"max_draft_tokens({num_new}) = {max(0, self._draft_span - num_new)})"
+            )
         adopted: CacheHit | None = None
         if seq.seq_id in self._seqs:
             computed = self._check_running(seq, hit, num_external)
@@ -456,6 +515,8 @@ class KVCacheManager:
         ``bound``, the admission bound for that many draft slots past its end), check them against the
         free blocks and take them; None, with nothing taken, if they do not fit."""
         sid = seq.seq_id
+        if sid in self._drafting:
+            self._settle_drafts(seq, computed)
         if self._deferred:
             self._register_computed(seq, computed)
         for g in self._droppers:
@@ -546,10 +607,14 @@ class KVCacheManager:
             group_limit = g.idle_limit(sid)
             if group_limit < limit:
                 limit = group_limit
-        self._idle_until[seq] = limit
         ceiling = known if known > limit else limit
-        if lookahead and total > ceiling:
-            ceiling = total  # verified drafts advance the count into the step's lookahead slots
+        if lookahead:
+            ceiling = max(ceiling, total)  # verified drafts advance the count into the step's lookahead slots
+            self._drafting[sid] = (computed, known, total)
+            self._idle_until.pop(seq, None)  # the next allocate takes the checked path
+        else:
+            self._drafting.pop(sid, None)
+            self._idle_until[seq] = limit
         self._progress[sid] = (computed, known, ceiling)
         reach = self._reach.get(sid)
         self._reach[sid] = (known, total) if reach is None else (max(reach[0], known), max(reach[1], total))
@@ -578,8 +643,6 @@ class KVCacheManager:
         sid = seq.seq_id
         if self._seqs.get(sid) is not seq:
             raise UnknownSequenceError(f"sequence {sid!r} is not running in this manager")
-        if self._draft_blockers:
-            self._refuse_drafts(0)
         computed = seq.num_computed_tokens
         _, known, ceiling = self._progress[sid]
         if type(computed) is not int or not known <= computed <= ceiling:
@@ -608,18 +671,33 @@ class KVCacheManager:
             self.pool.free(freed)
         self._register_verified(seq, computed)
         self._idle_until.pop(seq, None)  # the next allocate takes the checked path
+        self._drafting.pop(sid, None)
         self._progress[sid] = (computed, computed, computed)
         self._reach[sid] = (tokens, tokens)
         return len(freed)
 
-    def _refuse_drafts(self, num_tokens: int) -> None:
-        """Raise: a group of this layout cannot verify draft tokens (recurrent state)."""
-        g = self._draft_blockers[0]
-        what = f"{num_tokens} lookahead tokens" if num_tokens else "draft slots to release"
-        raise InvalidInputError(
-            f"{what}, but group {g.group} ({g.spec.kind}) keeps a recurrent state: a step writes it after "
-            f"its last draft, so a rejected draft would leave it wrong (speculative decoding is not supported)"
-        )
+    def _settle_drafts(self, seq: KVSequence, computed: int) -> None:
+        """A step with drafts was not followed by ``release_lookahead``: before the next step, free the
+        recurrent entries past the verified tokens (they hold no state the sequence reaches, and would
+        take the next step past the admission bound) and note the boundaries accepted drafts crossed.
+        Attention groups keep their slots (the next steps write them again)."""
+        sid = seq.seq_id
+        reach = self._reach[sid]
+        tokens = max(computed, reach[0])
+        freed: list[int] = []
+        for g in self.groups:
+            if not (g.registers_when_computed and g.holds_lookahead):  # recurrent, caching or not
+                continue
+            table = g.tables[sid]
+            keep = -(-tokens // g.block_size)
+            if len(table) > keep:
+                freed.extend(b for b in table[keep:] if b != NULL_BLOCK)
+                del table[keep:]
+        if freed:
+            self.pool.free(freed)
+        self._register_verified(seq, computed)
+        self._reach[sid] = (tokens, reach[1])
+        del self._drafting[sid]
 
     def _whole_sequence_need(self, seq: KVSequence, plans: list[range | list[int]],
                              hit_blocks: list[list[int]] | None, num_lookahead_tokens: int) -> int:
@@ -672,8 +750,14 @@ class KVCacheManager:
 
     def _register_verified(self, seq: KVSequence, computed: int) -> None:
         """Enter the attention blocks the first ``computed`` tokens fill that are not in yet: those
-        accepted drafts completed (verified, so their KV is the sequence's own)."""
+        accepted drafts completed (verified, so their KV is the sequence's own); and the recurrent
+        states at the block boundaries the accepted drafts crossed (never one past ``computed``)."""
         sid = seq.seq_id
+        if self._deferred:
+            known = self._progress[sid][1]
+            for d in self._deferred:
+                d.note_verified(sid, known, computed)
+            self._register_computed(seq, computed)
         for g in self._caching:
             if not g.registers_when_computed and computed // g.block_size > g.num_cached[sid]:
                 g.register(sid, self.block_hashes(seq, g), computed, computed,
@@ -726,6 +810,7 @@ class KVCacheManager:
                 self._orphan_adopters(g, sid, stale)
         del self._seqs[sid]
         self._orphaned.pop(sid, None)
+        self._drafting.pop(sid, None)
         self._losses.pop(sid, None)
         self._idle_until.pop(stored, None)
         self._progress.pop(sid, None)
@@ -876,7 +961,8 @@ class KVCacheManager:
         the tables allow; draft state: no table that holds lookahead slots has an entry past what the
         sequence's slots need (after ``release_lookahead``, the verified tokens'; exactly those in a
         group that drops nothing), and no block is registered past the tokens given slots as
-        computed, external or new tokens (drafts never are).
+        computed, external or new tokens (drafts never are), and no recurrent state is registered or
+        noted past them (a checkpoint among rejected drafts never is).
         """
         self.pool.check_invariants()
         self.retainer.check_invariants()
@@ -942,6 +1028,10 @@ class KVCacheManager:
         for sid, (base, known, ceiling) in self._progress.items():
             assert 0 <= base <= known <= ceiling, f"{sid!r}: progress {base}, {known}, {ceiling}"
         assert self._reach.keys() == self._seqs.keys(), "slot counts of sequences that hold no blocks"
+        for sid, (base, known, total) in self._drafting.items():
+            assert sid in self._seqs and self._progress[sid][:2] == (base, known) and known <= total, (
+                f"{sid!r}: draft step {base}, {known}, {total} but progress {self._progress.get(sid)}"
+            )
 
     def _check_draft_state(self) -> None:
         """No table that holds lookahead slots has an entry past what its slots need, and no block is
@@ -963,6 +1053,21 @@ class KVCacheManager:
                         f"sequence {sid!r} group {g.group}: {g.num_cached[sid]} blocks registered, but only "
                         f"{known} tokens were given slots as computed, external or new tokens"
                     )
+                elif g.caching:
+                    self._check_verified_states(g, sid, table, known)
+
+    def _check_verified_states(self, g: KindManager, sid: str, table: list[int], known: int) -> None:
+        """A recurrent group registers (or notes to register) a state only at a verified position: no
+        later than the tokens given slots as computed, external or new, or verified after drafts."""
+        bs = g.block_size
+        pending = getattr(g, "pending", {}).get(sid, ())
+        assert all((i + 1) * bs <= known for i in pending), (
+            f"sequence {sid!r} group {g.group}: checkpoints {sorted(pending)} noted past the {known} verified tokens"
+        )
+        block_hash = self.pool.block_hash
+        late = [i for i in range(known // bs, len(table))
+                if table[i] != NULL_BLOCK and block_hash[table[i]] is not None]
+        assert not late, f"sequence {sid!r} group {g.group}: states at entries {late} registered past {known} tokens"
 
     def __repr__(self) -> str:
         return (

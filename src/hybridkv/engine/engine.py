@@ -149,12 +149,7 @@ class LLMEngine:
     def _proposer(self, cfg: EngineConfig) -> NgramProposer | None:
         if cfg.speculative is None:
             return None
-        if self.layout.recurrent_states:
-            raise InvalidInputError(
-                f"speculative decoding is not supported with {cfg.model}: its recurrent layers write their "
-                f"state after a step's last draft, and a rejected draft would leave the state wrong"
-            )
-        return NgramProposer(cfg.num_speculative_tokens)
+        return NgramProposer(cfg.num_speculative_tokens)  # recurrent layers too: HybridModel.accept_drafts
 
     @staticmethod
     def _event_publisher(cfg: EngineConfig) -> Any:
@@ -419,14 +414,25 @@ class LLMEngine:
         self._offer(scheduled)
         if not spans:
             self._consume(batch, 0, hidden_or_logits, sampled, failed)
-            return
-        with torch.inference_mode():
-            for lo in range(0, batch.num_logits_rows, LOGITS_SLICE):
-                logits = self.scoring_head(hidden_or_logits[lo:lo + LOGITS_SLICE])
-                self._consume(batch, lo, logits, sampled, failed, verify=False)
-            for sid, (first, drafts) in batch.drafts.items():  # whole: a slice could split them
-                self._verify(sid, self.scoring_head(hidden_or_logits[first:first + len(drafts) + 1]), drafts,
-                             sampled, failed)
+        else:
+            with torch.inference_mode():
+                for lo in range(0, batch.num_logits_rows, LOGITS_SLICE):
+                    logits = self.scoring_head(hidden_or_logits[lo:lo + LOGITS_SLICE])
+                    self._consume(batch, lo, logits, sampled, failed, verify=False)
+                for sid, (first, drafts) in batch.drafts.items():  # whole: a slice could split them
+                    self._verify(sid, self.scoring_head(hidden_or_logits[first:first + len(drafts) + 1]), drafts,
+                                 sampled, failed)
+        if batch.drafts and batch.inputs.states:
+            self._accept_states(batch, scheduled, sampled)
+
+    def _accept_states(self, batch: Batch, scheduled: dict[str, int], sampled: dict[str, list[int]]) -> None:
+        """Recurrent layers after a step with drafts: the model stores each verified sequence's states at
+        the boundaries its accepted drafts crossed and at their end (the scheduler's ``update`` then
+        releases the rest). ``batch.inputs.states`` follows ``scheduled``'s order."""
+        ends = {span.row: span.position + n + len(sampled[sid]) - 1
+                for (sid, n), span in zip(scheduled.items(), batch.inputs.states, strict=True)
+                if sid in batch.drafts and sid in sampled}
+        self.model.accept_drafts(ends)  # type: ignore[attr-defined]
 
     def _every_row(self, sid: str) -> bool:
         return self._tracked[sid].every_row()

@@ -8,7 +8,7 @@ See docs/ENGINE.md, "``hybrid-tiny``".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import Any
@@ -282,6 +282,10 @@ class HybridModel:
             for m, name in enumerate(state.layer_names):
                 self.state_slots[int(name.rsplit(".", 1)[1])] = (s, m)
         self.pages = StatePages(kv, layout.recurrent_states, self.cfg)
+        self.held: dict[int, list[tuple[StateStep, int, int, dict[int, tuple[torch.Tensor, torch.Tensor]]]]] = {}
+        """Per sequence with drafts in the last forward pass (by its first row): per Mamba layer its plan,
+        state and slot, and the conv and SSM states after each position from ``drafts_from`` on,
+        kept until ``accept_drafts`` stores those the verification reached."""
 
     @property
     def vocab_size(self) -> int:
@@ -299,6 +303,7 @@ class HybridModel:
         """Float32 logits ``[len(logits_rows), vocab]``; writes the step's K/V and states into the pool."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
+        self.held.clear()  # states of a step whose drafts were never verified (it failed)
         x = F.embedding(step.input_ids, self.w.embed)
         # RoPE tables a thread's worth of positions at a time (as ``by_rows``).
         n = SERIAL // cfg.head_dim
@@ -339,13 +344,34 @@ class HybridModel:
         state, slot = self.state_slots[i]
         for span in step.states:
             rows = slice(span.row, span.row + span.count)
-            y[rows] = self._scan(w, xbc[rows], dt[rows], span.steps[state], state, slot, span.position)
+            plan = span.steps[state]
+            kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+            if plan.drafts_from is not None:
+                kept = {}
+                self.held.setdefault(span.row, []).append((plan, state, slot, kept))
+            y[rows] = self._scan(w, xbc[rows], dt[rows], plan, state, slot, span.position, kept)
         return rowwise(rms_norm(y * by_rows(F.silu, z), None, cfg.rms_norm_eps), w.out_proj)
 
+    def accept_drafts(self, ends: Mapping[int, int]) -> None:
+        """After the drafts of the last forward pass were verified: per sequence (its first row in
+        the batch) whose accepted tokens end at ``ends[row]``, store the states the verification
+        reached (``StateStep.after_acceptance``: the boundaries the accepted drafts crossed, the
+        running state at the end). A sequence left out (it failed) stores nothing more."""
+        for row, layers in self.held.items():
+            end = ends.get(row)
+            if end is None:
+                continue
+            for plan, state, slot, kept in layers:
+                for p, pages in plan.after_acceptance(end):
+                    self.pages.write(state, slot, pages, *kept[p])
+        self.held.clear()
+
     def _scan(self, w: MambaWeights, xbc: torch.Tensor, dt: torch.Tensor, plan: StateStep, state: int, slot: int,
-              start: int) -> torch.Tensor:
+              start: int, kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """One sequence's tokens ``start ..``: the conv and the recurrence from the state ``plan`` reads,
-        the state stored after each position ``plan`` writes. Outputs ``[tokens, d_inner]``."""
+        the state stored after each position ``plan`` writes (with drafts: only its ``certain``
+        writes, and ``kept`` receives the state after each position from ``plan.drafts_from`` on).
+        Outputs ``[tokens, d_inner]``."""
         cfg = self.cfg
         k, n, di, ns = cfg.conv_kernel, len(xbc), cfg.d_inner, cfg.state_size
         conv_state, s = self.pages.read(state, slot, plan.read)
@@ -354,7 +380,10 @@ class HybridModel:
         for j in range(1, k):
             u = u + inputs[j:j + n] * w.conv[j]
         u = by_rows(F.silu, u + w.conv_bias)
-        writes = dict(plan.writes)
+        writes = dict(plan.certain)
+        first = n + 1 if kept is None or plan.drafts_from is None else plan.drafts_from - start
+        if first == 0 and kept is not None:
+            kept[start] = conv_state, s
         out = torch.empty(n, cfg.ssm_heads, cfg.ssm_head_dim, device=xbc.device)
         for r in range(n):
             xh, b, c = u[r, :di].view(cfg.ssm_heads, cfg.ssm_head_dim), u[r, di:di + ns], u[r, di + ns:]
@@ -364,6 +393,8 @@ class HybridModel:
             pages = writes.get(start + r + 1)
             if pages is not None:
                 self.pages.write(state, slot, pages, inputs[r + 1:r + k], s)
+            if r + 1 >= first and kept is not None:
+                kept[start + r + 1] = inputs[r + 1:r + k], s
         return out.view(n, di)
 
 

@@ -179,10 +179,12 @@ class Scheduler:
                 f"scheduler max_num_batched_tokens={self.config.max_num_batched_tokens} exceeds the manager's "
                 f"{manager.max_num_batched_tokens}: the manager's per-request bounds would not hold"
             )
-        if self.config.num_speculative_tokens and manager.layout.recurrent_states:
+        k = self.config.num_speculative_tokens
+        if k and k > manager.max_draft_tokens(1):
             raise InvalidInputError(
-                "speculative decoding on a layout with recurrent states is not supported: a step writes the "
-                "state after its last draft, and a rejected draft would leave it wrong"
+                f"num_speculative_tokens={k}, but a decode step of this layout takes at most "
+                f"{manager.max_draft_tokens(1)} draft tokens (a step with drafts stays within one block of a "
+                f"recurrent state that checkpoints)"
             )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []

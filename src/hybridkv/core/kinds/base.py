@@ -86,11 +86,9 @@ class KindManager:
 
     holds_lookahead = True
     """Do lookahead (speculative) tokens get slots in this group's table (a table that follows the
-    decoder's tokens)? Cross attention, encoder-only attention and recurrent state do not."""
-    supports_drafts = True
-    """Can a step verify draft tokens with this group? Recurrent state cannot: a step writes the state
-    after its last token, drafts included, so a rejected draft would leave it wrong (the manager
-    refuses lookahead tokens on a layout with such a group)."""
+    decoder's tokens: attention, and a recurrent state with checkpoints, whose accepted tokens may
+    end in a later entry)? Cross attention, encoder-only attention and a recurrent state without
+    checkpoints (one block) do not."""
 
     drops_blocks = False
     """Does the kind stop reading leading blocks as a sequence grows (a window, a chunk, a superseded
@@ -155,6 +153,16 @@ class KindManager:
         from (None: the zero state) and the ``(position, index)`` pairs it writes the state after
         ``position`` tokens into, ascending (the last is ``num_tokens``: the running state)."""
         raise InvalidInputError(f"group {self.group} ({self.spec.kind}) keeps no recurrent state")
+
+    @property
+    def draft_span(self) -> int | None:
+        """The most new and lookahead tokens one step with drafts may span (None: only
+        ``max_num_batched_tokens`` bounds it)."""
+        return None
+
+    def note_verified(self, seq_id: str, known: int, verified: int) -> None:
+        """Recurrent kinds: after a step with drafts whose new tokens ended at ``known``, its accepted
+        tokens end at ``verified``: note the checkpoints the accepted drafts reached."""
 
     def held_blocks(self, seq_id: str) -> int:
         """Non-null blocks the sequence holds in this group."""

@@ -3,8 +3,10 @@
 Table entry ``i`` holds the state after ``(i + 1) * block_size`` tokens (a checkpoint) or, last,
 the running state. Mode ``align`` checkpoints where later requests are known or likely to resume
 (at most ``checkpoint_blocks`` per step), mode ``all`` at every block boundary. A checkpoint enters
-the prefix cache only once the caller reports its tokens computed.
-See docs/ARCHITECTURE.md, "Recurrent state tables" and "Recurrent checkpoints".
+the prefix cache only once the caller reports its tokens computed. A step with drafts gets the
+state entries of every position its accepted tokens may end at (it stays within one block in mode
+``align``); the entries past the accepted end are freed and a checkpoint past it is never registered.
+See docs/ARCHITECTURE.md, "Recurrent state tables", "Recurrent checkpoints" and "Speculative decoding".
 """
 
 from __future__ import annotations
@@ -58,8 +60,6 @@ class MambaRule(KindRule):
 class MambaManager(KindManager):
     """The tables of a recurrent group with checkpoints (modes ``align`` and ``all``)."""
 
-    holds_lookahead = False
-    supports_drafts = False
     drops_blocks = True
     prepares = True
     __slots__ = ("align", "checkpoint_blocks", "plans", "pending")
@@ -75,6 +75,13 @@ class MambaManager(KindManager):
         position; rank 0 is a junction, 1 the prompt's end, 2 an interval checkpoint."""
         self.pending: dict[str, list[int]] = {}
         """Per sequence, table indices written by a step and registered once it is computed."""
+
+    @property
+    def draft_span(self) -> int | None:
+        """Mode ``align``: a step with drafts spans at most one block (``block_size`` new and lookahead
+        tokens), so it holds at most two states, the admission bound's least (the one it reads, and
+        the one its accepted tokens end in)."""
+        return self.block_size if self.align else None
 
     # ------------------------------------------------------------------ allocation
     @property
@@ -153,6 +160,21 @@ class MambaManager(KindManager):
             self.pending.setdefault(seq_id, []).extend(indices)
         self.num_cached[seq_id] = max(self.num_cached[seq_id], num_tokens // bs)
 
+    def note_verified(self, seq_id: str, known: int, verified: int) -> None:
+        """After a step with drafts whose new tokens ended at ``known``: its accepted drafts end at
+        ``verified``. Remember the block boundaries in ``(known, verified]`` it crossed (the engine
+        wrote the state there, ``StateStep.after_acceptance``), to register like the step's own; a
+        boundary among the rejected drafts is never noted."""
+        if not self.caching or verified <= known:
+            return
+        table = self.tables[seq_id]
+        bs = self.block_size
+        indices = [i for i in range(max(self.num_cached[seq_id], known // bs), min(verified // bs, len(table)))
+                   if table[i] != NULL_BLOCK]
+        if indices:
+            self.pending.setdefault(seq_id, []).extend(indices)
+        self.num_cached[seq_id] = max(self.num_cached[seq_id], verified // bs)
+
     def register(self, seq_id: str, hashes: list[bytes], num_computed: int, num_tokens: int,
                  token_ids: Seq[int] | None = None) -> None:
         """Enter the pending checkpoints whose tokens are computed (``num_tokens`` is ignored: the
@@ -229,8 +251,7 @@ class MambaNoCacheRule(KindRule):
 class MambaNoCacheManager(KindManager):
     """Recurrent state without checkpoints (mode ``none``): one block per sequence."""
 
-    holds_lookahead = False
-    supports_drafts = False
+    holds_lookahead = False  # one block whatever the step: the engine writes the accepted end's state there
     __slots__ = ()
 
     def plan_indices(self, seq_id: str, hit_blocks: Seq[int], num_computed: int, num_external: int,
