@@ -658,10 +658,18 @@ class KVCacheManager:
         # The verified tokens' blocks stay, and those of tokens an earlier allocation of a step that
         # was planned again gave slots as new tokens (they may be registered: they are computed later).
         tokens = max(computed, self._reach[sid][0])
+        freed = self._free_slots_past(sid, tokens, [g for g in self.groups if g.holds_lookahead])
+        self._register_verified(seq, computed)
+        self._idle_until.pop(seq, None)  # the next allocate takes the checked path
+        self._drafting.pop(sid, None)
+        self._progress[sid] = (computed, computed, computed)
+        self._reach[sid] = (tokens, tokens)
+        return freed
+
+    def _free_slots_past(self, sid: str, tokens: int, groups: list[KindManager]) -> int:
+        """Free the blocks of ``groups``' tables past the first ``tokens`` tokens; returns how many."""
         freed: list[int] = []
-        for g in self.groups:
-            if not g.holds_lookahead:
-                continue
+        for g in groups:
             table = g.tables[sid]
             keep = -(-tokens // g.block_size)
             if len(table) > keep:
@@ -669,11 +677,6 @@ class KVCacheManager:
                 del table[keep:]
         if freed:
             self.pool.free(freed)
-        self._register_verified(seq, computed)
-        self._idle_until.pop(seq, None)  # the next allocate takes the checked path
-        self._drafting.pop(sid, None)
-        self._progress[sid] = (computed, computed, computed)
-        self._reach[sid] = (tokens, tokens)
         return len(freed)
 
     def _settle_drafts(self, seq: KVSequence, computed: int) -> None:
@@ -684,17 +687,8 @@ class KVCacheManager:
         sid = seq.seq_id
         reach = self._reach[sid]
         tokens = max(computed, reach[0])
-        freed: list[int] = []
-        for g in self.groups:
-            if not (g.registers_when_computed and g.holds_lookahead):  # recurrent, caching or not
-                continue
-            table = g.tables[sid]
-            keep = -(-tokens // g.block_size)
-            if len(table) > keep:
-                freed.extend(b for b in table[keep:] if b != NULL_BLOCK)
-                del table[keep:]
-        if freed:
-            self.pool.free(freed)
+        recurrent = [g for g in self.groups if g.registers_when_computed and g.holds_lookahead]  # caching or not
+        self._free_slots_past(sid, tokens, recurrent)
         self._register_verified(seq, computed)
         self._reach[sid] = (tokens, reach[1])
         del self._drafting[sid]
