@@ -108,27 +108,36 @@ def test_logprobs_equal_one_token_per_step(tiny: Gemma3Weights) -> None:
         assert [x.logprob for x in a.logprobs or []] == pytest.approx([x.logprob for x in b.logprobs or []], abs=1e-5)
 
 
+def _late_arrivals_and_a_preemption(eng: LLMEngine, batch: list[list[int]], params: SamplingParams, *,
+                                     arrive_at: int, preempt_at: int) -> list[list[int]]:
+    """Run the first three prompts, add the rest at step ``arrive_at`` (steps then mix prefill chunks
+    and drafts), preempt ``r0`` at step ``preempt_at``; the outputs in prompt order, with the
+    manager's invariants checked after every step."""
+    for i, p in enumerate(batch[:3]):
+        eng.add_request(f"r{i}", p, params)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished or len(done) < len(batch):
+        steps += 1
+        if steps == arrive_at:
+            for i, p in enumerate(batch[3:], start=3):
+                eng.add_request(f"r{i}", p, params)
+        if steps == preempt_at:
+            assert eng.preempt("r0")
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+        eng.manager.check_invariants()
+    return [done[f"r{i}"] for i in range(len(batch))]
+
+
 def test_mixed_batches_and_preemption_keep_greedy_tokens(tiny: Gemma3Weights) -> None:
     # Requests arrive while others decode with drafts (steps mixing prefill chunks and drafts), and
     # one is preempted mid-decode and recomputed.
     batch = prompts(3) + prompts(4)
     want = run(engine(tiny), batch)
     eng = oracle(engine(tiny, 6, max_num_batched_tokens=64), batch, want)
-    for i, p in enumerate(batch[:3]):
-        eng.add_request(f"r{i}", p, GREEDY)
-    done: dict[str, list[int]] = {}
-    steps = 0
-    while eng.has_unfinished or len(done) < len(batch):
-        steps += 1
-        if steps == 5:
-            for i, p in enumerate(batch[3:], start=3):
-                eng.add_request(f"r{i}", p, GREEDY)
-        if steps == 8:
-            assert eng.preempt("r0")
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o.token_ids
-    assert [done[f"r{i}"] for i in range(len(batch))] == want
+    assert _late_arrivals_and_a_preemption(eng, batch, GREEDY, arrive_at=5, preempt_at=8) == want
     assert eng.scheduler.stats.preemptions == 1 and eng.metrics.spec_accepted_tokens > 0
     eng.manager.check_invariants()
 
@@ -330,22 +339,7 @@ def test_hybrid_mixed_batches_and_preemption_keep_greedy_tokens(hybrid: HybridWe
     batch = hybrid_prompts(3) + hybrid_prompts(4)[:2]
     want = run(hybrid_engine(hybrid), batch, HYBRID_GREEDY)
     eng = oracle(hybrid_engine(hybrid, 6, max_num_batched_tokens=32), batch, want)
-    for i, p in enumerate(batch[:3]):
-        eng.add_request(f"r{i}", p, HYBRID_GREEDY)
-    done: dict[str, list[int]] = {}
-    steps = 0
-    while eng.has_unfinished or len(done) < len(batch):
-        steps += 1
-        if steps == 4:
-            for i, p in enumerate(batch[3:], start=3):
-                eng.add_request(f"r{i}", p, HYBRID_GREEDY)
-        if steps == 9:
-            assert eng.preempt("r0")
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o.token_ids
-        eng.manager.check_invariants()
-    assert [done[f"r{i}"] for i in range(len(batch))] == want
+    assert _late_arrivals_and_a_preemption(eng, batch, HYBRID_GREEDY, arrive_at=4, preempt_at=9) == want
     assert eng.scheduler.stats.preemptions == 1 and eng.metrics.spec_accepted_tokens > 0
 
 
