@@ -18,10 +18,11 @@ def connector(mgr: KVCacheManager, host: HostTier, **kw: object) -> KVConnector:
                        **kw)  # type: ignore[arg-type]
 
 
-def produce(conn: KVConnector, prompt: list[int], chunk: int = 100, seq_id: str = "p") -> None:
+def produce(conn: KVConnector, prompt: list[int], chunk: int = 100, seq_id: str = "p", hints: tuple[int, ...] = ()
+            ) -> None:
     """Prefill ``prompt`` in chunks as an engine does: store right after each step, then report it computed."""
     mgr = conn.manager
-    seq = Sequence(seq_id, prompt)
+    seq = Sequence(seq_id, prompt, checkpoint_hints=hints)
     hit = mgr.lookup(seq)
     seq_start = hit.num_tokens
     first = True
@@ -55,6 +56,18 @@ def test_growing_layers_keep_every_block_a_window_only_its_span_at_the_prompts_e
     # The prompt's end rounds down to 288: a hit there reads the window's blocks 14..17.
     assert stored(conn, host, prompt, 1) == [14, 15, 16, 17]
     assert connector(fresh(400, full(), swa(64)), host).num_external_tokens(Sequence("c", prompt + [7]), 0) == 288
+
+
+def test_a_checkpoint_hint_stores_the_window_a_hit_there_needs() -> None:
+    """A marked system prompt's end (100 -> 96) is a checkpoint: a later request sharing only that
+    prefix resumes from the tier."""
+    host = HostTier(1 << 20)
+    conn = connector(fresh(400, full(), swa(64)), host)
+    prompt = tokens(0, 300)
+    produce(conn, prompt, hints=(100,))
+    assert stored(conn, host, prompt, 1) == [2, 3, 4, 5, 14, 15, 16, 17]
+    later = prompt[:100] + tokens(5000, 80)
+    assert connector(fresh(400, full(), swa(64)), host).num_external_tokens(Sequence("t1", later), 0) == 96
 
 
 def test_store_all_keeps_every_layer_of_every_block() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv import KVCacheManager, Sequence
+from hybridkv.errors import InvalidInputError
 
 from helpers import full, mamba, manager, run_prefill, split_state, tokens
 
@@ -207,3 +208,33 @@ def test_a_failed_step_leaves_no_block_it_should_have_computed_in_the_cache() ->
     mgr.free(b)
     assert mgr.lookup(Sequence("c", tokens(0, 1000))).num_tokens == 0
     mgr.check_invariants()
+
+
+def test_a_checkpoint_hint_lets_the_second_request_of_a_fan_out_resume() -> None:
+    """A client-marked message boundary (the system prompt's end) is checkpointed by the first
+    request, so the second hits it; without the hint only the third does."""
+    mgr = hybrid()
+    assert run(mgr, Sequence("a", SYSTEM + tokens(10_000, 200), checkpoint_hints=[1024])) == 0
+    assert run(mgr, Sequence("b", SYSTEM + tokens(20_000, 200))) == 1024
+
+
+def test_a_hint_off_the_alignment_checkpoints_the_boundary_before_it() -> None:
+    mgr = hybrid()
+    prompt = SYSTEM + tokens(10_000, 200)
+    run(mgr, Sequence("a", prompt, checkpoint_hints=[1030]))  # 1,030 -> 1,024
+    assert run(mgr, Sequence("b", prompt[:1030] + tokens(20_000, 200))) == 1024
+
+
+def test_a_hint_takes_the_step_checkpoint_a_junction_would() -> None:
+    """Hints rank with junctions: in a one-step prefill with one checkpoint per step, the hint is
+    written and the prompt's end is not."""
+    mgr = hybrid()
+    a = Sequence("a", SYSTEM + tokens(10_000, 200), checkpoint_hints=[512])
+    assert mgr.allocate(a, a.num_tokens, hit=mgr.lookup(a)) is not None
+    assert [i for i, blk in enumerate(mgr.block_table("a")[1]) if blk] == [31, 76]  # 512, 1,224
+
+
+@pytest.mark.parametrize("hints", [[0], [1225], [-3], ["16"], [True], "16", 16])
+def test_a_hint_outside_the_prompt_is_refused_by_name(hints: object) -> None:
+    with pytest.raises(InvalidInputError, match="checkpoint hint"):
+        Sequence("x", SYSTEM + tokens(10_000, 200), checkpoint_hints=hints)  # type: ignore[arg-type]

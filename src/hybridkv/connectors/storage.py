@@ -94,7 +94,7 @@ class StoreHitSpans(StoragePolicy):
         """The checkpoints in ``(start, end]`` but the answer's boundaries."""
         align = manager.hit_alignment
         points = {p for p in junctions if start < p <= end and p % align == 0}
-        points.update(manager.retainer.junctions(seq, start, end))
+        points.update(manager.junctions(seq, start, end))
         prompt = seq.num_prompt_tokens
         grain = _lcm(self.end_align, align) if self.end_align else align
         last = prompt // grain * grain

@@ -718,10 +718,24 @@ class KVCacheManager:
         end = (seq.num_prompt_tokens - 1) // align * align
         if end <= start:
             return []
-        junctions = self.retainer.junctions(seq, start, end)
+        junctions = self.junctions(seq, start, end)
         if start < hit.full_hit_tokens <= end:
             junctions.append(hit.full_hit_tokens)
         return group.plan(start, end, junctions, align)
+
+    def junctions(self, seq: KVSequence, start: int, end: int) -> list[int]:
+        """Positions in ``(start, end]`` where later requests are known or expected to part from
+        ``seq``: the junctions retention remembers and the sequence's ``checkpoint_hints`` (its
+        caller's message boundaries), rounded down to the hit alignment; ascending. Recurrent groups
+        checkpoint there and tiers store there."""
+        junctions = self.retainer.junctions(seq, start, end)
+        hints = getattr(seq, "checkpoint_hints", None)
+        if hints:
+            align = self.hit_alignment
+            points = {h // align * align for h in hints}
+            points.update(junctions)
+            junctions = sorted(p for p in points if start < p <= end)
+        return junctions
 
     def _idle_limit(self, sid: str) -> int:
         """Slot count up to which the next steps of ``sid`` have nothing to do in any group."""

@@ -25,6 +25,21 @@ def _validated_tokens(seq_id: str, token_ids: Iterable[int], what: str) -> list[
     return tokens
 
 
+def checked_hints(seq_id: str, hints: Iterable[int], num_prompt_tokens: int) -> tuple[int, ...]:
+    """``hints`` as a sorted tuple of distinct positions in ``(0, num_prompt_tokens]``, or an error
+    naming the first that is not."""
+    if isinstance(hints, (str, bytes)) or not isinstance(hints, Iterable):
+        raise InvalidInputError(f"sequence {seq_id!r}: checkpoint hints must be positions, got {hints!r}")
+    out = tuple(hints)
+    for h in out:
+        if not isinstance(h, int) or isinstance(h, bool) or not 0 < h <= num_prompt_tokens:
+            raise InvalidInputError(
+                f"sequence {seq_id!r}: checkpoint hint {h!r} is not a position in the prompt "
+                f"(1..{num_prompt_tokens})"
+            )
+    return tuple(sorted(set(out)))
+
+
 @runtime_checkable
 class KVSequence(Protocol):
     """What the manager reads from a sequence.
@@ -34,6 +49,11 @@ class KVSequence(Protocol):
     length (the manager's hasher and hash granularity; a list that only grows, not to be mutated).
     ``token_ids`` is ``None`` for a sequence known only by its hashes: the manager then records
     cache events without token ids. ``Sequence`` is the implementation over token ids.
+
+    Optional: ``checkpoint_hints``, prompt positions where later requests are expected to part from
+    this one (the end of a system prompt, message boundaries); recurrent groups checkpoint their
+    state there and tiers store there (``KVCacheManager.junctions``), so the second request to
+    share a prefix hits it, not only the third (a junction is otherwise learnt from the second).
     """
 
     seq_id: str
@@ -82,6 +102,7 @@ class Sequence:
         "_block_hashes",
         "_hash_key",
         "_first_extra",
+        "checkpoint_hints",
     )
 
     def __init__(
@@ -92,6 +113,7 @@ class Sequence:
         *,
         adapter_id: str | int | None = None,
         num_encoder_tokens: int = 0,
+        checkpoint_hints: Iterable[int] = (),
     ) -> None:
         if not isinstance(seq_id, str) or not seq_id:
             raise InvalidInputError(f"sequence id must be a non-empty string, got {seq_id!r}")
@@ -103,6 +125,8 @@ class Sequence:
                 f"sequence {seq_id!r}: num_encoder_tokens must be a non-negative integer, "
                 f"got {num_encoder_tokens!r}"
             )
+        self.checkpoint_hints = checked_hints(seq_id, checkpoint_hints, len(tokens))
+        """Prompt positions later requests are expected to part at (``KVSequence``)."""
         self.seq_id = seq_id
         self._token_ids = tokens
         self.num_tokens = len(tokens)

@@ -48,6 +48,12 @@ class SchedulerConfig:
     counts that many draft slots past each sequence (``reserve_lookahead_tokens``; fewer for one that
     may generate fewer tokens or reaches ``max_model_len``). A step's drafts never pass a request's
     final length, so ``guaranteed_no_preemption`` needs no more room."""
+    defer_shared_prefills: bool = True
+    """Leave a waiting sequence queued for a step when a sequence scheduled in this step computes the
+    block its own computation would start with (the same prefix, not yet cached): the next step it
+    hits what that step computes instead of computing it twice (requests behind it may go first).
+    It waits at most as many steps as that prefix has blocks; a request of a burst sharing a
+    system prompt then waits one step and hits it."""
     keep_finished: bool = False
     """Keep finished, rejected and aborted requests in ``requests`` (until ``forget``). By default the
     scheduler forgets a request once it has told the caller it ended (``update``'s return value,
@@ -163,6 +169,8 @@ class SchedulerStats:
     preemptions: int = 0
     rejections: int = 0
     finished: int = 0
+    deferrals: int = 0
+    """Admissions put off one step because another sequence was computing the same prefix."""
 
 
 class Scheduler:
@@ -292,7 +300,7 @@ class Scheduler:
             budget -= self._cost(req, seq.num_computed_tokens, n) + len(drafts)
             i += 1
         if not out.preempted:
-            self._admit(out, budget)
+            self._admit(out, budget, self._computing(out) if cfg.defer_shared_prefills else None)
         self.stats.steps += 1
         for sid, _ in out.rejected:  # the caller learns of them now
             self._forget_ended(sid)
@@ -352,7 +360,27 @@ class Scheduler:
         """The step budget ``n`` tokens of ``req`` from token ``start`` on take."""
         return n * req.prefill_weight if start < req.seq.num_prompt_tokens else n
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _first_block(self, seq: ScheduledSequence, start: int) -> bytes | None:
+        """The hash of the prompt block holding token ``start`` (None past the last full one)."""
+        mgr = self.manager
+        if start >= seq.num_prompt_tokens:
+            return None
+        hashes = seq.block_hashes(mgr.hasher, mgr.hash_block_size)
+        i = start // mgr.hash_block_size
+        return hashes[i] if i < len(hashes) else None
+
+    def _computing(self, out: SchedulerOutput) -> set[bytes] | None:
+        """The first prompt block each prefill scheduled so far in ``out`` computes (None without
+        prefix caching: nothing to wait for)."""
+        if not self.manager.enable_prefix_caching:
+            return None
+        running = {r.seq_id: r.seq for r in self.running}
+        keys = (self._first_block(running[sid], running[sid].num_computed_tokens) for sid in out.num_scheduled_tokens)
+        return {k for k in keys if k is not None}
+
+    def _admit(self, out: SchedulerOutput, budget: int, computing: set[bytes] | None) -> None:
+        """Admit waiting sequences while the step's budget, ``max_num_seqs`` and the pool allow;
+        with ``computing`` (``defer_shared_prefills``), one whose first block to compute is in it waits."""
         cfg = self.config
         mgr = self.manager
         i = 0
@@ -365,6 +393,13 @@ class Scheduler:
                 i += 1
                 continue
             external = fetched.num_tokens if fetched is not None else 0
+            key = None
+            if computing is not None:
+                key = self._first_block(seq, hit.num_tokens + external)
+                if key in computing:
+                    self.stats.deferrals += 1
+                    i += 1
+                    continue
             n = self._chunk(req, hit.num_tokens + external, budget)
             if n <= 0:  # its weighted chunk does not fit the rest of this step's budget
                 break
@@ -390,6 +425,8 @@ class Scheduler:
             out.new_block_ids[seq.seq_id] = new
             self.stats.admissions += 1
             budget -= self._cost(req, seq.num_computed_tokens, n)
+            if computing is not None and key is not None:
+                computing.add(key)
 
     def _fetch_external(self, req: Request, local_hit: int) -> Any:
         """The connector's verified payloads for the tokens after ``local_hit`` (None without a

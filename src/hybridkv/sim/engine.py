@@ -38,8 +38,8 @@ def percentile(sorted_values: list[float] | array[float], q: float) -> float:
 def make_sequence(req: SimRequest) -> ScheduledSequence:
     """The sequence an engine runs for ``req``: its token ids when it has them, else its content runs."""
     if req.token_ids is not None:
-        return Sequence(req.request_id, req.token_ids, req.cache_salt)
-    return SyntheticSequence(req.request_id, req.segments, req.cache_salt)
+        return Sequence(req.request_id, req.token_ids, req.cache_salt, checkpoint_hints=req.checkpoint_hints)
+    return SyntheticSequence(req.request_id, req.segments, req.cache_salt, req.checkpoint_hints)
 
 
 class RequestRecords:

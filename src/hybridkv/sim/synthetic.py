@@ -86,13 +86,14 @@ class SyntheticSequence:
     scheduler read from a sequence (``hybridkv.scheduling.ScheduledSequence``), without token ids."""
 
     __slots__ = ("seq_id", "segments", "cache_salt", "num_tokens", "num_prompt_tokens", "num_computed_tokens",
-                 "_hashes", "_last", "_hash_bs", "_root")
+                 "checkpoint_hints", "_hashes", "_last", "_hash_bs", "_root")
 
     token_ids = None
     """A simulated sequence has no token ids (the manager's events then carry none)."""
     num_encoder_tokens = 0
 
-    def __init__(self, seq_id: str, segments: Segments, cache_salt: str | None = None) -> None:
+    def __init__(self, seq_id: str, segments: Segments, cache_salt: str | None = None,
+                 checkpoint_hints: tuple[int, ...] = ()) -> None:
         if not segments or any(n <= 0 for _, n in segments):
             raise ValueError(f"sequence {seq_id!r}: segments must be non-empty runs of positive length")
         self.seq_id = seq_id
@@ -100,6 +101,7 @@ class SyntheticSequence:
         self.cache_salt = cache_salt
         self.num_tokens = self.num_prompt_tokens = sum(n for _, n in segments)
         self.num_computed_tokens = 0
+        self.checkpoint_hints = checkpoint_hints
         self._hashes: list[bytes] = []
         self._last = 0
         self._hash_bs = 0

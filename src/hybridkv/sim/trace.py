@@ -28,7 +28,7 @@ _HEADER_KEYS = frozenset({"hybridkv_trace", "name", "concurrency", "think_time_s
 _REQUEST_KEYS = frozenset(
     {
         "request_id", "timestamp", "prompt_token_ids", "prompt_len", "segments", "max_new_tokens", "output_len",
-        "prefix_group", "prefix_len", "conversation_id", "turn", "cache_salt",
+        "prefix_group", "prefix_len", "conversation_id", "turn", "cache_salt", "checkpoint_hints",
     }
 )  # fmt: skip
 
@@ -65,6 +65,8 @@ def _request_to_json(r: SimRequest) -> dict[str, Any]:
         obj["turn"] = r.turn
     if r.cache_salt is not None:
         obj["cache_salt"] = r.cache_salt
+    if r.checkpoint_hints:
+        obj["checkpoint_hints"] = list(r.checkpoint_hints)
     return obj
 
 
@@ -224,10 +226,15 @@ def _parse_request(line: _Line) -> SimRequest:
     conversation_id = line.opt_str("conversation_id")
     turn = line.get_int("turn", 0, default=0)
     cache_salt = line.opt_str("cache_salt")
+    hints = line.obj.get("checkpoint_hints")
+    if hints is None:  # a prefix the trace names (``prefix_len``) is a system prompt: its end is a hint
+        hints = [segments[0][1]] if line.has("prefix_len") and not line.has("segments") else []
+    if not isinstance(hints, list) or not all(_is_int(h) for h in hints):
+        raise line.error(f"field 'checkpoint_hints' must be a list of integers; got {hints!r}")
     try:
         return SimRequest(
             rid, timestamp, segments, max_new, prefix_group=prefix_group, conversation_id=conversation_id,
-            turn=turn, cache_salt=cache_salt, token_ids=token_ids,
+            turn=turn, cache_salt=cache_salt, token_ids=token_ids, checkpoint_hints=tuple(hints),
         )  # fmt: skip
     except InvalidInputError as exc:  # the checks above should have caught it; keep the line number anyway
         raise line.error(str(exc)) from None

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
 
+from hybridkv.core.sequence import checked_hints
 from hybridkv.errors import InvalidInputError
 
 __all__ = [
@@ -92,6 +93,8 @@ class SimRequest:
     ``arrival_time`` is in seconds from the start (0.0 for closed-loop workloads). ``token_ids`` is set only for
     traces that carry explicit ids; then ``segments`` is ``(("ids:<request_id>", len(token_ids)),)``.
     ``conversation_id``/``turn`` mark the turns of one conversation (see :func:`release_time`).
+    ``checkpoint_hints`` are prompt positions the client marks as message boundaries later requests
+    are expected to part at (the end of a system prompt; ``hybridkv.KVSequence``).
     """
 
     request_id: str
@@ -103,6 +106,7 @@ class SimRequest:
     turn: int = 0
     cache_salt: str | None = None
     token_ids: tuple[int, ...] | None = None
+    checkpoint_hints: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -135,6 +139,7 @@ class SimRequest:
                 )
             if not all(_is_int(t) and t >= 0 for t in self.token_ids):
                 raise InvalidInputError(f"request {rid}: token_ids must be integers >= 0")
+        checked_hints(rid, self.checkpoint_hints, self.prompt_len)
 
     @property
     def prompt_len(self) -> int:
@@ -372,7 +377,8 @@ def shared_prefix(
     """Requests that each start with one of ``num_prefixes`` shared prefixes and end with a unique suffix.
 
     Request ``i`` is ``req-{i}`` (in arrival order); its prompt is ``("prefix-{g}", prefix_len)`` then
-    ``("suffix-req-{i}", suffix_len)`` (left out when the suffix length is 0), with ``prefix_group = g``. Groups
+    ``("suffix-req-{i}", suffix_len)`` (left out when the suffix length is 0), with ``prefix_group = g`` and
+    the prefix's end as its checkpoint hint (a system prompt's end, as a chat server marks it). Groups
     are drawn uniformly or by Zipf popularity: group ``g`` has weight ``1 / (g + 1) ** zipf_s``, so group 0 is the
     most popular.
     """
@@ -401,7 +407,8 @@ def shared_prefix(
         rid, g = f"req-{i}", groups[i]
         prefix = (f"prefix-{g}", prefix_len)
         segments = (prefix, (f"suffix-{rid}", suffixes[i])) if suffixes[i] else (prefix,)
-        requests.append(SimRequest(rid, times[i], segments, outputs[i], prefix_group=g))
+        requests.append(SimRequest(rid, times[i], segments, outputs[i], prefix_group=g,
+                                   checkpoint_hints=(prefix_len,)))
     return Workload(requests, arrivals.concurrency_limit(), "shared_prefix")
 
 
@@ -423,7 +430,8 @@ def multi_turn_chat(
     Conversation ``c`` is ``conv-{c}``, its turn ``t`` the request ``conv-{c}-turn-{t}``. Turn 0 is
     ``("system", system_prompt_len)`` (key ``system-conv-{c}`` when not shared; left out when the length is 0)
     and a user message ``("user-<request id>", n)``; turn ``t`` is turn ``t-1``'s segments, then
-    ``(output_key(turn t-1's id), turn t-1's max_new_tokens)``, then a new user message.
+    ``(output_key(turn t-1's id), turn t-1's max_new_tokens)``, then a new user message. The system prompt's
+    end is every turn's checkpoint hint.
 
     ``arrivals`` gives each conversation's start. In an open loop, turn ``t`` arrives at turn ``t-1``'s arrival
     plus an estimate of its duration, ``max_new_tokens * tpot_estimate_s`` (prefill ignored), plus
@@ -457,7 +465,8 @@ def multi_turn_chat(
                 if not closed:
                     t_arrival = prev.arrival_time + prev.max_new_tokens * tpot + think
             segments = (*segments, (f"user-{rid}", users[k]))
-            prev = SimRequest(rid, t_arrival, segments, outputs[k], conversation_id=conv, turn=t)
+            prev = SimRequest(rid, t_arrival, segments, outputs[k], conversation_id=conv, turn=t,
+                              checkpoint_hints=(system_prompt_len,) if system_prompt_len else ())
             requests.append(prev)
     requests.sort(key=lambda r: r.arrival_time)  # stable: ties stay in (conversation, turn) order
     return Workload(requests, arrivals.concurrency_limit(), "multi_turn_chat", think)
@@ -499,6 +508,6 @@ def with_token_ids(workload: Workload, *, vocab_size: int = 32000, answer_token:
             ids += [answer_token] * n if key in outputs else _run_token_ids(key, n, vocab_size)
         requests.append(SimRequest(r.request_id, r.arrival_time, ((f"ids:{r.request_id}", len(ids)),),
                                    r.max_new_tokens, r.prefix_group, r.conversation_id, r.turn, r.cache_salt,
-                                   tuple(ids)))
+                                   tuple(ids), r.checkpoint_hints))
     return Workload(requests, workload.concurrency, f"{workload.name}-tokens", workload.think_time_s,
                     workload.content_block_size)
