@@ -318,8 +318,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         return sorted(-q for _, q in inside)
 
     def _mamba_plan(self, seq: Sequence, hit: CacheHit, hashes: list[list[bytes]], start: int) -> list[tuple[int, int]]:
-        """Checkpoints an admitted sequence plans: junctions (the lookup's, remembered ones) and the
-        prompt's last aligned boundary, in ``(start, prompt end]``."""
+        """Checkpoints an admitted sequence plans: junctions (the lookup's, remembered ones) and its
+        checkpoint hints (rounded down to the alignment), then the prompt's last aligned boundary, in
+        ``(start, prompt end]``."""
         if not self.cfg.caching or not any(g.kind == "mamba_align" for g in self.groups):
             return []
         end = (seq.num_prompt_tokens - 1) // self.align * self.align
@@ -332,6 +333,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             for i in range(start // bs, min(end // bs, len(h))):
                 if h[i] in self.junctions and (i + 1) * bs % self.align == 0:
                     ranks[(i + 1) * bs] = 0
+        for p in {h // self.align * self.align for h in seq.checkpoint_hints}:
+            if start < p <= end:
+                ranks[p] = 0
         if start < hit.full_hit_tokens <= end:
             ranks[hit.full_hit_tokens] = 0
         return sorted(ranks.items())
@@ -440,8 +444,10 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             salt = data.draw(st.sampled_from((None, None, None, "tenant-b")), label="salt")
             self.history.append((tokens, salt))
         enc = data.draw(st.integers(0, self.max_encoder_len), label="encoder tokens") if self.max_encoder_len else 0
+        hints = data.draw(st.lists(st.integers(1, len(tokens)), max_size=2), label="checkpoint hints")
         self.next_id += 1
-        return Sequence(f"seq-{self.next_id}", tokens, cache_salt=salt, num_encoder_tokens=enc)
+        return Sequence(f"seq-{self.next_id}", tokens, cache_salt=salt, num_encoder_tokens=enc,
+                        checkpoint_hints=hints)
 
     # ------------------------------------------------------------------ rules
     def admit(self, data: st.DataObject) -> None:

@@ -155,6 +155,21 @@ def test_prefix_caching_restores_states_exactly(weights: HybridWeights, prompts:
     assert hits[5] >= 160
 
 
+def test_a_checkpoint_hint_lets_the_second_request_resume_exactly(weights: HybridWeights, prompts: list[list[int]],
+                                                                   reference: list[Output]) -> None:
+    """The first request marks the shared 166-token prefix's end (a system prompt's end): its state is
+    checkpointed at 160 in its one-chunk prefill, so the second request already resumes there (without
+    the hint it computes everything: the junction is only learnt from it) with identical outputs."""
+    for hint, second_hit in ((166, 160), (None, 0)):
+        eng = engine(weights, max_num_batched_tokens=256)
+        params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0)
+        eng.add_request("a", prompts[0], params, checkpoint_hints=() if hint is None else (hint,))
+        while eng.has_unfinished:
+            eng.step()
+        out, cached, _ = run(eng, prompts[1])
+        assert (out, cached) == (reference[1], second_hit), hint
+
+
 def test_float32_pages_hold_a_state_in_three_parts(weights: HybridWeights, prompts: list[list[int]]) -> None:
     """With float32 KV a page is 4 KiB: a state is 3 parts of 3,243 bytes (not whole floats), and
     restoring them is as exact as with bfloat16's 5 parts."""

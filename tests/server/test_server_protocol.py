@@ -63,10 +63,14 @@ class EchoEngine:
         self.metrics = EngineMetrics()
         self.manager = SimpleNamespace(usage=0.0, num_free_blocks=100)
         self.pending: list[tuple[str, list[int], SamplingParams]] = []
+        self.hints: dict[str, tuple[int, ...]] = {}
+        self.prompts: dict[str, list[int]] = {}
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, *,
-                    cache_salt: str | None = None, priority: int = 0) -> None:
+                    cache_salt: str | None = None, priority: int = 0, checkpoint_hints: tuple[int, ...] = ()) -> None:
         self.pending.append((request_id, prompt, params))
+        self.hints[request_id] = checkpoint_hints
+        self.prompts[request_id] = prompt
         self.metrics.request_max_tokens.observe(params.max_tokens)
 
     def abort(self, request_id: str) -> None:
@@ -322,3 +326,27 @@ def test_the_openai_sdk_raises_bad_request_error_for_a_validation_error(engine: 
 
     error = run(engine, test)
     assert error.status_code == 400 and "frequency_penality" in error.message
+
+
+# ---------------------------------------------------------------------- checkpoint hints
+@pytest.mark.parametrize(("messages", "hinted"), [
+    ([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}], "You are terse."),
+    ([{"role": "developer", "content": "Rule one."}, {"role": "system", "content": "Rule two."},
+      {"role": "user", "content": "hi"}], "Rule two."),
+    ([{"role": "user", "content": "hi"}], None),
+])
+def test_a_chat_marks_its_system_prompts_end_as_a_checkpoint_hint(engine: EchoEngine, messages: list[Any],
+                                                                  hinted: str | None) -> None:
+    """The engine gets, as a checkpoint hint, the token position right after the leading system
+    messages (one token per character here), so a recurrent model checkpoints its state there."""
+    async def test(client: Any) -> Any:
+        resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1})
+        assert resp.status_code == 200, resp.text
+
+    run(engine, test)
+    ((rid, hints),) = engine.hints.items()
+    if hinted is None:
+        assert hints == ()
+        return
+    prompt = engine.tokenizer.decode(engine.prompts[rid], skip_special_tokens=False)
+    assert hints == (prompt.index(hinted) + len(hinted),)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hybridkv.core import KVCacheManager, Sequence
+from hybridkv.core.sequence import checked_hints
 from hybridkv.engine.batch import Batch, BatchBuilder
 from hybridkv.engine.config import EngineConfig, RequestOutput, Tokenizer, parse_dtype, resolved_device
 from hybridkv.engine.graphs import DecodeGraphs
@@ -185,13 +186,16 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
                     cache_salt: str | None = None, priority: int = 0,
-                    logits_sink: Callable[[int, torch.Tensor], None] | None = None) -> None:
+                    logits_sink: Callable[[int, torch.Tensor], None] | None = None,
+                    checkpoint_hints: Iterable[int] = ()) -> None:
         """Queue a request. Raises ``InvalidInputError`` (nothing queued) for bad input or a too-long prompt.
 
         ``logits_sink(position, logits)`` receives the float32 next-token logits of every position
         the model computes for this request (a chunk at a time): for scoring and for tests. A request
         asking for ``prompt_logprobs`` neither reads nor feeds the prefix cache (as in vLLM): every
-        prompt position must be computed to be scored.
+        prompt position must be computed to be scored. ``checkpoint_hints``: prompt positions later
+        requests are expected to part at (a system prompt's end): a recurrent state is checkpointed
+        and tiers store there (``hybridkv.KVSequence``).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -227,13 +231,14 @@ class LLMEngine:
             raise InvalidInputError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidInputError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        hints = checked_hints(request_id, checkpoint_hints, len(ids))
         # Everything that can fail is done: from here on nothing raises for this request's input.
         generator = make_generator(params.seed)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
         if params.prompt_logprobs is not None:  # a salt of its own: no hits, and nobody hits its blocks
             self._uncached_requests += 1
             cache_salt = f"{cache_salt or ''}\0prompt-logprobs\0{self._uncached_requests}"
-        seq = Sequence(request_id, ids, cache_salt)
+        seq = Sequence(request_id, ids, cache_salt, checkpoint_hints=hints)
         self.scheduler.add(seq, params.max_tokens, priority, stops,
                            prefill_weight=SCORING_PREFILL_WEIGHT if params.prompt_logprobs is not None else 1)
         self._tracked[request_id] = _Tracked(seq, params, generator, time.monotonic(), ids, logits_sink,

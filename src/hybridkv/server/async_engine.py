@@ -67,6 +67,7 @@ class _Add:
     stream: _Stream
     n: int | None = None
     """The request's ``n`` (counted once per request, by its first choice)."""
+    checkpoint_hints: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        cache_salt: str | None = None, *, priority: int = 0,
-                       n: int | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       n: int | None = None, checkpoint_hints: tuple[int, ...] = ()
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs until the finished one.
 
         Errors from ``LLMEngine.add_request`` (bad or too-long prompt) are raised from the first
@@ -131,7 +133,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InvalidInputError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, prompt, params, cache_salt, priority, stream, n))
+            self._commands.append(_Add(request_id, prompt, params, cache_salt, priority, stream, n, checkpoint_hints))
             self._cond.notify()
         finished = False
         try:
@@ -250,7 +252,8 @@ class AsyncEngine:
             return
         try:
             self._engine.add_request(command.request_id, command.prompt, command.params,
-                                     cache_salt=command.cache_salt, priority=command.priority)
+                                     cache_salt=command.cache_salt, priority=command.priority,
+                                     checkpoint_hints=command.checkpoint_hints)
             if command.n is not None:
                 self._engine.metrics.request_n.observe(command.n)
         except Exception as exc:

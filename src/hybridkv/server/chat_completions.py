@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -16,7 +17,7 @@ from hybridkv.errors import InvalidInputError
 from hybridkv.server.chat import plain_messages
 from hybridkv.server.context import ServerContext, cancel_on_disconnect, start_choices
 from hybridkv.server.errors import APIError
-from hybridkv.server.generation import Choice, collect_finals, make_choices
+from hybridkv.server.generation import Choice, collect_finals, make_choices, system_prompt_end
 from hybridkv.server.openai_format import chat_logprobs, check_n, finish_reason, sampling_params, usage
 from hybridkv.server.protocol import MAX_CHOICES, ChatCompletionRequest
 from hybridkv.server.streaming import stream_response
@@ -49,11 +50,13 @@ def _prepare(body: ChatCompletionRequest, ctx: ServerContext) -> tuple[list[Choi
     params = sampling_params(body, max_tokens=ctx.max_model_len if max_tokens is None else max_tokens,
                              vocab_size=ctx.tokenize.vocab_size, logprobs=k, stop_token_ids=stops)
     try:
-        text = ctx.chat_template.render(plain_messages(body.messages), body.add_generation_prompt is not False)
+        messages = plain_messages(body.messages)
+        text = ctx.chat_template.render(messages, body.add_generation_prompt is not False)
         prompt = ctx.tokenize.text(text, False, "the rendered conversation")
     except InvalidInputError as exc:
         raise APIError(400, str(exc), param="messages") from exc
-    return make_choices([prompt], params, n), n, k
+    hints = system_prompt_end(messages, text, prompt, ctx.tokenize.encode)
+    return make_choices([replace(prompt, checkpoint_hints=hints)], params, n), n, k
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext) -> Response:

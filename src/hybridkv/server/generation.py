@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from hybridkv.engine.engine import RequestOutput
 from hybridkv.engine.sampling import SEED_RANGE, SamplingParams
@@ -29,6 +30,8 @@ class Prompt:
     """Tokens the server put in front (``<bos>``): part of the computation, not of what is echoed."""
     text: str | None
     """The client's text (None for a token-id prompt)."""
+    checkpoint_hints: tuple[int, ...] = ()
+    """Positions later requests are expected to part at (a chat's system prompt's end)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,25 @@ class Tokenize:
         if len(prompt.token_ids) >= self.max_model_len:
             raise PromptTooLong(f"{what} has {len(prompt.token_ids)} tokens; max_model_len is {self.max_model_len} "
                                 f"(prompt plus at least one generated token)")
+
+
+def system_prompt_end(messages: list[dict[str, Any]], text: str, prompt: Prompt,
+                      encode: Callable[[str, bool], list[int]]) -> tuple[int, ...]:
+    """The token position where the conversation's leading system messages end in its rendered
+    ``text`` (tokenized as ``prompt``), as a checkpoint hint; none without a system message or
+    when the template does not show their content verbatim."""
+    end = 0
+    for m in messages:
+        if m["role"] != "system":
+            break
+        found = text.find(m["content"], end)
+        if found < 0 or not m["content"]:
+            return ()
+        end = found + len(m["content"])
+    if not end:
+        return ()
+    n = _common_prefix(encode(text[:end], False), prompt.token_ids)  # a merge at the cut is left out
+    return (n,) if 0 < n < len(prompt.token_ids) else ()
 
 
 def make_choices(prompts: list[Prompt], params: SamplingParams, n: int) -> list[Choice]:
@@ -138,7 +160,8 @@ async def run_choices(engine: AsyncEngine, request_id: str, choices: list[Choice
             if wait_for is not None:
                 await started[wait_for].wait()
             outputs = engine.generate(f"{request_id}-{choice.index}", choice.prompt.token_ids, choice.params,
-                                      cache_salt, priority=priority, n=n if choice.index == choices[0].index else None)
+                                      cache_salt, priority=priority, n=n if choice.index == choices[0].index else None,
+                                      checkpoint_hints=choice.prompt.checkpoint_hints)
             async for output in outputs:
                 started[choice.index].set()
                 queue.put_nowait((choice, output))
