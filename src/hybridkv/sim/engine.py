@@ -16,7 +16,8 @@ from array import array
 from typing import TYPE_CHECKING
 
 from hybridkv.core import KVCacheManager, Sequence
-from hybridkv.errors import InvalidInputError, SequenceTooLongError
+from hybridkv.errors import SequenceTooLongError
+from hybridkv.planning.planner import draft_token_limit
 from hybridkv.scheduling.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sim.cost_model import CostModel, SeqWork
 from hybridkv.sim.synthetic import SyntheticSequence
@@ -240,11 +241,7 @@ class SimEngine:
         self.cost = cost
         self.tiers = tiers
         self.records = records
-        if cfg.speculative_tokens and mgr.layout.recurrent_states:
-            # The manager verifies drafts on recurrent state (the engine keeps per-position states), but
-            # the cost model prices no verify pass through recurrent layers: not simulated.
-            raise InvalidInputError("speculative decoding with recurrent state is not simulated: the cost model "
-                                    "has no verify pass through recurrent layers")
+        draft_token_limit(mgr, cfg.speculative_tokens, cfg.model, "speculative_tokens")
         self.sched = Scheduler(mgr, SchedulerConfig(
             max_num_batched_tokens=mgr.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold, policy=cfg.policy,
