@@ -15,7 +15,8 @@ from hybridkv.sim.cluster import ClusterConfig, simulate_cluster
 from hybridkv.sim.cost_model import CostModel, SeqWork
 from hybridkv.sim.engine import SimEngine
 from hybridkv.sim.simulator import SimConfig, simulate
-from hybridkv.sim.workloads import ClosedLoop, shared_prefix
+from hybridkv.sim.tiers import parse_tiers
+from hybridkv.sim.workloads import ClosedLoop, multi_turn_chat, shared_prefix
 
 # Nemotron-H 8B: 4 attention layers in one group, 24 Mamba-2 states of 51.8 MB per sequence in all.
 NEMOTRON = SimConfig(model="nemotron-h-8b", gpu="h100-80gb", max_model_len=8192, max_num_batched_tokens=2048,
@@ -120,6 +121,17 @@ def test_the_largest_draft_count_of_a_state_block_runs(checked_steps: list[int])
     s = simulate(w, _spec(QWEN, 15, 1.0)).summary
     # 63 tokens after the first: 3 steps of 16 and one of 15 per request.
     assert (s["finished"], s["output_tokens"], s["spec_decode"]["tokens_per_step"]) == (4, 256, 63 / 4)
+
+
+def test_tiers_get_the_state_checkpoints_accepted_drafts_crossed() -> None:
+    # Later turns load the earlier ones' answers (states at their block boundaries included) from
+    # the host tier, as much with every draft accepted as without speculation.
+    w = multi_turn_chat(6, 3, system_prompt_len=500, user_len=50, max_new_tokens=40, arrivals=ClosedLoop(3))
+    cfg = replace(QWEN, kv_cache_tokens=8000, tiers=parse_tiers("host:8GiB"))
+    plain = simulate(w, cfg).summary
+    spec = simulate(w, _spec(cfg, 4, 1.0)).summary
+    assert spec["finished"] == plain["finished"] == 18 and spec["spec_decode"]["tokens_per_step"] > 4
+    assert spec["tier_hit_tokens"] == plain["tier_hit_tokens"] > 0
 
 
 def test_a_cluster_of_recurrent_replicas_speculates(checked_steps: list[int]) -> None:
