@@ -103,11 +103,7 @@ def test_tiers_get_the_blocks_speculative_steps_verified() -> None:
     assert spec["tier_hit_tokens"] == plain["tier_hit_tokens"] > 0
 
 
-def test_speculation_is_refused_where_it_is_not_modelled() -> None:
-    w = shared_prefix(4, 1, 100, 10, max_new_tokens=4, arrivals=ClosedLoop(2), seed=1)
-    with pytest.raises(InvalidInputError, match="recurrent"):
-        simulate(w, SimConfig(model="granite-4.0-h-tiny", gpu="h100-80gb", max_model_len=4096,
-                              kv_cache_tokens=50_000, speculative_tokens=2, acceptance_rate=0.5))
+def test_speculation_settings_out_of_range_are_refused() -> None:
     for bad in ({"speculative_tokens": 17}, {"speculative_tokens": -1}, {"acceptance_rate": 1.5},
                 {"acceptance_rate": True}):
         with pytest.raises(InvalidInputError):
@@ -135,8 +131,9 @@ def test_the_plan_reports_the_draft_blocks_and_the_concurrency_left() -> None:
     base = PlanInput(model="gemma-3-1b", gpu="l4-24gb", max_model_len=8192, request_lens=(1024, 8000))
     plain = make_plan(base).report
     spec = make_plan(PlanInput(**{**base.__dict__, "num_speculative_tokens": 8})).report
-    assert plain["speculative"] == {"num_speculative_tokens": 0, "draft_blocks_per_request": 0,
-                                    "max_concurrency": plain["max_concurrency"],
+    assert plain["speculative"] == {"num_speculative_tokens": 0, "max_speculative_tokens": 16,
+                                    "draft_blocks_per_request": 0, "draft_state_blocks_per_request": 0,
+                                    "draft_state_blocks_up_to_tokens": 0, "max_concurrency": plain["max_concurrency"],
                                     "concurrency_at_request_len": plain["concurrency_at_request_len"]}
     s = spec["speculative"]
     assert s["num_speculative_tokens"] == 8 and s["draft_blocks_per_request"] == 7  # one block per group
@@ -174,9 +171,6 @@ def test_cli_plan_num_speculative_tokens(capsys: pytest.CaptureFixture[str]) -> 
     assert doc["speculative"]["num_speculative_tokens"] == 4 and doc["speculative"]["draft_blocks_per_request"] == 7
     assert main([*args, "--num-speculative-tokens", "4"]) == 0
     assert "draft slots" in capsys.readouterr().out
-    assert main(["plan", "--model", "granite-4.0-h-tiny", "--max-model-len", "8192",
-                 "--num-speculative-tokens", "2"]) == 2
-    assert "recurrent" in capsys.readouterr().err
     with pytest.raises(InvalidInputError, match="at most 16"):
         make_plan(PlanInput(model="gemma-3-1b", num_speculative_tokens=17))
 

@@ -103,8 +103,12 @@ def _print_plan(result: object) -> None:
     spec = r["speculative"]
     if spec["num_speculative_tokens"]:
         k = spec["num_speculative_tokens"]
-        cap += [(f"draft slots ({k} tokens): blocks per request, at most", str(spec["draft_blocks_per_request"])),
-                (f"max concurrency with {k} draft slots each", str(spec["max_concurrency"]))]
+        cap += [("draft tokens a decode step verifies, at most", str(spec["max_speculative_tokens"])),
+                (f"draft slots ({k} tokens): blocks per request, at most", str(spec["draft_blocks_per_request"]))]
+        if spec["draft_state_blocks_per_request"]:
+            cap += [(f"  and in recurrent states, requests of up to {spec['draft_state_blocks_up_to_tokens']} tokens",
+                     str(spec["draft_state_blocks_per_request"]))]
+        cap += [(f"max concurrency with {k} draft slots each", str(spec["max_concurrency"]))]
         cap += [(f"max concurrency at {n} tokens + {k} draft slots", str(c))
                 for n, c in spec["concurrency_at_request_len"].items()]
     print_table("capacity", ("what", "value"), cap, header=False)
@@ -138,8 +142,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--block-size", type=positive_int_arg, default=16, metavar="TOKENS", help="tokens per KV block")
     add_recurrent_pages_arg(p)
     p.add_argument("--num-speculative-tokens", type=non_negative_int_arg, default=0, metavar="K",
-                   help="speculative decoding: each decode step verifies K draft tokens (at most 16); reports the "
-                        "blocks their slots reserve per request and the concurrency left")
+                   help="speculative decoding: each decode step verifies K draft tokens (at most 16; with "
+                        "recurrent state, its block size less one: 15 with 16-token blocks); reports the blocks "
+                        "their slots reserve per request and the concurrency left")
     p.add_argument("--num-params", type=count_arg, default=None, metavar="COUNT",
                    help="parameter count, e.g. 27e9 or 27B (needed for a config.json; presets know theirs)")
     p.add_argument("--json", type=output_path_arg, default=None, metavar="PATH",

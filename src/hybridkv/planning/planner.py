@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.core import KVCacheLayout, MambaMode, MambaSpec, RecurrentPages, capacity_report, plan_layout
+from hybridkv.core import (
+    KVCacheLayout,
+    KVCacheManager,
+    MambaMode,
+    MambaSpec,
+    RecurrentPages,
+    capacity_report,
+    plan_layout,
+)
 from hybridkv.errors import DoesNotFitError, InvalidInputError
 from hybridkv.planning import get_preset
 from hybridkv.planning.hardware import GiB, Hardware, get_hardware
@@ -163,13 +171,24 @@ def make_plan(inp: PlanInput) -> Plan:
                                                               "max_model_len_that_fits": exc.max_model_len_that_fits,
                                                               "error": str(exc)}
         return plan
-    if inp.num_speculative_tokens and layout.recurrent_states:
-        raise InvalidInputError(
-            f"{name} keeps recurrent state: speculative decoding is not supported (a step writes the state after "
-            f"its last draft; see docs/ARCHITECTURE.md, Speculative decoding)")
+    limit = draft_token_limit(KVCacheManager(layout, max_model_len, batch), inp.num_speculative_tokens, name)
     plan.layout = layout
-    plan.report = _full_report(plan, layout, batch, model.num_layers)
+    plan.report = _full_report(plan, layout, batch, model.num_layers, limit)
     return plan
+
+
+def draft_token_limit(mgr: KVCacheManager, k: int, name: str, field: str = "num_speculative_tokens") -> int:
+    """The most draft tokens a decode step on ``mgr`` verifies: ``MAX_DRAFT_TOKENS``, fewer where the
+    manager's ``max_draft_tokens`` says so; raises ``InvalidInputError`` naming both when ``k`` (the
+    setting ``field`` of model ``name``) is more."""
+    limit, batch = mgr.max_draft_tokens(1), mgr.max_num_batched_tokens
+    if k > limit:
+        why = (f"one step computes at most max_num_batched_tokens={batch} tokens" if limit == batch - 1 else
+               f"a step with drafts stays within one {limit + 1}-token block of a recurrent state that "
+               f"checkpoints (a larger block_size allows more)")
+        raise InvalidInputError(f"{name}: {field}={k}, but a decode step of this layout verifies at most {limit} "
+                                f"draft tokens: {why}")
+    return min(limit, MAX_DRAFT_TOKENS)
 
 
 def _gpu(inp: PlanInput) -> tuple[Hardware | None, int]:
@@ -230,7 +249,7 @@ def _base_report(plan: Plan, num_layers: int) -> dict[str, Any]:
     }
 
 
-def _full_report(plan: Plan, layout: KVCacheLayout, batch: int, num_layers: int) -> dict[str, Any]:
+def _full_report(plan: Plan, layout: KVCacheLayout, batch: int, num_layers: int, draft_limit: int) -> dict[str, Any]:
     inp = plan.input
     rep = capacity_report(layout, max_model_len=plan.max_model_len, max_num_batched_tokens=batch)
     bytes_per_block = layout.page_size_bytes * layout.group_size
@@ -275,28 +294,42 @@ def _full_report(plan: Plan, layout: KVCacheLayout, batch: int, num_layers: int)
                               "state_bytes": st.state_bytes, "pages_per_state": len(st.groups),
                               "part_bytes": st.part_bytes} for st in layout.recurrent_states],
         "uncached_layers": list(layout.uncached_layers),
-        "speculative": _speculative(layout, inp.num_speculative_tokens, batch, plan.max_model_len, per_request, lens),
+        "speculative": _speculative(layout, (inp.num_speculative_tokens, draft_limit), batch, plan.max_model_len,
+                                    per_request, lens),
     }
 
 
-def _speculative(layout: KVCacheLayout, k: int, batch: int, max_model_len: int, per_request: int,
+def _speculative(layout: KVCacheLayout, drafts: tuple[int, int], batch: int, max_model_len: int, per_request: int,
                  lens: list[int]) -> dict[str, Any]:
-    """What ``k`` draft slots per request cost (the scheduler's admission bound reserves them): the most
-    blocks they add to one request, the concurrency of max-length requests each holding that many more,
-    and per request length ``n`` the concurrency with blocks for ``min(n + k, max_model_len)`` slots
-    (drafts never pass ``max_model_len``)."""
+    """What ``k`` draft slots per request cost (``drafts``: ``k`` and the most a step verifies; the
+    scheduler's admission bound reserves the slots): the most blocks they add to one request, apart
+    from those in recurrent states of a request shorter than their bound (``draft_state_blocks_*``);
+    the concurrency of max-length requests each holding that many more; per request length ``n`` the
+    concurrency with blocks for ``min(n + k, max_model_len)`` slots (drafts never pass ``max_model_len``)."""
+    k, limit = drafts
     usable = layout.num_blocks - 1
     specs = [g.spec for g in layout.groups]
+    # A recurrent state that does not grow holds at most its bound, drafts or not.
+    bounded = {i for st in layout.recurrent_states for i in st.groups if not specs[i].grows_with_sequence}
 
     def blocks(n: int) -> int:
         return sum(s.blocks_for_tokens(n, batch, max_model_len) for s in specs)
 
-    # The worst case: the request's tokens end on a block boundary, below every window's bound.
-    draft = sum(s.blocks_for_tokens(k, batch, max_model_len) - s.blocks_for_tokens(0, batch, max_model_len)
-                for s in specs) if k else 0
+    def added(i: int) -> int:
+        # The most: the request ends on the group's first block boundary (below any window's bound).
+        s = specs[i]
+        return s.blocks_for_tokens(s.block_size + k, batch, max_model_len) - s.blocks_for_tokens(
+            s.block_size, batch, max_model_len) if k else 0
+
+    draft = sum(added(i) for i in range(len(specs)) if i not in bounded)
+    short = max(((specs[i].max_blocks_per_request(batch, max_model_len) - 1) * specs[i].block_size
+                 for i in bounded if added(i)), default=0)
     return {
         "num_speculative_tokens": k,
+        "max_speculative_tokens": limit,
         "draft_blocks_per_request": draft,
+        "draft_state_blocks_per_request": sum(added(i) for i in bounded),
+        "draft_state_blocks_up_to_tokens": short,
         "max_concurrency": usable // (per_request + draft) if per_request + draft else 0,
         "concurrency_at_request_len": {str(n): usable // blocks(min(n + k, max_model_len))
                                        for n in lens if n <= max_model_len},
@@ -349,9 +382,13 @@ def render_text(plan: Plan) -> str:
         lines.append(f"max concurrency at {n} tokens: {c}")
     spec = r["speculative"]
     if spec["num_speculative_tokens"]:
-        lines.append(f"speculative decoding, {spec['num_speculative_tokens']} draft tokens: up to "
-                     f"{spec['draft_blocks_per_request']} more blocks per request, max concurrency "
-                     f"{spec['max_concurrency']}"
+        states = spec["draft_state_blocks_per_request"]
+        lines.append(f"speculative decoding, {spec['num_speculative_tokens']} draft tokens (at most "
+                     f"{spec['max_speculative_tokens']} here): up to {spec['draft_blocks_per_request']} more blocks "
+                     f"per request"
+                     + (f" ({states} more in recurrent states up to {spec['draft_state_blocks_up_to_tokens']} "
+                        f"tokens)" if states else "")
+                     + f", max concurrency {spec['max_concurrency']}"
                      + "".join(f", {c} at {n} tokens" for n, c in spec["concurrency_at_request_len"].items()))
     for st in r["recurrent_states"]:
         if st["pages_per_state"] > 1:

@@ -184,8 +184,9 @@ def _tier_arguments(system: Any) -> None:
     system.add_argument("--tier-load-timeout", type=positive_float_arg, default=None, metavar="SECONDS",
                         help="a tier load longer than this is a miss (the prompt is computed)")
     system.add_argument("--speculative-tokens", type=non_negative_int_arg, default=0, metavar="K",
-                        help="speculative decoding: each decode step verifies K draft tokens (at most 16; admission "
-                             "reserves K draft slots per request); needs --acceptance-rate")
+                        help="speculative decoding: each decode step verifies K draft tokens (at most 16; with "
+                             "recurrent state, its block size less one: 15 with 16-token blocks; admission reserves "
+                             "K draft slots per request); needs --acceptance-rate")
     system.add_argument("--acceptance-rate", type=non_negative_float_arg, default=None, metavar="A",
                         help="with --speculative-tokens: the probability that a draft is accepted, drafts after the "
                              "first rejection are lost (seeded by --seed)")

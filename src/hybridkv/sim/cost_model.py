@@ -68,8 +68,10 @@ class SeqWork:
     """Whether the step samples a token for this sequence (a decode or a last prefill chunk)."""
     num_draft_tokens: int = 0
     """Of ``num_new_tokens``, the draft tokens a speculative decode step verifies after its token: the
-    LM head scores each of them, and a step whose sequences compute one token plus drafts is still a
-    decode step (a CUDA graph replays it)."""
+    LM head scores each of them, recurrent layers keep the state after each position until they are
+    verified (``d + 4`` states moved instead of 2: ``docs/SIMULATOR.md``, "Verify pass through
+    recurrent layers"), and a step whose sequences compute one token plus drafts is still a decode
+    step (a CUDA graph replays it)."""
 
     def __post_init__(self) -> None:
         if (self.num_new_tokens < 0 or self.context_len < 0 or self.num_loaded_tokens < 0
@@ -486,7 +488,7 @@ class CostModel:
         window = lc.sliding_window
         masked = self.window_kernel == "masked"
         chunk = lc.attention_chunk_size
-        tokens = seqs = loaded = loaded_seqs = sampled = head_rows = 0
+        tokens = loaded = loaded_seqs = sampled = head_rows = states = 0
         decode_only = True
         global_pairs2 = global_read = 0  # global_pairs2 is twice the (query, key) pairs
         sliding_pairs = sliding_read = chunked_pairs = chunked_read = 0
@@ -501,10 +503,11 @@ class CostModel:
             if not n:
                 continue
             tokens += n
-            seqs += 1
             sampled += w.sampled
-            head_rows += w.sampled + w.num_draft_tokens
-            if n - w.num_draft_tokens > 1:
+            d = w.num_draft_tokens
+            head_rows += w.sampled + d
+            states += d + 4 if d else 2  # read, written; with drafts: d + 1 kept, the accepted one copied
+            if n - d > 1:
                 decode_only = False
             end = c + n
             global_pairs2 += n * (c + end + 1)
@@ -534,7 +537,7 @@ class CostModel:
             return StepTotals(load_bytes=load_bytes)
         attn_flops = (global_pairs2 * 0.5 * lc.global_flops_per_pair + sliding_pairs * lc.sliding_flops_per_pair
                       + chunked_pairs * lc.chunked_flops_per_pair)
-        kv_bytes = (2 * tokens * lc.kv_bytes_per_token + seqs * 2 * lc.recurrent_state_bytes
+        kv_bytes = (2 * tokens * lc.kv_bytes_per_token + states * lc.recurrent_state_bytes
                     + global_read * lc.global_kv_bytes_per_token + sliding_read * lc.sliding_kv_bytes_per_token
                     + chunked_read * lc.chunked_kv_bytes_per_token)
         return self._step_totals(tokens, sampled, head_rows, attn_flops, kv_bytes, load_bytes, decode_only)
@@ -610,7 +613,8 @@ class StepTotals(NamedTuple):
     attn_flops: float = 0.0
     """Attention FLOPs of every layer kind."""
     kv_bytes: float = 0.0
-    """KV read and written, recurrent states read and written."""
+    """KV read and written, recurrent states read and written (per sequence 2 states; ``d + 4`` for a
+    verify pass over ``d`` drafts)."""
     load_bytes: float = 0.0
     """External-tier bytes."""
     decode_only: bool = False

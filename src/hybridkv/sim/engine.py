@@ -16,7 +16,8 @@ from array import array
 from typing import TYPE_CHECKING
 
 from hybridkv.core import KVCacheManager, Sequence
-from hybridkv.errors import InvalidInputError, SequenceTooLongError
+from hybridkv.errors import SequenceTooLongError
+from hybridkv.planning.planner import draft_token_limit
 from hybridkv.scheduling.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sim.cost_model import CostModel, SeqWork
 from hybridkv.sim.synthetic import SyntheticSequence
@@ -224,10 +225,6 @@ def pooled_speculation(specs: list[Speculation]) -> Speculation:
     return total
 
 
-Store = tuple[ScheduledSequence, int, int]
-"""A write-through: the sequence, the first token and the number of tokens."""
-
-
 class SimEngine:
     """One simulated engine: the real scheduler over a manager (and tiers), timed by a cost model,
     with speculation, its clock and its counters. ``step`` runs one engine step at ``now``."""
@@ -240,19 +237,13 @@ class SimEngine:
         self.cost = cost
         self.tiers = tiers
         self.records = records
-        if cfg.speculative_tokens and mgr.layout.recurrent_states:
-            # The manager verifies drafts on recurrent state (the engine keeps per-position states), but
-            # the cost model prices no verify pass through recurrent layers: not simulated.
-            raise InvalidInputError("speculative decoding with recurrent state is not simulated: the cost model "
-                                    "has no verify pass through recurrent layers")
+        draft_token_limit(mgr, cfg.speculative_tokens, cfg.model, "speculative_tokens")
         self.sched = Scheduler(mgr, SchedulerConfig(
             max_num_batched_tokens=mgr.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold, policy=cfg.policy,
             admission=cfg.admission, num_speculative_tokens=cfg.speculative_tokens),
             connector=tiers.connector if tiers is not None else None)
         self.spec = Speculation(cfg.speculative_tokens, cfg.acceptance_rate, cfg.speculative_seed)
-        self.stored_to: dict[str, int] = {}
-        """With speculation and tiers: where each sequence's last offer to the tiers ended."""
         self.now = 0.0
         """When the next step starts."""
         self.steps = 0
@@ -313,16 +304,17 @@ class SimEngine:
             if decode:
                 spec.count(emitted)
         if later:
-            for seq, start, n in later:
-                tiers.store(seq, start, n)  # type: ignore[union-attr]
+            for seq, start in later:
+                # Through the accepted drafts: ``update`` verified them, registering the blocks they
+                # filled and the recurrent checkpoints they crossed (the next step drops those).
+                tiers.store(seq, start, seq.num_computed_tokens - start)  # type: ignore[union-attr]
         ended = [r.seq_id for r in finished]
         if out.rejected:
             records.rejected += len(out.rejected)
             ended += [sid for sid, _ in out.rejected]
-        finish, stored_to = records.finish, self.stored_to
+        finish = records.finish
         for sid in ended:
             finish[sid] = now
-            stored_to.pop(sid, None)
         usage = self.mgr.usage
         self.usage_sum += usage
         if usage > self.usage_max:
@@ -338,7 +330,6 @@ class SimEngine:
         and whether they decode), and the write-through of what it computed (with tiers)."""
         sched, spec, records, tiered = self.sched, self.spec, self.records, self.tiers is not None
         first_token, last_token, itl = records.first_token, records.last_token, records.itl
-        stored_to = self.stored_to
         drafts = out.draft_tokens
         sampled = {}
         emitting: list[tuple[ScheduledSequence, int, bool]] = []
@@ -347,12 +338,7 @@ class SimEngine:
             seq = sched.requests[sid].seq
             c = seq.num_computed_tokens
             if tiered:
-                # Blocks that accepted drafts filled are registered at the sequence's next step: offer
-                # them then (the write-through starts where the previous step's offer ended).
-                begin = min(c, stored_to.get(sid, c)) if spec.k else c
-                stores.append((sid, seq, begin, c + n - begin))
-                if spec.k:
-                    stored_to[sid] = c + n
+                stores.append((sid, seq, c, n))
             if c + n == seq.num_tokens:
                 sampled[sid] = spec.sample(sid, drafts.get(sid))
                 decode = sid in first_token
@@ -365,9 +351,10 @@ class SimEngine:
         return sampled, emitting, stores
 
     def _store_finishing(self, stores: list[tuple[str, ScheduledSequence, int, int]],
-                         sampled: dict[str, tuple[int, ...]]) -> list[Store]:
+                         sampled: dict[str, tuple[int, ...]]) -> list[tuple[ScheduledSequence, int]]:
         """Write through now what the sequences this step finishes computed (``update`` frees them);
-        the others' stores, returned, go after ``update`` (a recurrent state enters the cache then)."""
+        the others' stores, returned as (sequence, first token), go after ``update`` (a recurrent state
+        enters the cache then)."""
         sched, tiers, max_len = self.sched, self.tiers, self.mgr.max_model_len
         assert tiers is not None
         later = []
@@ -377,5 +364,5 @@ class SimEngine:
                           or seq.num_tokens + emits >= max_len):
                 tiers.store(seq, start, n)
             else:
-                later.append((seq, start, n))
+                later.append((seq, start))
         return later
