@@ -173,3 +173,17 @@ def test_cli_simulate_refuses_too_many_drafts_in_one_line(capsys: pytest.Capture
                        "recurrent state that checkpoints (a larger --block-size allows more)\n")
     assert main([*args, "--speculative-tokens", "15"]) == 0
     assert "tokens per decode step" in capsys.readouterr().out
+
+
+def test_drafts_under_memory_pressure_preempt_but_never_reject_a_request_that_fits() -> None:
+    """A tight pool: with K=7 draft steps cross state-block boundaries far more often than plain
+    decoding, so sequences hold a second state more often and the newest preempts itself. Those
+    self-preemptions happen beside other sequences' drafts: they do not count toward the rejection
+    limit (plain decoding finishes every request in this pool)."""
+    cfg = SimConfig(model="nemotron-h-8b", gpu="h100-80gb", max_model_len=4096, kv_cache_tokens=28000)
+    work = shared_prefix(10, 2, 500, 100, max_new_tokens=600, arrivals=ClosedLoop(10))
+    plain = simulate(work, cfg).summary
+    spec = simulate(work, _spec(cfg, 7, 0.5)).summary
+    assert (plain["rejected"], plain["preemptions"]) == (0, 0)
+    assert spec["preemptions"] > 0 and spec["rejected"] == 0
+    assert spec["finished"] == plain["finished"] == 10 and spec["output_tokens"] == plain["output_tokens"]

@@ -42,7 +42,8 @@ class SchedulerConfig:
     """``fcfs``, or ``priority`` (lower value first; ties by arrival)."""
     admission: Admission = "max_utilization"
     max_self_preemptions: int = 3
-    """A sequence preempting itself this many times is rejected."""
+    """A sequence preempting itself this many times is rejected (a self-preemption in a step where
+    other sequences hold draft slots does not count: without their drafts it may well fit)."""
     num_speculative_tokens: int = 0
     """Most draft tokens a decode step verifies (``set_draft_tokens``); 0: no speculation. Admission
     counts that many draft slots past each sequence (``reserve_lookahead_tokens``; fewer for one that
@@ -481,7 +482,7 @@ class Scheduler:
         self.stats.preemptions += 1
         out.new_block_ids.pop(victim.seq_id, None)
         out.preempted.append(victim.seq_id)
-        if itself:
+        if itself and not out.draft_tokens:  # others' drafts took the room: it may well fit without them
             victim.num_self_preemptions += 1
         if victim.num_self_preemptions >= self.config.max_self_preemptions:
             usable = self.manager.layout.num_blocks - 1
