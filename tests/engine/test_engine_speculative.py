@@ -12,6 +12,7 @@ attention layers) verifies drafts through its recurrent states the same way.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -354,3 +355,25 @@ def test_hybrid_ngram_drafts_keep_greedy_tokens(hybrid: HybridWeights) -> None:
     assert run(eng, [prompt], params) == want
     assert eng.metrics.spec_draft_tokens > 0
     eng.manager.check_invariants()
+
+
+def test_hybrid_accepted_drafts_reach_the_tier(hybrid: HybridWeights, tmp_path: Path) -> None:
+    """The blocks and recurrent checkpoints accepted drafts complete are offered to the tier once
+    verified: a later engine on the same disk resumes a continuation of the first request as far as
+    it would after plain decoding."""
+    prompt = hybrid_prompts(5)[1]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    (want,) = run(hybrid_engine(hybrid), [prompt], params)
+    resumed = {}
+    for k in (0, 8):
+        disk = f"disk:{tmp_path / f'k{k}'}:64MiB"
+        eng = hybrid_engine(hybrid, k, kv_tiers=(disk,), max_num_seqs=2)
+        if k:
+            eng = oracle(eng, [prompt], [want])
+        assert run(eng, [prompt, hybrid_prompts(6)[1]], params)[0] == want  # in a batch, as served
+        if k:
+            assert eng.metrics.spec_accepted_tokens > 20
+        later = prompt + want[:48] + [7, 8, 9]
+        (o,) = hybrid_engine(hybrid, kv_tiers=(disk,)).generate([later], SamplingParams(max_tokens=1))
+        resumed[k] = o.num_external_tokens
+    assert resumed[8] == resumed[0] >= 80

@@ -319,6 +319,8 @@ class LLMEngine:
             self.connector.loads.wait(0.005)  # only tier loads are in flight: wait for one, do not spin
         sampled: dict[str, list[int]] = {}
         failed: dict[str, str] = {}
+        drafted = {sid: self._tracked[sid].seq.num_computed_tokens + out.num_scheduled_tokens[sid]
+                   for sid in out.draft_tokens} if self.connector is not None else {}
         if out.num_scheduled_tokens:
             failed = self._execute(out, sampled)
             self.metrics.computed_tokens += out.total_tokens
@@ -328,6 +330,7 @@ class LLMEngine:
             t = self._tracked[sid]
             t.stopped, t.error = "error", message
         finished, generated = self._update(out, sampled)
+        self._offer_verified(drafted)
         outputs = self._outputs(out, sampled, failed, finished)
         if self.events is not None:
             tiers = self.connector.take_events() if self.connector is not None else ()
@@ -452,6 +455,16 @@ class LLMEngine:
             # Offering the step's blocks vouches that it ran: the recurrent checkpoints it wrote
             # register and are offered too (the scheduler advances the count after sampling).
             self.connector.store(seq, first + n, self.kv.read_block, first)
+
+    def _offer_verified(self, drafted: dict[str, int]) -> None:
+        """Write-through of what accepted drafts computed past a step's token (``drafted``: where each
+        drafting sequence's step ended before them): the blocks they filled and the recurrent
+        checkpoints they crossed, registered by the scheduler's ``update``. A sequence that ended on
+        that step was freed with them (its last accepted drafts are not offered)."""
+        for sid, end in drafted.items():
+            req = self.scheduler.requests.get(sid)
+            if req is not None and req.status is Status.RUNNING and req.seq.num_computed_tokens > end:
+                self.connector.store(req.seq, req.seq.num_computed_tokens, self.kv.read_block, end)  # type: ignore[union-attr]
 
     def _consume(self, batch: Batch, lo: int, logits: torch.Tensor, sampled: dict[str, list[int]],
                  failed: dict[str, str], argmax: list[int] | None = None, *, verify: bool = True) -> None:
