@@ -301,7 +301,7 @@ class Scheduler:
             budget -= self._cost(req, seq.num_computed_tokens, n) + len(drafts)
             i += 1
         if not out.preempted:
-            self._admit(out, budget, self._computing(out) if cfg.defer_shared_prefills else None)
+            self._admit(out, budget, self._computing(out) if cfg.defer_shared_prefills and self.waiting else None)
         self.stats.steps += 1
         for sid, _ in out.rejected:  # the caller learns of them now
             self._forget_ended(sid)
