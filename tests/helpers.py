@@ -73,3 +73,21 @@ def run_prefill(mgr: KVCacheManager, seq: Sequence, chunk: int, *, use_hit: bool
 
 def tokens(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
+
+
+def decoding_requests(layout: object, prompt_len: int, num_lookahead_tokens: int) -> int:
+    """How many ``prompt_len``-token requests a fresh manager on ``layout`` (``max_model_len`` 4,096,
+    8,192-token steps) admits and takes to their first decode step with that many draft slots."""
+    mgr = KVCacheManager(layout, 4096, 8192)  # type: ignore[arg-type]
+    count = 0
+    while True:
+        seq = Sequence(f"r{count}", tokens(count * 2000, prompt_len))
+        if mgr.allocate(seq, prompt_len) is None:
+            break
+        seq.num_computed_tokens = prompt_len
+        seq.append_token_ids([7])
+        if mgr.allocate(seq, 1, num_lookahead_tokens=num_lookahead_tokens) is None:
+            break
+        count += 1
+    mgr.check_invariants()
+    return count

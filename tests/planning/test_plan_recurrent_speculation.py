@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from hybridkv import InvalidInputError, KVCacheManager, Sequence
+from hybridkv import InvalidInputError
 from hybridkv.cli import main
 from hybridkv.planning.planner import PlanInput, make_plan, render_text
 
-from helpers import tokens
+from helpers import decoding_requests
 
 # Nemotron-H 8B on an L4: one full-attention group and 24 Mamba-2 states spread over 198 page groups.
 NEMOTRON = PlanInput(model="nemotron-h-8b", gpu="l4-24gb", max_model_len=4096, request_lens=(32, 33, 1000, 1024))
@@ -42,23 +42,7 @@ def test_drafts_add_attention_blocks_and_state_pages_only_below_the_states_bound
 def test_the_real_manager_decodes_as_many_recurrent_requests_with_drafts_as_without() -> None:
     plan = make_plan(replace(NEMOTRON, num_speculative_tokens=3))
     planned = plan.report["speculative"]["concurrency_at_request_len"]["1000"]
-
-    def decoding(k: int) -> int:
-        mgr = KVCacheManager(plan.layout, 4096, 8192)  # type: ignore[arg-type]
-        count = 0
-        while True:
-            seq = Sequence(f"r{count}", tokens(count * 2000, 1000))
-            if mgr.allocate(seq, 1000) is None:
-                break
-            seq.num_computed_tokens = 1000
-            seq.append_token_ids([7])
-            if mgr.allocate(seq, 1, num_lookahead_tokens=k) is None:
-                break
-            count += 1
-        mgr.check_invariants()
-        return count
-
-    assert decoding(3) == decoding(0) >= planned > 0
+    assert decoding_requests(plan.layout, 1000, 3) == decoding_requests(plan.layout, 1000, 0) >= planned > 0
 
 
 def test_the_report_says_the_limit_and_the_state_pages() -> None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hybridkv import InvalidInputError, KVCacheManager, Sequence
+from hybridkv import InvalidInputError, Sequence
 from hybridkv.cli import main
 from hybridkv.core.specs import FullAttentionSpec
 from hybridkv.planning.planner import PlanInput, make_plan
@@ -19,7 +19,7 @@ from hybridkv.sim.simulator import SimConfig, simulate
 from hybridkv.sim.tiers import parse_tiers
 from hybridkv.sim.workloads import ClosedLoop, SimRequest, Workload, multi_turn_chat, shared_prefix
 
-from helpers import manager, tokens
+from helpers import decoding_requests, manager, tokens
 
 H100 = SimConfig(model="gemma-3-1b", gpu="h100-80gb", max_model_len=8192, max_num_batched_tokens=2048,
                  kv_cache_tokens=200_000)
@@ -150,18 +150,7 @@ def test_the_real_manager_decodes_as_many_requests_with_drafts_as_planned() -> N
                                num_speculative_tokens=8))
     planned = plan.report["speculative"]["concurrency_at_request_len"]["1024"]
     assert planned < plan.report["concurrency_at_request_len"]["1024"]
-    mgr = KVCacheManager(plan.layout, 4096, 8192)  # type: ignore[arg-type]
-    decoding = 0
-    while True:
-        seq = Sequence(f"r{decoding}", tokens(decoding * 2000, 1024))
-        if mgr.allocate(seq, 1024) is None:
-            break
-        seq.num_computed_tokens = 1024
-        seq.append_token_ids([7])
-        if mgr.allocate(seq, 1, num_lookahead_tokens=8) is None:
-            break
-        decoding += 1
-    assert decoding == planned
+    assert decoding_requests(plan.layout, 1024, 8) == planned
 
 
 def test_cli_plan_num_speculative_tokens(capsys: pytest.CaptureFixture[str]) -> None:
