@@ -91,7 +91,7 @@ class ScriptedEngine:
         self.closed = False
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    cache_salt: str | None = None, priority: int = 0) -> None:
+                    cache_salt: str | None = None, priority: int = 0, checkpoint_hints: tuple[int, ...] = ()) -> None:
         self.thread_ids.add(threading.get_ident())
         if not prompt:
             raise InvalidInputError("the prompt is empty")
