@@ -248,12 +248,18 @@ class ReplicaSim:
         flush()
         return out
 
-    def backend(self) -> BackendState:
-        """This replica as the router sees it: requests running and waiting, KV usage."""
+    def backend(self, clock: float) -> BackendState:
+        """This replica as the router sees it at ``clock``: requests running and waiting, KV usage, and
+        the prompt tokens still to prefill. A step is computed at its start, but until it ends (``now``)
+        the prompt tokens it computes are still to prefill, as a replica's ``/metrics`` (rendered after
+        each step) reports them."""
         sched = self.sched
         running, waiting = len(sched.running), len(sched.waiting)
+        pending = sched.prefill_tokens_pending
+        if clock < self.engine.now:
+            pending += self.engine.step_prompt_tokens
         return BackendState(self.name, "", inflight=running + waiting,
-                            load=BackendLoad(running, waiting, self.mgr.usage, sched.prefill_tokens_pending))
+                            load=BackendLoad(running, waiting, self.mgr.usage, pending))
 
 
 def _replica_tiers(cfg: SimConfig, workload: Workload, mgr: KVCacheManager,
@@ -349,9 +355,9 @@ class Router:
         if ticket is not None:
             self.inflight.remove(ticket)
 
-    def route(self, seq: KVSequence, run: ClusterRun) -> ReplicaSim:
-        """The replica ``seq`` goes to; records the prediction for it and what decided."""
-        backends = [r.backend() for r in self.replicas.values()]
+    def route(self, seq: KVSequence, run: ClusterRun, clock: float) -> ReplicaSim:
+        """The replica ``seq``, arriving at ``clock``, goes to; records the prediction for it and what decided."""
+        backends = [r.backend(clock) for r in self.replicas.values()]
         if not self.policy.uses_hits:
             decision = self.policy.rank(backends, {}, seq.num_tokens)
             chosen = self.replicas[decision.order[0]]
@@ -456,7 +462,7 @@ def _arrive(queue: ArrivalQueue, router: Router, run: ClusterRun, clock: float) 
     rid = req.request_id
     run.records.arrival[rid] = at
     seq = make_sequence(req)
-    target = router.route(seq, run)
+    target = router.route(seq, run, clock)
     was_idle = not target.sched.has_unfinished
     if not target.engine.add(seq, req.max_new_tokens, clock):  # longer than max_model_len
         router.ended(rid)
