@@ -117,6 +117,7 @@ BASE = ["simulate", "--workload", "shared-prefix", "--requests", "6", "--prefixe
     (["--instances", "2", "--load-weight", "-1"], "--load-weight"),
     (["--instances", "2", "--balance", "0.5"], "balance must be a number >= 1"),
     (["--instances", "2", "--miss-weight", "0"], "miss-weight must be a positive number"),
+    (["--instances", "2", "--junction-weight", "2"], "junction-weight must be a fraction"),
     (["--instances", "2", "--slack", "-1"], "slack must be a whole number"),
 ])
 def test_cli_rejects_bad_cluster_options_with_one_line_and_status_2(

@@ -27,6 +27,7 @@ from hybridkv.cluster.replica import RequestKeys
 from hybridkv.cluster.routing import (
     BALANCE,
     HOME_TOKENS,
+    JUNCTION_WEIGHT,
     MISS_WEIGHT,
     POLICIES,
     SLACK,
@@ -75,7 +76,8 @@ class ClusterConfig:
     slack: int = SLACK
     home_tokens: int = HOME_TOKENS
     miss_weight: float = MISS_WEIGHT
-    """``hybrid_exact``'s load bound, ring key and miss weight (``routing.Policy``)."""
+    junction_weight: float = JUNCTION_WEIGHT
+    """``hybrid_exact``'s load bound, ring key, miss and junction weights (``routing.Policy``)."""
     index_tiers: bool = True
     """Feed the index the tiers' events too (False: device events only)."""
     explain: bool = False
@@ -90,11 +92,12 @@ class ClusterConfig:
     def policy(self) -> Policy:
         """The router's policy."""
         return Policy(self.router, load_weight=self.load_weight, kv_weight=self.kv_weight, balance=self.balance,
-                      slack=self.slack, home_tokens=self.home_tokens, miss_weight=self.miss_weight)
+                      slack=self.slack, home_tokens=self.home_tokens, miss_weight=self.miss_weight,
+                      junction_weight=self.junction_weight)
 
 
 CLUSTER_OPTIONS = ("router", "instances", "load_weight", "kv_weight", "balance", "slack", "home_tokens",
-                   "miss_weight")
+                   "miss_weight", "junction_weight")
 """The ``--compare`` options that vary the cluster rather than the simulated system."""
 
 
@@ -368,7 +371,7 @@ class Router:
         keys = SequenceKeys(seq, self.hasher)
         hits = estimate_hits(self.policy, self.index, keys, self.names, self.inflight, seq.num_tokens)
         decision = self.policy.rank(backends, hits.predicted, seq.num_tokens, credited=hits.credited,
-                                    home=hits.home)
+                                    home=hits.home, junctions=hits.junctions)
         chosen = self.replicas[decision.order[0]]
         found = hits.chains.get(chosen.name)
         if found is not None:
@@ -380,8 +383,10 @@ class Router:
         # How a chain-only index would have judged the replicas (device and tiers alike).
         exact = {n: p.tokens for n, p in self.index.lookup_keys(keys).items()} \
             if self.policy.name == "prefix" else {n: p.tokens for n, p in hits.found.items()}
-        chain = {n: p.tokens for n, p in self.index.lookup_keys(keys, chain_only=True).items()} \
-            if self.policy.name != "prefix" else {n: p.tokens for n, p in hits.found.items()}
+        missing = [n for n in self.names if n not in hits.chain_found]
+        found_chain = {**self.index.lookup_keys(keys, missing, chain_only=True), **hits.chain_found} \
+            if missing else hits.chain_found
+        chain = {n: p.tokens for n, p in found_chain.items()}
         over = chain[chosen.name] - exact[chosen.name]
         if over > 0:
             run.chain_over_requests += 1
