@@ -82,6 +82,7 @@ def one(args: argparse.Namespace, task: tuple[str, str, str]) -> dict[str, Any]:
     cfg = system(args, tiers, args.instances if big else 1)
     cluster = ClusterConfig(instances=1 if big else args.instances, router="round_robin" if big else router,
                             balance=args.balance, slack=args.slack, miss_weight=args.miss_weight,
+                            junction_weight=args.junction_weight,
                             explain=args.explain and not big)
     t = time.perf_counter()
     s = simulate_cluster(w, cfg, cluster).summary
@@ -162,6 +163,7 @@ def main() -> None:
     ap.add_argument("--balance", type=float, default=ClusterConfig.balance)
     ap.add_argument("--slack", type=int, default=ClusterConfig.slack)
     ap.add_argument("--miss-weight", type=float, default=ClusterConfig.miss_weight)
+    ap.add_argument("--junction-weight", type=float, default=ClusterConfig.junction_weight)
     ap.add_argument("--explain", action="store_true", help="where reusable tokens were, per router")
     ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel processes")
     ap.add_argument("--json", default=None, help="write the summaries to this file")

@@ -32,14 +32,23 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hybridkv.cluster.replica import Prediction
+from hybridkv.cluster import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    BlockStoredEvent,
+    ClusterIndex,
+    HybridkvHashes,
+    make_batch,
+)
+from hybridkv.cluster.inflight import InFlightPrefixes
+from hybridkv.cluster.replica import Prediction, RequestKeys
 from hybridkv.cluster.router_cli import main as route_main
-from hybridkv.cluster.routing import BackendState, Policy
+from hybridkv.cluster.routing import BackendState, Policy, estimate_hits
 from hybridkv.cluster.scrape import BackendLoad, parse_load
 from hybridkv.engine.metrics import EngineMetrics
 from hybridkv.errors import InvalidInputError
 
-from helpers import full, manager, swa
+from helpers import full, layout, manager, swa, tokens
 
 HERE = Path(__file__).resolve()
 
@@ -136,6 +145,58 @@ def test_hybrid_exact_prefers_the_larger_credited_hit_among_backends_within_the_
     assert decision.reason == "hit"
 
 
+def test_hybrid_exact_sends_a_prompt_to_the_tier_that_holds_its_chain_past_the_hit() -> None:
+    # A 200-token prompt (12 full blocks; a hit needs the 3 window blocks before it). Nobody can serve a
+    # hit: a and b hold its full-attention chain to block 9 without the windows (a on its device, b in
+    # its host tier), c holds nothing and has the least prefill queued.
+    scheme = HybridkvHashes()
+    prompt = tokens(0, 200)
+    h = scheme.chain(prompt, 16, None)
+    index = ClusterIndex()
+    for name in "abc":
+        index.add_replica(name, scheme=scheme, layout=layout(10, full(16), swa(40, 16)))
+    for name, medium in (("a", MEDIUM_GPU), ("b", MEDIUM_CPU)):
+        index.apply_events(name, make_batch([BlockStoredEvent(tuple(h[:10]), None, (), 16, medium, 0,
+                                                              "full_attention")]))
+    backends = [BackendState(n, "", load=BackendLoad(prefill_tokens=q)) for n, q in (("a", 50), ("b", 100),
+                                                                                         ("c", 0))]
+
+    def route(policy: Policy) -> tuple[tuple[str, ...], str, dict[str, float]]:
+        hits = estimate_hits(policy, index, RequestKeys(prompt), "abc", InFlightPrefixes(), len(prompt))
+        assert hits.predicted == {"a": 0, "b": 0, "c": 0}
+        decision = policy.rank(backends, hits.predicted, len(prompt), credited=hits.credited, home=hits.home,
+                               junctions=hits.junctions)
+        return decision.order, decision.reason, hits.junctions
+
+    # b's tier holds 160 tokens of the chain past the hit: computed on b, the request leaves the window
+    # at that junction in b's tier, where the next prompt sharing the 160 tokens hits. Worth half of 160
+    # host tokens (0.8 each): 6 * 64 = 384 tokens of queue, more than b's 100 more than c's. A chain on
+    # the device only is worth nothing (a device keeps such windows for seconds, not for the next sharer).
+    order, reason, junctions = route(Policy("hybrid_exact"))
+    assert junctions == {"b": 128.0}
+    assert (order, reason) == (("b", "c", "a"), "junction")
+    # Without the junction term the least queue wins.
+    order, reason, junctions = route(Policy("hybrid_exact", junction_weight=0))
+    assert (order, reason, junctions) == (("c", "a", "b"), "tie", {})
+    # The junction never outweighs a hit: c holding the whole chain on its device (windows too) wins.
+    index.apply_events("c", make_batch([BlockStoredEvent(tuple(h[:10]), None, (), 16, MEDIUM_GPU, 0, "full_attention"),
+                                        BlockStoredEvent(tuple(h[7:10]), None, (), 16, MEDIUM_GPU, 1,
+                                                         "sliding_window", 40)]))
+    hits = estimate_hits(Policy("hybrid_exact"), index, RequestKeys(prompt), "abc", InFlightPrefixes(), len(prompt))
+    assert hits.predicted["c"] == 160
+    assert Policy("hybrid_exact").rank(backends, hits.predicted, len(prompt), credited=hits.credited,
+                                       junctions=hits.junctions).order[0] == "c"
+
+
+def test_a_junction_is_the_chain_past_the_hit_in_the_tiers_at_their_weights() -> None:
+    policy = Policy("hybrid_exact")
+    chain = Prediction("r", 1000, ((MEDIUM_GPU, 300), (MEDIUM_CPU, 500), ("STORAGE", 200)))
+    assert policy.junction(chain, 0) == 0.8 * 500 + 0.5 * 200  # the device's 300 count for nothing
+    assert policy.junction(chain, 600) == 0.8 * 200 + 0.5 * 200
+    assert policy.junction(chain, 900) == 0.5 * 100
+    assert policy.junction(chain, 1000) == 0
+
+
 def test_a_new_prefix_goes_to_its_home_on_the_ring_and_stays_there() -> None:
     names = [f"replica-{i}" for i in range(8)]
     backends = [BackendState(n, "") for n in names]
@@ -185,6 +246,7 @@ def test_a_hot_prefix_never_piles_a_backend_past_the_bound() -> None:
     ({"slack": -1}, "slack must be a whole number"),
     ({"home_tokens": 0}, "home_tokens must be a positive number"),
     ({"miss_weight": 0}, "miss_weight must be a positive number"),
+    ({"junction_weight": 1.5}, "junction_weight must be a fraction"),
 ])
 def test_bad_locality_settings_are_refused(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidInputError, match=message):

@@ -13,8 +13,9 @@ import pytest
 
 from hybridkv.cli import main
 from hybridkv.errors import InvalidInputError
-from hybridkv.sim.cluster import ClusterConfig, cluster_variants, simulate_cluster
-from hybridkv.sim.simulator import SimConfig
+from hybridkv.sim.cluster import ClusterConfig, ReplicaSim, Router, cluster_variants, simulate_cluster
+from hybridkv.sim.engine import RequestRecords, make_sequence
+from hybridkv.sim.simulator import SimConfig, calibrated_cost_model
 from hybridkv.sim.tiers import parse_tiers
 from hybridkv.sim.workloads import ClosedLoop, SimRequest, Workload, multi_turn_chat, shared_prefix
 
@@ -76,6 +77,23 @@ def test_a_chain_only_index_over_predicts_where_the_window_blocks_are_gone() -> 
     assert res.requests["r4"]["predicted_hit_tokens"] == res.requests["r4"]["hit_tokens"] == 0
 
 
+def test_a_replica_reports_the_prompt_of_its_step_in_progress_as_still_to_prefill() -> None:
+    # A step is computed at its start; until it ends the replica's /metrics (rendered after each step)
+    # still counts its prompt tokens as pending, so the router must see them until then.
+    work = Workload([_request(0, 0.0, ("A", 4096))], None, "one")
+    replica = ReplicaSim("r", CFG, work, calibrated_cost_model(CFG), RequestRecords(), {})
+    router = Router(ClusterConfig(instances=1), [replica])
+    replica.engine.add(make_sequence(work.requests[0]), 4, 0.0)
+    assert replica.backend(0.0).load.prefill_tokens == 4096
+    replica.step(router.index)  # the whole prompt in one step
+    end = replica.now
+    assert end > 0 and replica.engine.step_prompt_tokens == 4096
+    assert replica.backend(end / 2).load.prefill_tokens == 4096
+    assert replica.backend(end).load.prefill_tokens == 0
+    replica.step(router.index)  # a decode step: no prompt tokens in progress
+    assert replica.backend((end + replica.now) / 2).load.prefill_tokens == 0
+
+
 def test_compare_router_builds_one_cluster_per_router() -> None:
     got = cluster_variants(ClusterConfig(instances=8), "router=round_robin,prefix")
     assert [(label, c.router, c.instances) for label, c in got] == [
@@ -99,6 +117,7 @@ BASE = ["simulate", "--workload", "shared-prefix", "--requests", "6", "--prefixe
     (["--instances", "2", "--load-weight", "-1"], "--load-weight"),
     (["--instances", "2", "--balance", "0.5"], "balance must be a number >= 1"),
     (["--instances", "2", "--miss-weight", "0"], "miss-weight must be a positive number"),
+    (["--instances", "2", "--junction-weight", "2"], "junction-weight must be a fraction"),
     (["--instances", "2", "--slack", "-1"], "slack must be a whole number"),
 ])
 def test_cli_rejects_bad_cluster_options_with_one_line_and_status_2(

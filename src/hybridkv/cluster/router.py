@@ -29,6 +29,7 @@ from hybridkv.cluster.replica import RequestKeys
 from hybridkv.cluster.routing import (
     BALANCE,
     HOME_TOKENS,
+    JUNCTION_WEIGHT,
     MISS_WEIGHT,
     SLACK,
     BackendState,
@@ -73,7 +74,8 @@ class RouterConfig:
     slack: int = SLACK
     home_tokens: int = HOME_TOKENS
     miss_weight: float = MISS_WEIGHT
-    """``hybrid_exact``'s load bound, ring key and miss weight (``routing.Policy``)."""
+    junction_weight: float = JUNCTION_WEIGHT
+    """``hybrid_exact``'s load bound, ring key, miss and junction weights (``routing.Policy``)."""
 
 
 class ClusterRouter:
@@ -83,7 +85,8 @@ class ClusterRouter:
         self.config = config
         self.policy = Policy(config.policy, load_weight=config.load_weight, kv_weight=config.kv_weight,
                              medium_weights=config.medium_weights, balance=config.balance, slack=config.slack,
-                             home_tokens=config.home_tokens, miss_weight=config.miss_weight)
+                             home_tokens=config.home_tokens, miss_weight=config.miss_weight,
+                             junction_weight=config.junction_weight)
         self.backends = {s.name: BackendState(s.name, s.url.rstrip("/")) for s in config.backends}
         self.index = ClusterIndex(shared_media=config.shared_media)
         self.inflight = InFlightPrefixes()
@@ -196,7 +199,7 @@ class ClusterRouter:
         with self.lock:
             hits = estimate_hits(self.policy, self.index, keys, list(self.backends), self.inflight, len(tokens))
         decision = self.policy.rank(list(self.backends.values()), hits.predicted, len(tokens),
-                                    credited=hits.credited, home=hits.home)
+                                    credited=hits.credited, home=hits.home, junctions=hits.junctions)
         return decision, len(tokens), hits.chains
 
     async def forward(self, kind: str, body: dict[str, Any]) -> Response:

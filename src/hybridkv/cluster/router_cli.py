@@ -69,9 +69,10 @@ def parse_medium_weights(specs: list[str]) -> dict[str, float]:
 
 
 def add_locality_arguments(parser: Any, what: str) -> None:
-    """``hybrid_exact``'s options (``--balance``, ``--slack``, ``--miss-weight``, ``--home-tokens``) on
+    """``hybrid_exact``'s options (``--balance``, ``--slack``, ``--miss-weight``, ``--junction-weight``,
+    ``--home-tokens``) on
     ``parser`` (a parser or an argument group); ``what``: "backend" or "replica"."""
-    from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, MISS_WEIGHT, SLACK
+    from hybridkv.cluster.routing import BALANCE, HOME_TOKENS, JUNCTION_WEIGHT, MISS_WEIGHT, SLACK
 
     parser.add_argument("--balance", type=float, default=BALANCE, metavar="FACTOR",
                         help=f"hybrid_exact: a {what} is overloaded above FACTOR times the mean requests in flight "
@@ -82,6 +83,10 @@ def add_locality_arguments(parser: Any, what: str) -> None:
     parser.add_argument("--miss-weight", type=float, default=MISS_WEIGHT, metavar="FACTOR",
                         help=f"hybrid_exact: what a prompt token the request must compute weighs against one the "
                              f"{what} has queued to prefill ahead of it (default: %(default)s)")
+    parser.add_argument("--junction-weight", type=float, default=JUNCTION_WEIGHT, metavar="FRACTION",
+                        help=f"hybrid_exact: what a token of the prompt's full-attention chain a {what}'s tiers "
+                             "hold past its hit (a shared-prefix junction, whose window the request then leaves "
+                             "there) is worth against a hit token (default: %(default)s)")
     parser.add_argument("--home-tokens", type=int, default=HOME_TOKENS, metavar="TOKENS",
                         help=f"hybrid_exact: between equal costs a prefix goes to its home {what} on a "
                              "consistent-hash ring of its first TOKENS tokens (default: %(default)s)")
@@ -147,13 +152,15 @@ def route_main(args: argparse.Namespace) -> int:
             scheme_named(b.hash_scheme)
         weights = parse_medium_weights(args.medium_weight)
         Policy(args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight, medium_weights=weights,
-               balance=args.balance, slack=args.slack, home_tokens=args.home_tokens, miss_weight=args.miss_weight)
+               balance=args.balance, slack=args.slack, home_tokens=args.home_tokens, miss_weight=args.miss_weight,
+               junction_weight=args.junction_weight)
         if args.metrics_interval <= 0:
             raise InvalidInputError(f"--metrics-interval must be positive, got {args.metrics_interval}")
         config = RouterConfig(backends, policy=args.policy, load_weight=args.load_weight, kv_weight=args.kv_weight,
                               metrics_interval=args.metrics_interval, shared_media=args.shared_medium,
                               medium_weights=weights, balance=args.balance, slack=args.slack,
-                              home_tokens=args.home_tokens, miss_weight=args.miss_weight)
+                              home_tokens=args.home_tokens, miss_weight=args.miss_weight,
+                              junction_weight=args.junction_weight)
         sock = listening_socket(args.host, args.port)  # a busy port fails here, before "listening" is printed
     except InvalidInputError as exc:
         print(f"hybridkv route: {exc}", file=sys.stderr)

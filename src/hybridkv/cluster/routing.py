@@ -37,6 +37,10 @@ MISS_WEIGHT = 6.0
 DECODE_WEIGHT = 0.1
 """``hybrid_exact``: what a running request weighs, as a fraction of the prompt (its decode steps are
 shared with this request's prefill)."""
+JUNCTION_WEIGHT = 0.5
+"""``hybrid_exact``: what a token of the request's full-attention chain a backend's tiers hold past its
+hit (a shared-prefix junction) is worth against a hit token: computed there, the request leaves the
+window a later request needs at the junction in that tier (docs/CLUSTER.md, "Routing")."""
 HOME_TOKENS = 1024
 """The prompt tokens whose hash places a new prefix on the ring (``home_key``)."""
 RING_POINTS = 64
@@ -106,7 +110,8 @@ class Policy:
 
     def __init__(self, name: str = "hybrid_exact", *, load_weight: float = 0.25, kv_weight: float = 0.0,
                  medium_weights: Mapping[str, float] | None = None, balance: float = BALANCE,
-                 slack: int = SLACK, home_tokens: int = HOME_TOKENS, miss_weight: float = MISS_WEIGHT) -> None:
+                 slack: int = SLACK, home_tokens: int = HOME_TOKENS, miss_weight: float = MISS_WEIGHT,
+                 junction_weight: float = JUNCTION_WEIGHT) -> None:
         if name not in POLICIES:
             raise InvalidInputError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
         if load_weight < 0 or kv_weight < 0:
@@ -117,12 +122,16 @@ class Policy:
             raise InvalidInputError(f"slack must be a whole number of requests >= 0, got {slack!r}")
         if isinstance(miss_weight, bool) or not isinstance(miss_weight, (int, float)) or not 0 < miss_weight < math.inf:
             raise InvalidInputError(f"miss_weight must be a positive number, got {miss_weight!r}")
+        if isinstance(junction_weight, bool) or not isinstance(junction_weight, (int, float)) \
+                or not 0 <= junction_weight <= 1:
+            raise InvalidInputError(f"junction_weight must be a fraction in [0, 1], got {junction_weight!r}")
         if type(home_tokens) is not int or home_tokens < 1:
             raise InvalidInputError(f"home_tokens must be a positive number of tokens, got {home_tokens!r}")
         self.balance = float(balance)
         self.slack = slack
         self.home_tokens = home_tokens
         self.miss_weight = float(miss_weight)
+        self.junction_weight = float(junction_weight)
         self._ring: tuple[tuple[str, ...], list[tuple[bytes, str]]] | None = None
         weights = dict(MEDIUM_WEIGHTS)
         for medium, weight in (medium_weights or {}).items():
@@ -146,6 +155,21 @@ class Policy:
         """The prompt tokens a predicted hit saves, each medium's at its weight (``medium_weights``)."""
         weights = self.medium_weights
         return math.fsum(weights.get(m, OTHER_MEDIUM_WEIGHT) * n for m, n in prediction.by_medium)
+
+    def junction(self, chain: Prediction, hit_tokens: int) -> float:
+        """What the tokens of ``chain`` (a full-attention chain's prediction, ``chain_only``) past
+        ``hit_tokens`` that a backend holds in its tiers (any medium but the device's) are worth, each
+        medium's at its weight: where a request that hits ``hit_tokens`` there would meet a
+        shared-prefix junction its computation stores a window for."""
+        weights = self.medium_weights
+        worth = 0.0
+        start = 0
+        for medium, n in chain.by_medium:
+            past = start + n - max(start, hit_tokens)
+            if medium != MEDIUM_GPU and past > 0:
+                worth += weights.get(medium, OTHER_MEDIUM_WEIGHT) * past
+            start += n
+        return worth
 
     def home_key(self, token_ids: Sequence[int], cache_salt: str | bytes | None = None) -> bytes | None:
         """The ring key of a prompt: a sha256 of its first ``home_tokens`` token ids (and its cache
@@ -174,11 +198,14 @@ class Policy:
         return list(order)
 
     def rank(self, backends: list[BackendState], predicted: Mapping[str, int], prompt_tokens: int, *,
-             credited: Mapping[str, float] | None = None, home: bytes | None = None) -> Decision:
+             credited: Mapping[str, float] | None = None, home: bytes | None = None,
+             junctions: Mapping[str, float] | None = None) -> Decision:
         """The order to try ``backends`` in (healthy ones first) for a prompt of ``prompt_tokens``.
         ``predicted``: each backend's predicted hit tokens; ``credited``: what they are worth
         (``credit``; default: ``predicted``, as if every token were on the device); ``home``: the
-        prompt's ring key (``home_key``; ``hybrid_exact`` rotates new prefixes without one)."""
+        prompt's ring key (``home_key``; ``hybrid_exact`` rotates new prefixes without one);
+        ``junctions``: what each backend's tiers hold of the prompt's chain past its hit
+        (``junction``; ``hybrid_exact`` credits it at ``junction_weight``)."""
         if not backends:
             raise InvalidInputError("no backends to route to")
         healthy = [b for b in backends if b.healthy]
@@ -194,7 +221,7 @@ class Policy:
         self._turn += 1
         position = {b.name: (i - turn) % len(backends) for i, b in enumerate(backends)}
         if self.name == "hybrid_exact":
-            return self._rank_local(pool, rest, predicted, hits, position, home, prompt_tokens)
+            return self._rank_local(pool, rest, predicted, hits, junctions or {}, position, home, prompt_tokens)
         scale = max(prompt_tokens, 1)
         costs = {b.name: (prompt_tokens - hits.get(b.name, 0))
                  + scale * (self.load_weight * b.queue + self.kv_weight * b.load.kv_usage) for b in backends}
@@ -205,10 +232,11 @@ class Policy:
         return Decision(tuple(b.name for b in ranked), dict(predicted), costs, reason)
 
     def _rank_local(self, pool: list[BackendState], rest: list[BackendState], predicted: Mapping[str, int],
-                    hits: Mapping[str, float], position: Mapping[str, int], home: bytes | None,
-                    prompt_tokens: int) -> Decision:
+                    hits: Mapping[str, float], junctions: Mapping[str, float], position: Mapping[str, int],
+                    home: bytes | None, prompt_tokens: int) -> Decision:
         """``hybrid_exact``'s order: backends within the load bound by least work before the first
-        token (``prefill_ahead`` and the tokens the request itself must prefill), then ring order from
+        token (``prefill_ahead`` and the tokens the request itself must prefill, less
+        ``junction_weight`` of its chain the backend's tiers hold past its hit), then ring order from
         ``home`` (turn order without one), then fewer in flight; the overloaded ones after them, the
         least loaded first."""
         in_flight = sum(b.queue for b in pool)
@@ -225,7 +253,9 @@ class Policy:
                 return scale * b.queue
             return pending + DECODE_WEIGHT * max(prompt_tokens, 1) * b.load.running
 
-        costs = {b.name: self.miss_weight * (prompt_tokens - hits.get(b.name, 0)) + ahead(b) for b in pool + rest}
+        jw = self.junction_weight
+        costs = {b.name: self.miss_weight * (prompt_tokens - hits.get(b.name, 0) - jw * junctions.get(b.name, 0.0))
+                 + ahead(b) for b in pool + rest}
         fits = [b for b in pool if b.queue + 1 <= bound]
         over = [b for b in pool if b.queue + 1 > bound]
         ranked = sorted(fits, key=lambda b: (costs[b.name], ring.get(b.name, 0), b.queue))
@@ -235,19 +265,28 @@ class Policy:
         if home is not None and len(ranked) > 1 and costs[ranked[0].name] == costs[ranked[1].name]:
             tied = "home"  # the ring chose between equal costs
         reason = _reason(ranked[0].name, pool, hits, tied)
+        if reason in ("tie", "home") and jw and _alone_largest(ranked[0].name, pool, junctions):
+            reason = "junction"
         return Decision(tuple(b.name for b in ranked), dict(predicted), costs, reason, float(bound))
 
 
 def _reason(chosen: str, pool: list[BackendState], hits: Mapping[str, float], tied: str) -> str:
     """What decided for ``chosen`` (``docs/SIMULATOR.md``): ``load`` when another backend had a larger
-    hit, ``hit`` when ``chosen`` alone has the largest (above 0), else ``tied``."""
+    hit, ``hit`` when ``chosen`` alone has the largest (above 0), else ``tied`` (``hybrid_exact``
+    then says ``junction`` when ``chosen`` alone holds the largest junction)."""
     mine = hits.get(chosen, 0)
     best = max((hits.get(b.name, 0) for b in pool), default=0)
     if mine < best:
         return "load"
-    if mine > 0 and sum(1 for b in pool if hits.get(b.name, 0) == best) == 1:
+    if _alone_largest(chosen, pool, hits):
         return "hit"
     return tied
+
+
+def _alone_largest(chosen: str, pool: list[BackendState], values: Mapping[str, float]) -> bool:
+    """``chosen`` alone has the largest of ``values`` in ``pool``, above 0."""
+    mine = values.get(chosen, 0)
+    return mine > 0 and all(values.get(b.name, 0) < mine for b in pool if b.name != chosen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,13 +303,19 @@ class HitEstimate:
     """Per backend, the index's own prediction (by medium)."""
     home: bytes | None
     """The request's ring key (``RequestKeys.home_key``)."""
+    chain_found: dict[str, Prediction] = field(default_factory=dict)
+    """Per backend, the index's prediction of the full-attention chain alone (``chain_only``): ``found``
+    itself for ``prefix``; for ``hybrid_exact`` the backends with a tier (none with ``junction_weight`` 0)."""
+    junctions: dict[str, float] = field(default_factory=dict)
+    """Per backend, what its tiers hold of the chain past the predicted hit (``Policy.junction``)."""
 
 
 def estimate_hits(policy: Policy, index: ClusterIndex, keys: RequestKeys, names: Sequence[str],
                   inflight: InFlightPrefixes, prompt_tokens: int) -> HitEstimate:
     """The hits ``policy`` ranks ``names`` by for the request ``keys``: the index's prediction per
     backend (the hybrid rule, or the full-attention chain alone for ``prefix``), credited per
-    medium, raised to what the requests the router has in flight at a backend will leave there."""
+    medium, raised to what the requests the router has in flight at a backend will leave there; for
+    ``hybrid_exact``, the chain alone too, for its junctions."""
     found = index.lookup_keys(keys, chain_only=policy.name == "prefix")
     chains = {}
     for name in names:
@@ -284,4 +329,15 @@ def estimate_hits(policy: Policy, index: ClusterIndex, keys: RequestKeys, names:
         if coming > predicted.get(name, 0):
             predicted[name] = coming
             credited[name] = max(credited.get(name, 0.0), float(coming))
-    return HitEstimate(predicted, credited, chains, found, keys.home_key(policy))
+    chain_found: dict[str, Prediction] = {}
+    junctions: dict[str, float] = {}
+    if policy.name == "prefix":
+        chain_found = found
+    elif policy.name == "hybrid_exact" and policy.junction_weight > 0:
+        # Only a tier holds a junction: replicas that publish no medium but the device's are skipped.
+        tiered = [name for name, view in index.views.items()
+                  if index.shared or any(medium != MEDIUM_GPU for medium in view.media)]
+        chain_found = index.lookup_keys(keys, tiered, chain_only=True) if tiered else {}
+        junctions = {name: worth for name, chain in chain_found.items()
+                     if (worth := policy.junction(chain, predicted.get(name, 0))) > 0}
+    return HitEstimate(predicted, credited, chains, found, keys.home_key(policy), chain_found, junctions)

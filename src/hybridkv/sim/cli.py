@@ -394,6 +394,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
     return ClusterConfig(instances=args.instances, router=args.router or "hybrid_exact",
                          load_weight=args.load_weight, kv_weight=args.kv_weight, balance=args.balance,
                          slack=args.slack, home_tokens=args.home_tokens, miss_weight=args.miss_weight,
+                         junction_weight=args.junction_weight,
                          index_tiers=not args.index_device_only,
                          explain=args.explain)
 

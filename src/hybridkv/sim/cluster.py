@@ -27,6 +27,7 @@ from hybridkv.cluster.replica import RequestKeys
 from hybridkv.cluster.routing import (
     BALANCE,
     HOME_TOKENS,
+    JUNCTION_WEIGHT,
     MISS_WEIGHT,
     POLICIES,
     SLACK,
@@ -75,7 +76,8 @@ class ClusterConfig:
     slack: int = SLACK
     home_tokens: int = HOME_TOKENS
     miss_weight: float = MISS_WEIGHT
-    """``hybrid_exact``'s load bound, ring key and miss weight (``routing.Policy``)."""
+    junction_weight: float = JUNCTION_WEIGHT
+    """``hybrid_exact``'s load bound, ring key, miss and junction weights (``routing.Policy``)."""
     index_tiers: bool = True
     """Feed the index the tiers' events too (False: device events only)."""
     explain: bool = False
@@ -90,11 +92,12 @@ class ClusterConfig:
     def policy(self) -> Policy:
         """The router's policy."""
         return Policy(self.router, load_weight=self.load_weight, kv_weight=self.kv_weight, balance=self.balance,
-                      slack=self.slack, home_tokens=self.home_tokens, miss_weight=self.miss_weight)
+                      slack=self.slack, home_tokens=self.home_tokens, miss_weight=self.miss_weight,
+                      junction_weight=self.junction_weight)
 
 
 CLUSTER_OPTIONS = ("router", "instances", "load_weight", "kv_weight", "balance", "slack", "home_tokens",
-                   "miss_weight")
+                   "miss_weight", "junction_weight")
 """The ``--compare`` options that vary the cluster rather than the simulated system."""
 
 
@@ -248,12 +251,18 @@ class ReplicaSim:
         flush()
         return out
 
-    def backend(self) -> BackendState:
-        """This replica as the router sees it: requests running and waiting, KV usage."""
+    def backend(self, clock: float) -> BackendState:
+        """This replica as the router sees it at ``clock``: requests running and waiting, KV usage, and
+        the prompt tokens still to prefill. A step is computed at its start, but until it ends (``now``)
+        the prompt tokens it computes are still to prefill, as a replica's ``/metrics`` (rendered after
+        each step) reports them."""
         sched = self.sched
         running, waiting = len(sched.running), len(sched.waiting)
+        pending = sched.prefill_tokens_pending
+        if clock < self.engine.now:
+            pending += self.engine.step_prompt_tokens
         return BackendState(self.name, "", inflight=running + waiting,
-                            load=BackendLoad(running, waiting, self.mgr.usage, sched.prefill_tokens_pending))
+                            load=BackendLoad(running, waiting, self.mgr.usage, pending))
 
 
 def _replica_tiers(cfg: SimConfig, workload: Workload, mgr: KVCacheManager,
@@ -349,9 +358,9 @@ class Router:
         if ticket is not None:
             self.inflight.remove(ticket)
 
-    def route(self, seq: KVSequence, run: ClusterRun) -> ReplicaSim:
-        """The replica ``seq`` goes to; records the prediction for it and what decided."""
-        backends = [r.backend() for r in self.replicas.values()]
+    def route(self, seq: KVSequence, run: ClusterRun, clock: float) -> ReplicaSim:
+        """The replica ``seq``, arriving at ``clock``, goes to; records the prediction for it and what decided."""
+        backends = [r.backend(clock) for r in self.replicas.values()]
         if not self.policy.uses_hits:
             decision = self.policy.rank(backends, {}, seq.num_tokens)
             chosen = self.replicas[decision.order[0]]
@@ -362,7 +371,7 @@ class Router:
         keys = SequenceKeys(seq, self.hasher)
         hits = estimate_hits(self.policy, self.index, keys, self.names, self.inflight, seq.num_tokens)
         decision = self.policy.rank(backends, hits.predicted, seq.num_tokens, credited=hits.credited,
-                                    home=hits.home)
+                                    home=hits.home, junctions=hits.junctions)
         chosen = self.replicas[decision.order[0]]
         found = hits.chains.get(chosen.name)
         if found is not None:
@@ -374,8 +383,10 @@ class Router:
         # How a chain-only index would have judged the replicas (device and tiers alike).
         exact = {n: p.tokens for n, p in self.index.lookup_keys(keys).items()} \
             if self.policy.name == "prefix" else {n: p.tokens for n, p in hits.found.items()}
-        chain = {n: p.tokens for n, p in self.index.lookup_keys(keys, chain_only=True).items()} \
-            if self.policy.name != "prefix" else {n: p.tokens for n, p in hits.found.items()}
+        missing = [n for n in self.names if n not in hits.chain_found]
+        found_chain = {**self.index.lookup_keys(keys, missing, chain_only=True), **hits.chain_found} \
+            if missing else hits.chain_found
+        chain = {n: p.tokens for n, p in found_chain.items()}
         over = chain[chosen.name] - exact[chosen.name]
         if over > 0:
             run.chain_over_requests += 1
@@ -456,7 +467,7 @@ def _arrive(queue: ArrivalQueue, router: Router, run: ClusterRun, clock: float) 
     rid = req.request_id
     run.records.arrival[rid] = at
     seq = make_sequence(req)
-    target = router.route(seq, run)
+    target = router.route(seq, run, clock)
     was_idle = not target.sched.has_unfinished
     if not target.engine.add(seq, req.max_new_tokens, clock):  # longer than max_model_len
         router.ended(rid)

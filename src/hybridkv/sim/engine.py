@@ -165,6 +165,18 @@ def step_work(sched: Scheduler, out: SchedulerOutput, hits: dict[str, int], tier
     return work, load_s
 
 
+def _prompt_tokens(sched: Scheduler, out: SchedulerOutput) -> int:
+    """The prompt tokens ``out`` schedules (before the step's update)."""
+    n = 0
+    requests = sched.requests
+    for sid, scheduled in out.num_scheduled_tokens.items():
+        seq = requests[sid].seq
+        rest = seq.num_prompt_tokens - seq.num_computed_tokens
+        if rest > 0:
+            n += scheduled if scheduled < rest else rest
+    return n
+
+
 class Speculation:
     """Speculative decoding in the loop: K drafts for every decoding sequence, each accepted with
     probability A until the first rejection (one seeded stream per request), and the counts."""
@@ -246,6 +258,8 @@ class SimEngine:
         self.spec = Speculation(cfg.speculative_tokens, cfg.acceptance_rate, cfg.speculative_seed)
         self.now = 0.0
         """When the next step starts."""
+        self.step_prompt_tokens = 0
+        """The prompt tokens the last step computed (a step is computed at its start and ends at ``now``)."""
         self.steps = 0
         self.peak_running = 0
         self.usage_sum = 0.0
@@ -287,6 +301,7 @@ class SimEngine:
         self.spec.propose(sched)
         out = sched.schedule()
         work, load_s = step_work(sched, out, records.hits, records.tier_tokens, tiers, records.lost)
+        self.step_prompt_tokens = _prompt_tokens(sched, out)
         if not work and not load_s and not out.rejected:
             return None
         self.now = now = self.now + (self.cost.step_time(work, load_s) if work else load_s)
