@@ -194,9 +194,7 @@ class LLMEngine:
         the model computes for this request (a chunk at a time): for scoring and for tests. A request
         asking for ``prompt_logprobs`` neither reads nor feeds the prefix cache (as in vLLM): every
         prompt position must be computed to be scored. ``checkpoint_hints``: prompt positions later
-        requests are expected to part at (a system prompt's end): a recurrent state is checkpointed
-        and tiers store there (``hybridkv.KVSequence``).
-        """
+        requests are expected to part at (a system prompt's end; ``hybridkv.KVSequence``)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidInputError(f"params must be a SamplingParams, got {type(params).__name__}")
