@@ -459,10 +459,12 @@ class LLMEngine:
         drafting sequence's step ended before them): the blocks they filled and the recurrent
         checkpoints they crossed, registered by the scheduler's ``update``. A sequence that ended on
         that step was freed with them (its last accepted drafts are not offered)."""
+        if self.connector is None:
+            return
         for sid, end in drafted.items():
             req = self.scheduler.requests.get(sid)
             if req is not None and req.status is Status.RUNNING and req.seq.num_computed_tokens > end:
-                self.connector.store(req.seq, req.seq.num_computed_tokens, self.kv.read_block, end)  # type: ignore[union-attr]
+                self.connector.store(req.seq, req.seq.num_computed_tokens, self.kv.read_block, end)
 
     def _consume(self, batch: Batch, lo: int, logits: torch.Tensor, sampled: dict[str, list[int]],
                  failed: dict[str, str], argmax: list[int] | None = None, *, verify: bool = True) -> None:

@@ -375,8 +375,8 @@ class Scheduler:
         prefix caching: nothing to wait for)."""
         if not self.manager.enable_prefix_caching:
             return None
-        running = {r.seq_id: r.seq for r in self.running}
-        keys = (self._first_block(running[sid], running[sid].num_computed_tokens) for sid in out.num_scheduled_tokens)
+        scheduled = out.num_scheduled_tokens
+        keys = (self._first_block(r.seq, r.seq.num_computed_tokens) for r in self.running if r.seq_id in scheduled)
         return {k for k in keys if k is not None}
 
     def _admit(self, out: SchedulerOutput, budget: int, computing: set[bytes] | None) -> None:
