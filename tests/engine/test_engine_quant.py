@@ -218,3 +218,23 @@ def test_default_greedy_outputs_equal_float32_on_the_test_prompts(
     got = run(make_engine(default, tokenizer, enable_prefix_caching=False, max_num_batched_tokens=2048), ps,
               alone=True)
     assert got == want
+
+
+def test_without_hybridkvs_cpu_kernels_torchs_int4_path_gives_the_same_greedy_outputs(
+        monkeypatch: pytest.MonkeyPatch, gguf: GGUFFile, fp32: Gemma3Weights, tokenizer: GemmaTokenizer) -> None:
+    """Where the kernels cannot be built (another CPU, no compiler) the gguf format runs on torch's
+    int4 kernels and the torch layer code, and still matches the float32 path."""
+    from hybridkv.engine import cpu_kernels
+    from hybridkv.engine.quant import GGUFLinear
+
+    from test_engine import prompts, run
+
+    ps = prompts(tokenizer)[:2]
+    want = run(make_engine(fp32, tokenizer, enable_prefix_caching=False), ps, alone=True)
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_failure", "switched off by the test")
+    fallback = Gemma3Weights.load(gguf, torch.bfloat16, "gguf")
+    assert isinstance(fallback.layers[0].qkv, GGUFLinear)
+    eng = make_engine(fallback, tokenizer, enable_prefix_caching=False)
+    assert not eng.model.kernels  # type: ignore[attr-defined]
+    assert run(eng, ps, alone=True) == want

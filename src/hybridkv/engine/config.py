@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridkv.engine.quant import int4_kernels_available
+from hybridkv.engine.quant import gguf_kernels_available
 from hybridkv.engine.sampling import TokenLogprob
 from hybridkv.errors import InvalidInputError
 
@@ -43,7 +43,7 @@ def weights_format(config: Any) -> str:
         if config.weights == "gguf" and config.device != "cpu":
             raise InvalidInputError(f"the gguf weights format runs on the CPU only, not on {config.device!r}")
         return str(config.weights)
-    fast = parse_dtype(config.dtype) == torch.bfloat16 and config.device == "cpu" and int4_kernels_available()
+    fast = parse_dtype(config.dtype) == torch.bfloat16 and config.device == "cpu" and gguf_kernels_available()
     return "gguf" if fast else "dense"
 
 

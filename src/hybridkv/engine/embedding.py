@@ -7,9 +7,14 @@ See docs/ENGINE.md, "The LM head".
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hybridkv.engine.quant import GROUP, DenseLinear, GroupCodes, PackedLinear, requantize_4bit
+
+if TYPE_CHECKING:
+    from hybridkv.engine.cpu_kernels import QuantMatrix
 from hybridkv.errors import InvalidInputError
 
 
@@ -59,9 +64,7 @@ class ScreenedEmbedding:
         self.scale = codes.scale
         self.vocab_size, self.hidden_size = self.codes.shape
         self.rescore = min(rescore, self.vocab_size)
-        self.screen = PackedLinear.stack([
-            PackedLinear(requantize_4bit(codes.rows(i, i + PackedLinear.CHUNK_ROWS), screen_group), screen_group)
-            for i in range(0, self.vocab_size, PackedLinear.CHUNK_ROWS)])
+        self.screen = screen_matrix(codes, screen_group)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,6 +113,20 @@ class ScreenedEmbedding:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scale.numel() * 4 + self.screen.nbytes
+
+
+def screen_matrix(codes: GroupCodes, group: int) -> PackedLinear | QuantMatrix:
+    """The head's 4-bit copy (``group`` weights a scale): hybridkv's CPU kernels where they run, else
+    torch's int4 kernel. Requantized a slice of the vocabulary at a time (bounded temporaries)."""
+    from hybridkv.engine import cpu_kernels
+
+    step = PackedLinear.CHUNK_ROWS
+    parts = [requantize_4bit(codes.rows(i, i + step), group) for i in range(0, codes.codes.shape[0], step)]
+    if not cpu_kernels.available():
+        return PackedLinear.stack([PackedLinear(p, group) for p in parts])
+    every = group // GROUP
+    return cpu_kernels.QuantMatrix(torch.cat([p.codes for p in parts]), torch.cat([p.scale[:, ::every] for p in parts]),
+                                   torch.cat([p.zero[:, ::every] for p in parts]), group)
 
 
 def top_indices(values: torch.Tensor, k: int, block: int = 128) -> torch.Tensor:

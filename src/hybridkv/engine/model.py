@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.core import StateStep
+from hybridkv.engine import cpu_kernels
 
 if TYPE_CHECKING:
     from hybridkv.engine.weights import Gemma3Config, Gemma3Weights, LayerWeights
@@ -237,6 +238,11 @@ class Gemma3Model:
         self.group_windows = group_windows
         self.dtype = weights.dtype
         self.embed_scale = torch.tensor(self.cfg.hidden_size ** 0.5, dtype=weights.embed.dtype, device=weights.device)
+        cfg = self.cfg
+        self.kernels = (weights.device.type == "cpu" and cpu_kernels.available() and cfg.hidden_size % 8 == 0
+                        and cpu_kernels.attention_supported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                            kv.keys[0].dtype))
+        """The layer runs on hybridkv's CPU kernels (norms, RoPE, GeGLU, attention; ``cpu_kernels``)."""
 
     @property
     def vocab_size(self) -> int:
@@ -255,6 +261,42 @@ class Gemma3Model:
             True: rope_tables(step.positions, cfg.head_dim, cfg.rope_theta_local, torch.float32),
             False: rope_tables(step.positions, cfg.head_dim, cfg.rope_theta_global, torch.float32),
         }
+        if self.kernels:
+            x = self._kernel_layers(x.contiguous(), ropes, step)
+        else:
+            x = self._torch_layers(x, ropes, step)
+        if not len(step.logits_rows):  # only prefill chunks that end mid-prompt: no LM head
+            return torch.empty(0, cfg.vocab_size)
+        x = rms_norm(x[step.logits_rows], self.w.final_norm, eps)
+        return x if step.hidden_only else self.w.embed.logits(x)
+
+    def _kernel_layers(self, x: torch.Tensor, ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]],
+                       step: StepInputs) -> torch.Tensor:
+        """The decoder layers on hybridkv's CPU kernels: the residual stream ``x`` updated in place."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        t, nh, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tables = {local: (cos.reshape(t, hd), sin.reshape(t, hd)) for local, (cos, sin) in ropes.items()}
+        layers = self.w.layers
+        h = cpu_kernels.rms_norm(x, layers[0].attn_norm, eps)
+        for i, layer in enumerate(layers):
+            group, slot = self.layer_slots[i]
+            qkv = layer.qkv(h).float()
+            cpu_kernels.qk_norm_rope(qkv, nh + nkv, hd, layer.qk_norm, eps, *tables[not cfg.is_global(i)])
+            q, k, v = (qkv[:, a * hd:b * hd].view(t, b - a, hd) for a, b in
+                       ((0, nh), (nh, nh + nkv), (nh + nkv, nh + 2 * nkv)))
+            out = paged_attention(self.kv, step, group, slot, self.group_windows[group], q, k, v, cfg.attn_scale)
+            h = cpu_kernels.rms_norm(layer.o(out.reshape(t, -1)).float(), layer.post_attn_norm, eps, residual=x,
+                                     then=layer.ffn_norm)
+            h = layer.down(cpu_kernels.gelu_mul(layer.gate_up(h).float())).float()
+            after = layers[i + 1].attn_norm if i + 1 < len(layers) else None
+            h = cpu_kernels.rms_norm(h, layer.post_ffn_norm, eps, residual=x, then=after)
+        return x
+
+    def _torch_layers(self, x: torch.Tensor, ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]],
+                      step: StepInputs) -> torch.Tensor:
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
         for i, layer in enumerate(self.w.layers):
             local = not cfg.is_global(i)
             group, slot = self.layer_slots[i]
@@ -263,10 +305,7 @@ class Gemma3Model:
             gate, up = layer.gate_up(rms_norm(x, layer.ffn_norm, eps)).chunk(2, dim=-1)
             h = layer.down(F.gelu(gate, approximate="tanh") * up)
             x = x + rms_norm(h, layer.post_ffn_norm, eps)
-        if not len(step.logits_rows):  # only prefill chunks that end mid-prompt: no LM head
-            return torch.empty(0, cfg.vocab_size)
-        x = rms_norm(x[step.logits_rows], self.w.final_norm, eps)
-        return x if step.hidden_only else self.w.embed.logits(x)
+        return x
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Exact float32 logits ``[rows, vocab]`` of final-normed hidden states (the tied embedding),
@@ -293,7 +332,8 @@ def paged_attention(kv: PagedKVCache, step: StepInputs, group: int, slot: int, w
                     raw_pages: bool = False) -> torch.Tensor:
     """Float32 attention ``[T, heads, head_dim]`` of the step's queries ``q``: writes the new tokens'
     ``k``, ``v`` ``[T, kv heads, head_dim]`` into KV slot ``slot`` at group ``group``'s slots, then
-    attends each of the step's parts over the keys read back from the cache (``tiled_attention``).
+    attends each of the step's parts over the keys read back from the cache (hybridkv's CPU kernel
+    where it runs: masked keys take no part at all; else ``tiled_attention``).
 
     ``raw_pages``: pages may hold other bytes than K/V (a recurrent state's, before the page was
     reused): the masked slots of a tile may read as NaN, which a zero weight does not cancel, so
@@ -303,6 +343,14 @@ def paged_attention(kv: PagedKVCache, step: StepInputs, group: int, slot: int, w
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
     nkv, hd = k.shape[1], k.shape[2]
+    if k_cache.device.type == "cpu" and cpu_kernels.available() and cpu_kernels.attention_supported(
+            q.shape[1], nkv, hd, k_cache.dtype):
+        flat_q = q.flatten(1)
+        flat_out = torch.empty(q.shape[0], q.shape[1] * hd)
+        for part in step.parts[window]:
+            cpu_kernels.attention(flat_q, q.shape[1], nkv, hd, part.query_rows, part.key_slots[group], part.mask,
+                                  k_cache, v_cache, scale, flat_out)
+        return flat_out.view(q.shape)
     out = torch.empty_like(q)
     for part in step.parts[window]:
         query = q[:, None] if part.every_row else q[part.query_rows]

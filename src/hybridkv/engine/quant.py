@@ -1,7 +1,7 @@
-"""Weight-only quantized matmuls on the CPU: GGUF blocks as torch's int4-packed weights.
-
-``PackedLinear`` runs the GGUF's own per-group codes through torch's int4 CPU kernel: 4-bit codes
-as they are, 8-bit codes as two nibbles, other types requantized to 8-bit codes.
+"""Weight-only quantized matmuls on the CPU: the GGUF's own per-group codes, run by hybridkv's
+kernels (``cpu_kernels``: 4- and 8-bit codes as they are, float32 results) or, where those cannot be
+built, by torch's int4-packed CPU kernel (``PackedLinear``: 8-bit codes as two nibbles, bf16).
+Types without affine groups of 32 are requantized to 8-bit codes.
 See docs/ENGINE.md, "Quantized matmuls".
 """
 
@@ -222,6 +222,49 @@ class DenseLinear:
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
+
+
+class KernelLinear:
+    """A GGUF matrix as its codes in hybridkv's CPU kernels (``cpu_kernels.QuantMatrix``): float32
+    in and out, one kernel at every row count, each row's result a function of that row alone."""
+
+    __slots__ = ("matrix",)
+
+    def __init__(self, codes: GroupCodes) -> None:
+        from hybridkv.engine.cpu_kernels import QuantMatrix
+
+        self.matrix = QuantMatrix(codes.codes, codes.scale, codes.zero)
+
+    @property
+    def in_features(self) -> int:
+        return self.matrix.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 ``[M, out_features]``."""
+        return self.matrix(x)
+
+    def to(self, device: torch.device) -> KernelLinear:
+        if device.type != "cpu":
+            raise InvalidInputError(f"packed GGUF weights run on the CPU only, not on {device}; use dense weights")
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.matrix.nbytes
+
+
+def gguf_linear(codes: GroupCodes) -> KernelLinear | GGUFLinear:
+    """The matrix in hybridkv's CPU kernels where they run here, else in torch's int4 kernel."""
+    from hybridkv.engine import cpu_kernels
+
+    return KernelLinear(codes) if cpu_kernels.available() else GGUFLinear(codes)
+
+
+def gguf_kernels_available() -> bool:
+    """Whether the gguf weights format can run here (hybridkv's CPU kernels or torch's int4 ones)."""
+    from hybridkv.engine import cpu_kernels
+
+    return cpu_kernels.available() or int4_kernels_available()
 
 
 class GGUFLinear:

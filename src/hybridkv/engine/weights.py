@@ -15,7 +15,16 @@ import torch
 from hybridkv.engine.config import WEIGHT_FORMATS, parse_dtype
 from hybridkv.engine.embedding import DenseEmbedding, ScreenedEmbedding
 from hybridkv.engine.gguf_file import GGUFError, GGUFFile
-from hybridkv.engine.quant import DenseLinear, GGUFLinear, GroupCodes, float_codes, gguf_codes, int4_kernels_available
+from hybridkv.engine.quant import (
+    DenseLinear,
+    GGUFLinear,
+    GroupCodes,
+    KernelLinear,
+    float_codes,
+    gguf_codes,
+    gguf_kernels_available,
+    gguf_linear,
+)
 from hybridkv.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -120,7 +129,7 @@ GEMMA3_270M = Gemma3Config(
 )
 """Gemma 3 270M's shapes, as its GGUF states them (``tests/engine/test_engine_units.py`` checks the two agree)."""
 
-Linear = DenseLinear | GGUFLinear
+Linear = DenseLinear | GGUFLinear | KernelLinear
 Embedding = DenseEmbedding | ScreenedEmbedding
 
 
@@ -202,13 +211,13 @@ class Gemma3Weights:
     @classmethod
     def load(cls, gguf: GGUFFile, dtype: torch.dtype = torch.float32, format: str = "dense") -> Gemma3Weights:
         """Dense: every matrix dequantized to ``dtype``. GGUF: the matrices' own codes packed for the
-        CPU int4 kernels (``hybridkv.engine.quant``), the embedding screened (``ScreenedEmbedding``).
+        CPU kernels (``hybridkv.engine.quant``), the embedding screened (``ScreenedEmbedding``).
         Norm weights stay float32 (they already include ``1 + w``)."""
         if format not in WEIGHT_FORMATS:
             raise InvalidInputError(f"weights format must be one of {list(WEIGHT_FORMATS)}, got {format!r}")
-        if format == "gguf" and not int4_kernels_available():
-            raise InvalidInputError("this torch build lacks the CPU int4 kernels the gguf weights format needs; "
-                                    "use the dense format")
+        if format == "gguf" and not gguf_kernels_available():
+            raise InvalidInputError("neither hybridkv's CPU kernels nor this torch build's int4 kernels run here, "
+                                    "and the gguf weights format needs one of them; use the dense format")
         start = time.perf_counter()
         config = Gemma3Config.from_gguf(gguf.metadata)
         missing = [n for n in required_tensors(config) if n not in gguf.tensors]
@@ -222,7 +231,7 @@ class Gemma3Weights:
         def linear(names: tuple[str, ...]) -> Linear:
             if format == "dense":
                 return DenseLinear(torch.cat([tensors[n].to(dtype) for n in names]))
-            return GGUFLinear(GroupCodes.stack([codes(n) for n in names]))
+            return gguf_linear(GroupCodes.stack([codes(n) for n in names]))
 
         def embedding() -> Embedding:
             if format == "dense":
