@@ -312,6 +312,47 @@ void hkv_gelu_mul(int rows, int n, const float *gu, float *out) {
     }
 }
 
+/* out[r] = log(sum_i exp(x[r, i])) of rows of n float32 values (n a multiple of 8): m = the row's
+ * maximum, then exp8(x - m) summed in 8 lanes of float64 in order, the lanes added in order;
+ * out = m + log(sum). Rows in parallel, each on its own. */
+void hkv_logsumexp(int rows, int n, const float *x, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
+    for (int r = 0; r < rows; r++) {
+        const float *v = x + (size_t)r * n;
+        __m256 mv = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8) {
+            __m256 e = _mm256_loadu_ps(v + i);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(e, e, _CMP_UNORD_Q));
+            mv = _mm256_max_ps(mv, e);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mv);
+        float m = lanes[0];
+        for (int i = 1; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+        if (_mm256_movemask_ps(nan)) {
+            out[r] = NAN;
+            continue;
+        }
+        if (m == -INFINITY || m == INFINITY) { /* what log-sum-exp gives */
+            out[r] = m;
+            continue;
+        }
+        const __m256 mb = _mm256_set1_ps(m);
+        __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+        for (int i = 0; i < n; i += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), mb));
+            lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        double d[8];
+        _mm256_storeu_pd(d, lo);
+        _mm256_storeu_pd(d + 4, hi);
+        double s = 0.0;
+        for (int i = 0; i < 8; i++) s += d[i];
+        out[r] = m + (float)log(s);
+    }
+}
+
 #define QT 8 /* queries a task takes together: each key is read and converted once for all of them */
 
 /* Attention of one part of a step: queries q[query_rows[b, i], head] (rows of q_stride floats, head

@@ -49,10 +49,11 @@ logger = logging.getLogger(__name__)
 
 LOGITS_SLICE = 128
 """Rows of logits computed at once when a step scores many positions (128 x 262,144 fp32 = 128 MiB)."""
-SCORING_PREFILL_WEIGHT = 2
+SCORING_PREFILL_WEIGHT = 3
 """Step-budget tokens a scored prompt token takes: it costs the forward pass plus a whole-vocabulary
-head row (measured 1.1-1.55x a plain prefill token on 2 cores), so a step holding scored tokens
-costs no more than a plain chunk of ``max_num_batched_tokens`` tokens."""
+head row (the head's 262,144 x 640 multiply-adds are 1.7x the decoder layers' per token; measured
+2.0-3.0x a plain prefill token on 2 cores with hybridkv's CPU kernels), so a step holding scored
+tokens costs no more than a plain chunk of ``max_num_batched_tokens`` tokens."""
 
 
 @dataclass(eq=False)

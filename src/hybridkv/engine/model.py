@@ -372,18 +372,19 @@ def paged_attention(kv: PagedKVCache, step: StepInputs, group: int, slot: int, w
 
 
 class ScoringHead:
-    """The exact float32 LM head as one dense ``[vocab, hidden]`` matrix, built at its first use.
-
-    Scoring needs the whole head for every prompt position. ``Gemma3Model.lm_head`` dequantizes the
-    8-bit codes a vocabulary slice at a time on every call, which costs more than the matrix
-    product itself; this head dequantizes once (671 MB in float32 for Gemma 3 270M) and reuses the
-    matrix. A float32 embedding is used as it is (no copy)."""
+    """The head scoring needs for every prompt position, built at its first use: with hybridkv's CPU
+    kernels and the GGUF's 8-bit embedding codes, those codes in the quantized matmul (the embedding's
+    weights exactly, 190 MB; activations rounded to int16 per 32, logits within ~1e-4 of float32);
+    otherwise one dense float32 ``[vocab, hidden]`` matrix (671 MB for Gemma 3 270M; a float32
+    embedding is used as it is). ``Gemma3Model.lm_head`` dequantizes the codes a vocabulary slice at
+    a time on every call, which costs more than the matrix product itself."""
 
     BUILD_ROWS = 8192
 
     def __init__(self, model: Gemma3Model) -> None:
         self.model = model
         self._weight: torch.Tensor | None = None
+        self._codes: cpu_kernels.QuantMatrix | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -406,6 +407,20 @@ class ScoringHead:
                             weight.numel() * 4 >> 20)
         return self._weight
 
+    def _quantized(self) -> cpu_kernels.QuantMatrix | None:
+        """The embedding's 8-bit codes in the CPU kernels' matmul, where both exist."""
+        if self._codes is None:
+            embed = self.model.w.embed
+            codes = getattr(embed, "codes", None)
+            if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.int8 and self.model.kernels):
+                return None
+            scale = getattr(embed, "scale")  # noqa: B009 (ScreenedEmbedding's per-32 scales)
+            self._codes = cpu_kernels.QuantMatrix(codes, scale, torch.zeros_like(scale))
+        return self._codes
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` of final-normed hidden states ``[rows, hidden]``."""
+        quantized = self._quantized()
+        if quantized is not None:
+            return quantized(hidden)
         return torch.matmul(hidden.float(), self.weight.T)

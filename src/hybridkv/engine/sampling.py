@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine import cpu_kernels
 from hybridkv.errors import InvalidInputError
 
 GREEDY_TEMPERATURE = 1e-5
@@ -219,7 +220,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[T
 
     A log-probability is the logit minus the row's log-sum-exp: no ``[n, vocab]`` log-softmax is
     materialized, and the top ``k`` are taken on the logits (the same order)."""
-    lse = torch.logsumexp(logits, dim=-1)
+    lse = cpu_kernels.logsumexp(logits)
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)
     ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)[:, None]
     chosen = (logits.gather(1, ids)[:, 0] - lse).tolist()
     if k:
