@@ -91,9 +91,25 @@ static inline __attribute__((always_inline)) void tile(
     for (int r = 0; r < rt; r++) { acc[r] = _mm256_setzero_ps(); zacc[r] = _mm256_setzero_ps(); }
     for (int g = 0; g < groups; g++) {
         const int wg = g / per; /* per is a constant: a shift */
+        const __m256 ws = _mm256_loadu_ps(scales + wg * 8);
+        if (rt == 1) { /* one row (a decode step): each column's codes used as soon as decoded */
+            const int16_t *x = xq + (size_t)r0 * K + 32 * g;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)x), x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+            __m256i a[8];
+            for (int c = 0; c < 8; c++) {
+                __m256i w0, w1;
+                wvec(bits, cols + c * 32, g, &w0, &w1);
+                a[c] = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+            }
+            __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xd[(size_t)r0 * groups + g]));
+            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(a)), s, acc[0]);
+            if (has_zero && (g + 1) % per == 0)
+                zacc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(zeros + wg * 8),
+                                          _mm256_set1_ps(xsum[(size_t)r0 * wgroups + wg]), zacc[0]);
+            continue;
+        }
         __m256i w[8][2];
         for (int c = 0; c < 8; c++) wvec(bits, cols + c * 32, g, &w[c][0], &w[c][1]);
-        const __m256 ws = _mm256_loadu_ps(scales + wg * 8);
         for (int r = 0; r < rt; r++) {
             const int16_t *x = xq + (size_t)(r0 + r) * K + 32 * g;
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)x), x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
@@ -259,19 +275,6 @@ static inline void to_float(const void *src, int bf16, int d, float *dst) {
     }
 }
 
-/* dot(a, b) over d values (a multiple of 32): four lane-wise accumulators taking every fourth
- * vector, added pairwise, then hsum8. */
-static inline float dot(const float *a, const float *b, int d) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int i = 0; i < d; i += 32) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
-    }
-    return hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-}
-
 /* exp(x) for x <= 0, lane by lane (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times
  * 2^n; about 1 ulp; 0 below -87). */
 static inline __m256 exp8(__m256 x) {
@@ -353,16 +356,82 @@ void hkv_logsumexp(int rows, int n, const float *x, float *out, int threads) {
     }
 }
 
-#define QT 8 /* queries a task takes together: each key is read and converted once for all of them */
+#define QT 8   /* queries a task takes together: each key is read and converted once for all of them */
+#define KB 256 /* keys converted to float32 at a time */
+
+static inline __m256 load8(const char *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p);
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* scores[r, n] = scale * dot(q_r, k_n) for the rows r < rows and keys n < nk of a block, k_n at
+ * key[n] (float32, or bfloat16 with `bf16`: converted exactly, so either gives the same bits). dot:
+ * one 8-lane accumulator over the d / 8 vectors in order, then hsum8; eight keys at a time share
+ * each loaded vector of q. */
+static void block_scores(int rows, const float *const *q, const char *const *key, int bf16, int nk, int d,
+                         float scale, float *scores, int stride) {
+    const int es = bf16 ? 2 : 4;
+    for (int r = 0; r < rows; r++) {
+        int n = 0;
+        for (; n + 8 <= nk; n += 8) {
+            __m256 a[8];
+            for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
+            for (int i = 0; i < d; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(q[r] + i);
+                for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(qv, load8(key[n + k] + i * es, bf16), a[k]);
+            }
+            for (int k = 0; k < 8; k++) scores[(size_t)r * stride + n + k] = hsum8(a[k]) * scale;
+        }
+        for (; n < nk; n++) {
+            __m256 a = _mm256_setzero_ps();
+            for (int i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), load8(key[n] + i * es, bf16), a);
+            scores[(size_t)r * stride + n] = hsum8(a) * scale;
+        }
+    }
+}
+
+/* acc[r] += sum_n p[r, n] v_n over the keys n < nv of a block (v_n at value[n], as block_scores'
+ * keys), in order of n, lane by lane; two rows and 32 values at a time held in registers. */
+static void block_values(int rows, const float *p, int stride, const char *const *value, int bf16, int nv, int d,
+                         float *acc) {
+    const int es = bf16 ? 2 : 4;
+    for (int r = 0; r < rows; r += 2) {
+        const int two = r + 1 < rows;
+        for (int i = 0; i < d; i += 32) {
+            __m256 a0[4], a1[4];
+            for (int v = 0; v < 4; v++) {
+                a0[v] = _mm256_loadu_ps(acc + (size_t)r * d + i + 8 * v);
+                a1[v] = two ? _mm256_loadu_ps(acc + (size_t)(r + 1) * d + i + 8 * v) : _mm256_setzero_ps();
+            }
+            for (int n = 0; n < nv; n++) {
+                const char *vn = value[n] + i * es;
+                const __m256 p0 = _mm256_set1_ps(p[(size_t)r * stride + n]);
+                const __m256 p1 = _mm256_set1_ps(two ? p[(size_t)(r + 1) * stride + n] : 0.0f);
+                for (int v = 0; v < 4; v++) {
+                    const __m256 x = load8(vn + 8 * v * es, bf16);
+                    a0[v] = _mm256_fmadd_ps(p0, x, a0[v]);
+                    a1[v] = _mm256_fmadd_ps(p1, x, a1[v]);
+                }
+            }
+            for (int v = 0; v < 4; v++) {
+                _mm256_storeu_ps(acc + (size_t)r * d + i + 8 * v, a0[v]);
+                if (two) _mm256_storeu_ps(acc + (size_t)(r + 1) * d + i + 8 * v, a1[v]);
+            }
+        }
+    }
+}
 
 /* Attention of one part of a step: queries q[query_rows[b, i], head] (rows of q_stride floats, head
  * h at h * d) over the keys at key_slots[b, j] (j < L) of the cache where mask[b, i, j], written to
  * out[query_rows[b, i], head] (rows of out_stride). Query head h reads KV head h / (heads / kv_heads).
- * Per query and head, over the keys it sees in order of j: s_j = scale * dot(q, k_j), m = max s_j,
- * p_j = exp8(s_j - m), out = (sum p_j v_j) / (sum p_j), both sums in order of j. A key it does not
- * see takes no part (its page may hold anything). Nothing depends on the other queries of the call.
- * The cache is float32 or bfloat16 (`bf16`), kv_heads * d values a slot; d <= 512 and heads /
- * kv_heads <= 8 (checked by the caller). */
+ * Per query and head, over the keys it sees in order of j: s_j = scale * dot(q, k_j) (block_scores),
+ * m = max s_j, p_j = exp8(s_j - m), out = (sum p_j v_j) / (sum p_j), both sums in order of j; the
+ * keys another query of the task sees and this one does not add exact zeros (p = 0) to its values'
+ * sum, which leaves every bit as it was, and nothing to its denominator. A key no query of the task
+ * sees is not read at all (its page may hold anything). The cache is float32 or bfloat16 (`bf16`),
+ * kv_heads * d values a slot; d <= 512, a multiple of 32, and heads / kv_heads <= 8 (checked by
+ * the caller). */
 void hkv_attention(int B, int Q, int L, int heads, int kv_heads, int d, const float *q, int q_stride,
                    const int64_t *query_rows, const int64_t *key_slots, const uint8_t *mask, const void *k_cache,
                    const void *v_cache, int bf16, float scale, float *out, int out_stride, int threads) {
@@ -378,71 +447,83 @@ void hkv_attention(int B, int Q, int L, int heads, int kv_heads, int d, const fl
         const int h0 = all_heads * part / split, group = all_heads * (part + 1) / split - h0;
         const int nq = Q - i0 < QT ? Q - i0 : QT, rows = nq * group;
         const int64_t *slots = key_slots + (size_t)b * L;
-        float *scores = malloc(sizeof(float) * (size_t)rows * (L + 8));
-        float *acc = malloc(sizeof(float) * (size_t)rows * d);
-        float kv[512], mx[QT * 8], den[QT * 8];
-        int seen_count[QT * 8];
+        const uint8_t *masks = mask + ((size_t)b * Q + i0) * L;
+        /* the keys some query of the task sees, in order */
+        int *keys = malloc(sizeof(int) * (size_t)(L + 1));
+        int nk = 0;
+        for (int j = 0; j < L; j++) {
+            int any = 0;
+            for (int i = 0; i < nq; i++) any |= masks[(size_t)i * L + j];
+            if (any) keys[nk++] = j;
+        }
+        const int stride = nk + 8;
+        float *scores = malloc(sizeof(float) * (size_t)rows * stride);
+        float *acc = calloc((size_t)rows * d, sizeof(float));
+        /* many rows: each block's keys and values converted to float32 once; few: read where they are */
+        const int convert = bf16 && rows > 4;
+        float *kf = convert ? malloc(sizeof(float) * (size_t)KB * d) : NULL;
+        const char *kp[KB];
         const float *qh[QT * 8];
+        float mx[QT * 8], den[QT * 8];
+        for (int i = 0; i < nq; i++)
+            for (int g = 0; g < group; g++)
+                qh[i * group + g] = q + (size_t)query_rows[(size_t)b * Q + i0 + i] * q_stride
+                                    + (size_t)(kvh * all_heads + h0 + g) * d;
+        const size_t head_offset = (size_t)kvh * d * esize;
+        for (int n0 = 0; n0 < nk; n0 += KB) {
+            const int nb = nk - n0 < KB ? nk - n0 : KB;
+            for (int n = 0; n < nb; n++) {
+                kp[n] = (const char *)k_cache + (size_t)slots[keys[n0 + n]] * slot_bytes + head_offset;
+                if (convert) {
+                    to_float(kp[n], 1, d, kf + (size_t)n * d);
+                    kp[n] = (const char *)(kf + (size_t)n * d);
+                }
+            }
+            block_scores(rows, qh, kp, bf16 && !convert, nb, d, scale, scores + n0, stride);
+        }
+        /* the weights: exp8 of each score less the row's maximum over the keys its query sees; 0 where
+         * it does not see the key */
         for (int i = 0; i < nq; i++)
             for (int g = 0; g < group; g++) {
                 const int r = i * group + g;
-                qh[r] = q + (size_t)query_rows[(size_t)b * Q + i0 + i] * q_stride + (size_t)(kvh * all_heads + h0 + g) * d;
-                mx[r] = -INFINITY;
-                den[r] = 0.0f;
-                seen_count[r] = 0;
+                float *sr = scores + (size_t)r * stride;
+                const uint8_t *seen = masks + (size_t)i * L;
+                float m = -INFINITY;
+                for (int n = 0; n < nk; n++)
+                    if (seen[keys[n]] && sr[n] > m) m = sr[n];
+                mx[r] = m;
+                const __m256 mv = _mm256_set1_ps(m);
+                for (int n = 0; n < nk; n += 8) _mm256_storeu_ps(sr + n, exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + n), mv)));
+                float sum = 0.0f;
+                for (int n = 0; n < nk; n++) {
+                    if (seen[keys[n]]) sum += sr[n];
+                    else sr[n] = 0.0f;
+                }
+                den[r] = sum;
             }
-        memset(acc, 0, sizeof(float) * (size_t)rows * d);
-        /* pass 1: each query's scores over the keys it sees, in order */
-        for (int j = 0; j < L; j++) {
-            int any = 0;
-            for (int i = 0; i < nq; i++) any |= mask[((size_t)b * Q + i0 + i) * L + j];
-            if (!any) continue;
-            to_float((const char *)k_cache + (size_t)slots[j] * slot_bytes + (size_t)kvh * d * esize, bf16, d, kv);
-            for (int i = 0; i < nq; i++) {
-                if (!mask[((size_t)b * Q + i0 + i) * L + j]) continue;
-                for (int g = 0; g < group; g++) {
-                    const int r = i * group + g;
-                    const float sc = dot(qh[r], kv, d) * scale;
-                    scores[(size_t)r * (L + 8) + seen_count[r]++] = sc;
-                    if (sc > mx[r]) mx[r] = sc;
+        for (int n0 = 0; n0 < nk; n0 += KB) {
+            const int nb = nk - n0 < KB ? nk - n0 : KB;
+            for (int n = 0; n < nb; n++) {
+                kp[n] = (const char *)v_cache + (size_t)slots[keys[n0 + n]] * slot_bytes + head_offset;
+                if (convert) {
+                    to_float(kp[n], 1, d, kf + (size_t)n * d);
+                    kp[n] = (const char *)(kf + (size_t)n * d);
                 }
             }
-        }
-        /* the weights: exp of each score less the query's maximum, lane by lane */
-        for (int r = 0; r < rows; r++) {
-            float *sr = scores + (size_t)r * (L + 8);
-            const __m256 m = _mm256_set1_ps(mx[r]);
-            for (int n = 0; n < seen_count[r]; n += 8)
-                _mm256_storeu_ps(sr + n, exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + n), m)));
-            for (int n = 0; n < seen_count[r]; n++) den[r] += sr[n];
-            seen_count[r] = 0;
-        }
-        /* pass 2: the values, in the same order */
-        for (int j = 0; j < L; j++) {
-            int any = 0;
-            for (int i = 0; i < nq; i++) any |= mask[((size_t)b * Q + i0 + i) * L + j];
-            if (!any) continue;
-            to_float((const char *)v_cache + (size_t)slots[j] * slot_bytes + (size_t)kvh * d * esize, bf16, d, kv);
-            for (int i = 0; i < nq; i++) {
-                if (!mask[((size_t)b * Q + i0 + i) * L + j]) continue;
-                for (int g = 0; g < group; g++) {
-                    const int r = i * group + g;
-                    const __m256 pv = _mm256_set1_ps(scores[(size_t)r * (L + 8) + seen_count[r]++]);
-                    float *a = acc + (size_t)r * d;
-                    for (int e = 0; e < d; e += 8)
-                        _mm256_storeu_ps(a + e, _mm256_fmadd_ps(pv, _mm256_loadu_ps(kv + e), _mm256_loadu_ps(a + e)));
-                }
-            }
+            block_values(rows, scores + n0, stride, kp, bf16 && !convert, nb, d, acc);
         }
         for (int i = 0; i < nq; i++)
             for (int g = 0; g < group; g++) {
                 const int r = i * group + g;
-                float *o = out + (size_t)query_rows[(size_t)b * Q + i0 + i] * out_stride + (size_t)(kvh * all_heads + h0 + g) * d;
-                const __m256 inv = _mm256_set1_ps(seen_count[r] ? 1.0f / den[r] : 0.0f);
+                float *o = out + (size_t)query_rows[(size_t)b * Q + i0 + i] * out_stride
+                           + (size_t)(kvh * all_heads + h0 + g) * d;
+                const __m256 inv = _mm256_set1_ps(mx[r] == -INFINITY ? 0.0f : 1.0f / den[r]);
                 for (int e = 0; e < d; e += 8) _mm256_storeu_ps(o + e, _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)r * d + e), inv));
             }
+        free(keys);
         free(scores);
         free(acc);
+        free(kf);
     }
 }
 
