@@ -225,7 +225,6 @@ def test_without_hybridkvs_cpu_kernels_torchs_int4_path_gives_the_same_greedy_ou
     """Where the kernels cannot be built (another CPU, no compiler) the gguf format runs on torch's
     int4 kernels and the torch layer code, and still matches the float32 path."""
     from hybridkv.engine import cpu_kernels
-    from hybridkv.engine.quant import GGUFLinear
 
     from test_engine import prompts, run
 
@@ -234,7 +233,7 @@ def test_without_hybridkvs_cpu_kernels_torchs_int4_path_gives_the_same_greedy_ou
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "_failure", "switched off by the test")
     fallback = Gemma3Weights.load(gguf, torch.bfloat16, "gguf")
-    assert isinstance(fallback.layers[0].qkv, GGUFLinear)
+    assert isinstance(fallback.layers[0].qkv, GGUFLinear) and isinstance(fallback.layers[0].qkv.matrix, PackedLinear)
     eng = make_engine(fallback, tokenizer, enable_prefix_caching=False)
     assert not eng.model.kernels  # type: ignore[attr-defined]
     assert run(eng, ps, alone=True) == want

@@ -422,6 +422,19 @@ static void block_values(int rows, const float *p, int stride, const char *const
     }
 }
 
+/* where[n] = the cache row of key keys[n] (its KV head at head_offset); with `scratch`, the bf16
+ * rows converted there to float32 (exactly) and where[n] pointing at them. */
+static void gather(const void *cache, const int64_t *slots, const int *keys, int nb, size_t slot_bytes,
+                   size_t head_offset, int d, float *scratch, const char **where) {
+    for (int n = 0; n < nb; n++) {
+        where[n] = (const char *)cache + (size_t)slots[keys[n]] * slot_bytes + head_offset;
+        if (scratch) {
+            to_float(where[n], 1, d, scratch + (size_t)n * d);
+            where[n] = (const char *)(scratch + (size_t)n * d);
+        }
+    }
+}
+
 /* Attention of one part of a step: queries q[query_rows[b, i], head] (rows of q_stride floats, head
  * h at h * d) over the keys at key_slots[b, j] (j < L) of the cache where mask[b, i, j], written to
  * out[query_rows[b, i], head] (rows of out_stride). Query head h reads KV head h / (heads / kv_heads).
@@ -472,13 +485,7 @@ void hkv_attention(int B, int Q, int L, int heads, int kv_heads, int d, const fl
         const size_t head_offset = (size_t)kvh * d * esize;
         for (int n0 = 0; n0 < nk; n0 += KB) {
             const int nb = nk - n0 < KB ? nk - n0 : KB;
-            for (int n = 0; n < nb; n++) {
-                kp[n] = (const char *)k_cache + (size_t)slots[keys[n0 + n]] * slot_bytes + head_offset;
-                if (convert) {
-                    to_float(kp[n], 1, d, kf + (size_t)n * d);
-                    kp[n] = (const char *)(kf + (size_t)n * d);
-                }
-            }
+            gather(k_cache, slots, keys + n0, nb, slot_bytes, head_offset, d, convert ? kf : NULL, kp);
             block_scores(rows, qh, kp, bf16 && !convert, nb, d, scale, scores + n0, stride);
         }
         /* the weights: exp8 of each score less the row's maximum over the keys its query sees; 0 where
@@ -503,13 +510,7 @@ void hkv_attention(int B, int Q, int L, int heads, int kv_heads, int d, const fl
             }
         for (int n0 = 0; n0 < nk; n0 += KB) {
             const int nb = nk - n0 < KB ? nk - n0 : KB;
-            for (int n = 0; n < nb; n++) {
-                kp[n] = (const char *)v_cache + (size_t)slots[keys[n0 + n]] * slot_bytes + head_offset;
-                if (convert) {
-                    to_float(kp[n], 1, d, kf + (size_t)n * d);
-                    kp[n] = (const char *)(kf + (size_t)n * d);
-                }
-            }
+            gather(v_cache, slots, keys + n0, nb, slot_bytes, head_offset, d, convert ? kf : NULL, kp);
             block_values(rows, scores + n0, stride, kp, bf16 && !convert, nb, d, acc);
         }
         for (int i = 0; i < nq; i++)

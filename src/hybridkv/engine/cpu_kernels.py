@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -101,7 +102,9 @@ def load() -> ctypes.CDLL | None:
             folder = _private(Path(tempfile.gettempdir()) / f"hybridkv-kernels-{os.getuid()}")
         target = folder / f"cpu_kernels-{key}.so"
         if not target.exists():
+            start = time.perf_counter()
             _compile(compiler, target)
+            logger.info("built hybridkv's CPU kernels in %.1f s (%s)", time.perf_counter() - start, target)
         lib = ctypes.CDLL(str(target))
         if lib.hkv_abi_version() != ABI_VERSION:
             raise OSError(f"{target} is ABI {lib.hkv_abi_version()}, expected {ABI_VERSION}")

@@ -224,42 +224,6 @@ class DenseLinear:
         return self.weight.numel() * self.weight.element_size()
 
 
-class KernelLinear:
-    """A GGUF matrix as its codes in hybridkv's CPU kernels (``cpu_kernels.QuantMatrix``): float32
-    in and out, one kernel at every row count, each row's result a function of that row alone."""
-
-    __slots__ = ("matrix",)
-
-    def __init__(self, codes: GroupCodes) -> None:
-        from hybridkv.engine.cpu_kernels import QuantMatrix
-
-        self.matrix = QuantMatrix(codes.codes, codes.scale, codes.zero)
-
-    @property
-    def in_features(self) -> int:
-        return self.matrix.in_features
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Float32 ``[M, out_features]``."""
-        return self.matrix(x)
-
-    def to(self, device: torch.device) -> KernelLinear:
-        if device.type != "cpu":
-            raise InvalidInputError(f"packed GGUF weights run on the CPU only, not on {device}; use dense weights")
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        return self.matrix.nbytes
-
-
-def gguf_linear(codes: GroupCodes) -> KernelLinear | GGUFLinear:
-    """The matrix in hybridkv's CPU kernels where they run here, else in torch's int4 kernel."""
-    from hybridkv.engine import cpu_kernels
-
-    return KernelLinear(codes) if cpu_kernels.available() else GGUFLinear(codes)
-
-
 def gguf_kernels_available() -> bool:
     """Whether the gguf weights format can run here (hybridkv's CPU kernels or torch's int4 ones)."""
     from hybridkv.engine import cpu_kernels
@@ -268,30 +232,34 @@ def gguf_kernels_available() -> bool:
 
 
 class GGUFLinear:
-    """A GGUF matrix as its packed codes, one kernel for every row count: each row's result is a
-    function of that row alone (the kernel runs rows independently), so a token computes the same
-    whether it is one row of a decode step or of a prefill chunk of any size. Measured on the
-    2-core AVX2 development machine (one thread), the packed kernel is also faster than a bf16 GEMM
-    on the dequantized weights at every row count above one (a layer: 2.3 ms against 4.7 ms at 4
-    rows, 0.66 s against 1.3 s at 1,024)."""
+    """A GGUF matrix as its codes, one kernel for every row count: each row's result is a function
+    of that row alone, so a token computes the same whether it is one row of a decode step or of a
+    prefill chunk of any size. The kernel is hybridkv's (``cpu_kernels.QuantMatrix``: float32 out)
+    where it runs here, else torch's int4 kernel (``PackedLinear``: bf16 out), chosen when the
+    weights load."""
 
-    __slots__ = ("packed",)
+    __slots__ = ("matrix",)
 
     def __init__(self, codes: GroupCodes) -> None:
-        self.packed = PackedLinear(codes)
+        from hybridkv.engine import cpu_kernels
+
+        self.matrix: PackedLinear | cpu_kernels.QuantMatrix = (
+            cpu_kernels.QuantMatrix(codes.codes, codes.scale, codes.zero) if cpu_kernels.available()
+            else PackedLinear(codes))
 
     @property
     def in_features(self) -> int:
-        return self.packed.in_features
+        return self.matrix.in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16 ``[M, out_features]``."""
-        return self.packed(x)
+        """``[M, out_features]``, float32 or bf16 (the kernel's)."""
+        return self.matrix(x)
 
     def to(self, device: torch.device) -> GGUFLinear:
-        self.packed.to(device)
+        if device.type != "cpu":
+            raise InvalidInputError(f"packed GGUF weights run on the CPU only, not on {device}; use dense weights")
         return self
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes
+        return self.matrix.nbytes

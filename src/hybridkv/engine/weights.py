@@ -19,11 +19,9 @@ from hybridkv.engine.quant import (
     DenseLinear,
     GGUFLinear,
     GroupCodes,
-    KernelLinear,
     float_codes,
     gguf_codes,
     gguf_kernels_available,
-    gguf_linear,
 )
 from hybridkv.errors import InvalidInputError
 
@@ -129,7 +127,7 @@ GEMMA3_270M = Gemma3Config(
 )
 """Gemma 3 270M's shapes, as its GGUF states them (``tests/engine/test_engine_units.py`` checks the two agree)."""
 
-Linear = DenseLinear | GGUFLinear | KernelLinear
+Linear = DenseLinear | GGUFLinear
 Embedding = DenseEmbedding | ScreenedEmbedding
 
 
@@ -231,7 +229,7 @@ class Gemma3Weights:
         def linear(names: tuple[str, ...]) -> Linear:
             if format == "dense":
                 return DenseLinear(torch.cat([tensors[n].to(dtype) for n in names]))
-            return gguf_linear(GroupCodes.stack([codes(n) for n in names]))
+            return GGUFLinear(GroupCodes.stack([codes(n) for n in names]))
 
         def embedding() -> Embedding:
             if format == "dense":
