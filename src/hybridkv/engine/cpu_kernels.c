@@ -365,61 +365,87 @@ static inline __m256 load8(const char *p, int bf16) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
+/* scores[r, n] = scale * dot(q_r, k_n) for rows r0 .. r0 + R and keys n0 .. n0 + C of a block:
+ * per (row, key) one 8-lane accumulator over the d / 8 vectors in order, then hsum8. Inlined with
+ * constant R and C (R * C accumulators in registers, each loaded vector shared). */
+static inline __attribute__((always_inline)) void score_tile(int R, int C, const float *const *q, int r0,
+                                                            const char *const *key, int n0, int bf16, int d,
+                                                            float scale, float *scores, int stride) {
+    const int es = bf16 ? 2 : 4;
+    __m256 a[12];
+    for (int t = 0; t < R * C; t++) a[t] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+        __m256 k[8];
+        for (int c = 0; c < C; c++) k[c] = load8(key[n0 + c] + i * es, bf16);
+        for (int r = 0; r < R; r++) {
+            const __m256 qv = _mm256_loadu_ps(q[r0 + r] + i);
+            for (int c = 0; c < C; c++) a[r * C + c] = _mm256_fmadd_ps(qv, k[c], a[r * C + c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) scores[(size_t)(r0 + r) * stride + n0 + c] = hsum8(a[r * C + c]) * scale;
+}
+
 /* scores[r, n] = scale * dot(q_r, k_n) for the rows r < rows and keys n < nk of a block, k_n at
- * key[n] (float32, or bfloat16 with `bf16`: converted exactly, so either gives the same bits). dot:
- * one 8-lane accumulator over the d / 8 vectors in order, then hsum8; eight keys at a time share
- * each loaded vector of q. */
+ * key[n] (float32, or bfloat16 with `bf16`: converted exactly, so either gives the same bits);
+ * score_tile states the arithmetic, the same in every tile shape. */
 static void block_scores(int rows, const float *const *q, const char *const *key, int bf16, int nk, int d,
                          float scale, float *scores, int stride) {
-    const int es = bf16 ? 2 : 4;
-    for (int r = 0; r < rows; r++) {
+    int r = 0;
+    for (; r + 3 <= rows; r += 3) {
         int n = 0;
-        for (; n + 8 <= nk; n += 8) {
-            __m256 a[8];
-            for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
-            for (int i = 0; i < d; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(q[r] + i);
-                for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(qv, load8(key[n + k] + i * es, bf16), a[k]);
-            }
-            for (int k = 0; k < 8; k++) scores[(size_t)r * stride + n + k] = hsum8(a[k]) * scale;
-        }
-        for (; n < nk; n++) {
-            __m256 a = _mm256_setzero_ps();
-            for (int i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), load8(key[n] + i * es, bf16), a);
-            scores[(size_t)r * stride + n] = hsum8(a) * scale;
-        }
+        for (; n + 4 <= nk; n += 4) score_tile(3, 4, q, r, key, n, bf16, d, scale, scores, stride);
+        for (; n < nk; n++) score_tile(3, 1, q, r, key, n, bf16, d, scale, scores, stride);
+    }
+    for (; r < rows; r++) {
+        int n = 0;
+        for (; n + 8 <= nk; n += 8) score_tile(1, 8, q, r, key, n, bf16, d, scale, scores, stride);
+        for (; n < nk; n++) score_tile(1, 1, q, r, key, n, bf16, d, scale, scores, stride);
     }
 }
 
-/* acc[r] += sum_n p[r, n] v_n over the keys n < nv of a block (v_n at value[n], as block_scores'
- * keys), in order of n, lane by lane; two rows and 32 values at a time held in registers. */
-static void block_values(int rows, const float *p, int stride, const char *const *value, int bf16, int nv, int d,
-                         float *acc) {
+/* acc[r] += sum_n p[r, n] v_n for rows r0 .. r0 + R over the keys n < nv of a block (v_n at value[n],
+ * as block_scores' keys), in order of n, lane by lane, 32 values at a time. Inlined with constant R. */
+static inline __attribute__((always_inline)) void value_tile(int R, const float *p, int stride, int r0,
+                                                            const char *const *value, int bf16, int nv, int d,
+                                                            float *acc) {
     const int es = bf16 ? 2 : 4;
-    for (int r = 0; r < rows; r += 2) {
-        const int two = r + 1 < rows;
-        for (int i = 0; i < d; i += 32) {
-            __m256 a0[4], a1[4];
-            for (int v = 0; v < 4; v++) {
-                a0[v] = _mm256_loadu_ps(acc + (size_t)r * d + i + 8 * v);
-                a1[v] = two ? _mm256_loadu_ps(acc + (size_t)(r + 1) * d + i + 8 * v) : _mm256_setzero_ps();
-            }
-            for (int n = 0; n < nv; n++) {
-                const char *vn = value[n] + i * es;
-                const __m256 p0 = _mm256_set1_ps(p[(size_t)r * stride + n]);
-                const __m256 p1 = _mm256_set1_ps(two ? p[(size_t)(r + 1) * stride + n] : 0.0f);
-                for (int v = 0; v < 4; v++) {
-                    const __m256 x = load8(vn + 8 * v * es, bf16);
-                    a0[v] = _mm256_fmadd_ps(p0, x, a0[v]);
-                    a1[v] = _mm256_fmadd_ps(p1, x, a1[v]);
-                }
-            }
-            for (int v = 0; v < 4; v++) {
-                _mm256_storeu_ps(acc + (size_t)r * d + i + 8 * v, a0[v]);
-                if (two) _mm256_storeu_ps(acc + (size_t)(r + 1) * d + i + 8 * v, a1[v]);
+    for (int i = 0; i < d; i += 32) {
+        __m256 a[3][4];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < 4; v++) a[r][v] = _mm256_loadu_ps(acc + (size_t)(r0 + r) * d + i + 8 * v);
+        for (int n = 0; n < nv; n++) {
+            __m256 x[4];
+            for (int v = 0; v < 4; v++) x[v] = load8(value[n] + (i + 8 * v) * es, bf16);
+            for (int r = 0; r < R; r++) {
+                const __m256 pr = _mm256_set1_ps(p[(size_t)(r0 + r) * stride + n]);
+                for (int v = 0; v < 4; v++) a[r][v] = _mm256_fmadd_ps(pr, x[v], a[r][v]);
             }
         }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < 4; v++) _mm256_storeu_ps(acc + (size_t)(r0 + r) * d + i + 8 * v, a[r][v]);
     }
+}
+
+static void block_values(int rows, const float *p, int stride, const char *const *value, int bf16, int nv, int d,
+                         float *acc) {
+    int r = 0;
+    for (; r + 3 <= rows; r += 3) value_tile(3, p, stride, r, value, bf16, nv, d, acc);
+    for (; r + 2 <= rows; r += 2) value_tile(2, p, stride, r, value, bf16, nv, d, acc);
+    for (; r < rows; r++) value_tile(1, p, stride, r, value, bf16, nv, d, acc);
+}
+
+/* A per-thread buffer of at least `bytes`, grown as needed and kept for the thread's life. */
+static float *scratch(size_t bytes) {
+    static __thread float *buffer = NULL;
+    static __thread size_t size = 0;
+    if (bytes > size) {
+        free(buffer);
+        size = bytes + bytes / 2;
+        buffer = malloc(size);
+        if (!buffer) abort();
+    }
+    return buffer;
 }
 
 /* where[n] = the cache row of key keys[n] (its KV head at head_offset); with `scratch`, the bf16
@@ -462,7 +488,10 @@ void hkv_attention(int B, int Q, int L, int heads, int kv_heads, int d, const fl
         const int64_t *slots = key_slots + (size_t)b * L;
         const uint8_t *masks = mask + ((size_t)b * Q + i0) * L;
         /* the keys some query of the task sees, in order */
-        int *keys = malloc(sizeof(int) * (size_t)(L + 1));
+        /* this thread's scratch, kept between calls (no page faults on every part of every step) */
+        const size_t n_keys = (size_t)L + 8, n_scores = (size_t)rows * (L + 8), n_acc = (size_t)rows * d;
+        float *arena = scratch((n_keys + n_scores + n_acc + (size_t)KB * d) * sizeof(float));
+        int *keys = (int *)arena;
         int nk = 0;
         for (int j = 0; j < L; j++) {
             int any = 0;
@@ -470,11 +499,11 @@ void hkv_attention(int B, int Q, int L, int heads, int kv_heads, int d, const fl
             if (any) keys[nk++] = j;
         }
         const int stride = nk + 8;
-        float *scores = malloc(sizeof(float) * (size_t)rows * stride);
-        float *acc = calloc((size_t)rows * d, sizeof(float));
+        float *scores = arena + n_keys, *acc = scores + n_scores;
+        memset(acc, 0, n_acc * sizeof(float));
         /* many rows: each block's keys and values converted to float32 once; few: read where they are */
         const int convert = bf16 && rows > 4;
-        float *kf = convert ? malloc(sizeof(float) * (size_t)KB * d) : NULL;
+        float *kf = convert ? acc + n_acc : NULL;
         const char *kp[KB];
         const float *qh[QT * 8];
         float mx[QT * 8], den[QT * 8];
@@ -521,10 +550,6 @@ void hkv_attention(int B, int Q, int L, int heads, int kv_heads, int d, const fl
                 const __m256 inv = _mm256_set1_ps(mx[r] == -INFINITY ? 0.0f : 1.0f / den[r]);
                 for (int e = 0; e < d; e += 8) _mm256_storeu_ps(o + e, _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)r * d + e), inv));
             }
-        free(keys);
-        free(scores);
-        free(acc);
-        free(kf);
     }
 }
 
