@@ -127,7 +127,7 @@ class LLMEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             policy=cfg.policy,  # type: ignore[arg-type]  # validated by SchedulerConfig
-            num_speculative_tokens=cfg.num_speculative_tokens,
+            num_speculative_tokens=cfg.num_speculative_tokens, prefill_context_cost=weights.prefill_context_cost(),
         ))
         self.group_windows = group_windows(self.layout)
         self.block_size = self.layout.groups[0].spec.block_size

@@ -183,6 +183,10 @@ class HybridWeights:
     def kv_shape(self) -> tuple[int, int]:
         return self.config.num_kv_heads, self.config.head_dim
 
+    def prefill_context_cost(self) -> float:
+        """0: the tiny model's steps cost little whatever their context (every prompt token counts one)."""
+        return 0.0
+
     def engine_config(self, config: EngineConfig, device: torch.device) -> EngineConfig:
         """The weights are dense float32 whatever the config; ``dtype`` is the attention KV's."""
         if config.weights == "gguf":

@@ -43,6 +43,11 @@ class ModelWeights(Protocol):
         """The forward pass over ``kv`` laid out as ``layout``."""
         ...
 
+    def prefill_context_cost(self) -> float:
+        """What one token of context adds to the cost of a prompt token, relative to the token's own
+        cost (``SchedulerConfig.prefill_context_cost``)."""
+        ...
+
 
 @dataclass(frozen=True)
 class LoadedModel:

@@ -8,6 +8,7 @@ loads run while the queue moves on. See docs/ARCHITECTURE.md, "The scheduler".
 
 from __future__ import annotations
 
+import math
 from bisect import insort
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -55,6 +56,12 @@ class SchedulerConfig:
     hits what that step computes instead of computing it twice (requests behind it may go first).
     It waits at most as many steps as that prefix has blocks; a request of a burst sharing a
     system prompt then waits one step and hits it."""
+    prefill_context_cost: float = 0.0
+    """Extra step-budget tokens a prompt token takes per token of context before it: the attention it
+    pays over them, relative to the rest of its computation (hybridkv's engine derives it from the
+    model: about 1e-4 for Gemma 3 270M). A long prompt's later chunks then get fewer tokens, so that
+    no step costs more than a plain chunk at the start of a prompt. 0: every prompt token costs the
+    same. A chunk always gets at least one token when it is alone in a step."""
     keep_finished: bool = False
     """Keep finished, rejected and aborted requests in ``requests`` (until ``forget``). By default the
     scheduler forgets a request once it has told the caller it ended (``update``'s return value,
@@ -73,6 +80,9 @@ class SchedulerConfig:
                 f"SchedulerConfig.long_prefill_token_threshold must be a non-negative integer, "
                 f"got {self.long_prefill_token_threshold!r}"
             )
+        cost = self.prefill_context_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < 1:
+            raise InvalidInputError(f"SchedulerConfig.prefill_context_cost must be a number in [0, 1), got {cost!r}")
         if self.policy not in ("fcfs", "priority"):
             raise InvalidInputError(f"SchedulerConfig.policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.admission not in ("max_utilization", "guaranteed_no_preemption"):
@@ -354,12 +364,20 @@ class Scheduler:
             if threshold:
                 n = min(n, threshold)
             n = min(n, budget // req.prefill_weight)
+            if self.config.prefill_context_cost and n > 0 and self._cost(req, start, n) > budget:
+                lo, hi = 0, n  # the most tokens whose cost fits: cost(lo) fits, cost(hi) does not
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if self._cost(req, start, mid) <= budget else (lo, mid)
+                n = max(lo, 1) if budget == self.config.max_num_batched_tokens else lo
         return n
 
-    @staticmethod
-    def _cost(req: Request, start: int, n: int) -> int:
+    def _cost(self, req: Request, start: int, n: int) -> int:
         """The step budget ``n`` tokens of ``req`` from token ``start`` on take."""
-        return n * req.prefill_weight if start < req.seq.num_prompt_tokens else n
+        if start >= req.seq.num_prompt_tokens:
+            return n
+        context = self.config.prefill_context_cost * (n * start + n * (n - 1) / 2)  # sum of their positions
+        return n * req.prefill_weight + math.ceil(context * req.prefill_weight)
 
     def _first_block(self, seq: ScheduledSequence, start: int) -> bytes | None:
         """The hash of the prompt block holding token ``start`` (None past the last full one)."""
