@@ -73,6 +73,12 @@ static inline __m256i reduce8(const __m256i a[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20), _mm256_permute2x128_si256(u[0], u[1], 0x31));
 }
 
+/* acc + float(the 8 columns' dot products a) * (their weight scales ws * the row's activation scale xd):
+ * one group's step of every element, the same in every tile shape. */
+static inline __m256 add_group(__m256 acc, const __m256i a[8], __m256 ws, float xd) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(a)), _mm256_mul_ps(ws, _mm256_set1_ps(xd)), acc);
+}
+
 /* One tile: rows r0 .. r0 + rt of the activations against the 8 output columns n0 .. n0 + 8. The
  * activations are int16 codes per group of 32 (xq, with scale xd[m, g]: x ~ xd * xq). Element
  * (m, n), for each group g of 32 in order: acc = fma(float(dot), scale[n, g'] * xd[m, g], acc),
@@ -101,22 +107,19 @@ static inline __attribute__((always_inline)) void tile(
                 wvec(bits, cols + c * 32, g, &w0, &w1);
                 a[c] = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
             }
-            __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xd[(size_t)r0 * groups + g]));
-            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(a)), s, acc[0]);
-            if (has_zero && (g + 1) % per == 0)
-                zacc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(zeros + wg * 8),
-                                          _mm256_set1_ps(xsum[(size_t)r0 * wgroups + wg]), zacc[0]);
-            continue;
-        }
-        __m256i w[8][2];
-        for (int c = 0; c < 8; c++) wvec(bits, cols + c * 32, g, &w[c][0], &w[c][1]);
-        for (int r = 0; r < rt; r++) {
-            const int16_t *x = xq + (size_t)(r0 + r) * K + 32 * g;
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)x), x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
-            __m256i a[8];
-            for (int c = 0; c < 8; c++) a[c] = _mm256_add_epi32(_mm256_madd_epi16(w[c][0], x0), _mm256_madd_epi16(w[c][1], x1));
-            __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xd[(size_t)(r0 + r) * groups + g]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(a)), s, acc[r]);
+            acc[0] = add_group(acc[0], a, ws, xd[(size_t)r0 * groups + g]);
+        } else { /* several rows: the 8 columns' codes decoded once for all of them */
+            __m256i w[8][2];
+            for (int c = 0; c < 8; c++) wvec(bits, cols + c * 32, g, &w[c][0], &w[c][1]);
+            for (int r = 0; r < rt; r++) {
+                const int16_t *x = xq + (size_t)(r0 + r) * K + 32 * g;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)x),
+                              x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+                __m256i a[8];
+                for (int c = 0; c < 8; c++)
+                    a[c] = _mm256_add_epi32(_mm256_madd_epi16(w[c][0], x0), _mm256_madd_epi16(w[c][1], x1));
+                acc[r] = add_group(acc[r], a, ws, xd[(size_t)(r0 + r) * groups + g]);
+            }
         }
         if (has_zero && (g + 1) % per == 0) {
             const __m256 z = _mm256_loadu_ps(zeros + wg * 8);
@@ -263,11 +266,8 @@ void hkv_qk_norm_rope(int rows, int heads, int d, float *x, int x_stride, const 
         }
 }
 
-static inline void to_float(const void *src, int bf16, int d, float *dst) {
-    if (!bf16) {
-        memcpy(dst, src, sizeof(float) * d);
-        return;
-    }
+/* d bfloat16 values as float32 (exact: the top 16 bits of each). */
+static inline void bf16_to_float(const void *src, int d, float *dst) {
     const uint16_t *h = (const uint16_t *)src;
     for (int i = 0; i < d; i += 8) {
         __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i)));
@@ -455,7 +455,7 @@ static void gather(const void *cache, const int64_t *slots, const int *keys, int
     for (int n = 0; n < nb; n++) {
         where[n] = (const char *)cache + (size_t)slots[keys[n]] * slot_bytes + head_offset;
         if (scratch) {
-            to_float(where[n], 1, d, scratch + (size_t)n * d);
+            bf16_to_float(where[n], d, scratch + (size_t)n * d);
             where[n] = (const char *)(scratch + (size_t)n * d);
         }
     }

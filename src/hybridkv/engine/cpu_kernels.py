@@ -285,8 +285,7 @@ class QuantMatrix:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 ``[M, N]`` of ``x`` ``[M, K]`` (any float dtype)."""
-        lib = load()
-        assert lib is not None, "QuantMatrix needs the CPU kernels"
+        lib = _kernels()
         x = x.float().contiguous()
         m = x.shape[0]
         k = self.in_features

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridkv.engine.quant import GROUP, DenseLinear, GroupCodes, PackedLinear, requantize_4bit
+from hybridkv.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from hybridkv.engine.cpu_kernels import QuantMatrix
-from hybridkv.errors import InvalidInputError
 
 
 class DenseEmbedding:
