@@ -2,7 +2,7 @@
 
     python bench/cluster_sim.py [--trace ../shared/traces/mooncake_synthetic_trace.jsonl] [--requests 3000]
         [--workloads trace,conversations] [--tiers none,host:256GiB] [--instances 8] [--concurrency 64]
-        [--routers hybrid_exact,prefix,least_loaded,round_robin] [--jobs 2] [--explain] [--json FILE]
+        [--routers hybrid_exact,prefix,least_loaded,round_robin] [--jobs 2] [--explain] [--json FILE [--per-request]]
 
 ``--instances`` simulated replicas of ``--model`` on ``--gpu`` (each its own scheduler, device pool and,
 with a host tier, its own tier; ``hybridkv.sim.cluster``) behind each router, a closed loop of
@@ -85,8 +85,11 @@ def one(args: argparse.Namespace, task: tuple[str, str, str]) -> dict[str, Any]:
                             junction_weight=args.junction_weight,
                             explain=args.explain and not big)
     t = time.perf_counter()
-    s = simulate_cluster(w, cfg, cluster).summary
+    result = simulate_cluster(w, cfg, cluster)
+    s = result.summary
     s["wall_s"] = time.perf_counter() - t
+    if args.per_request:
+        s["per_request"] = result.requests  # replica, hit, predicted hit, arrival, TTFT, finish
     s["prompt_tokens"] = sum(r.prompt_len for r in w.requests)
     return s
 
@@ -167,7 +170,12 @@ def main() -> None:
     ap.add_argument("--explain", action="store_true", help="where reusable tokens were, per router")
     ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel processes")
     ap.add_argument("--json", default=None, help="write the summaries to this file")
+    ap.add_argument("--per-request", action="store_true",
+                    help="with --json: each request's replica, hit, predicted hit, arrival, TTFT and finish")
     args = ap.parse_args()
+    if args.per_request and not args.json:
+        print("--per-request needs --json FILE to write the records to", file=sys.stderr)
+        raise SystemExit(2)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if "trace" in names and not Path(args.trace).is_file():
         print(f"--trace {args.trace}: no such file", file=sys.stderr)
