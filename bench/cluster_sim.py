@@ -22,7 +22,7 @@ turn's prompt, its answer and a new user message, after a system prompt of ``--s
 tokens, each chat's own unless ``--shared-system-prompt``), turns of one chat in order.
 
 Prints per workload and tier setting: device and total (device + tier) prefix-hit rates, TTFT p50 /
-mean / p99, requests per replica, what decided the routing, wall time; and the targets (issue 26):
+mean / p99, requests per replica, what decided the routing, wall time; and the routing targets:
 ``hybrid_exact``'s total hit rate >= 1.5x ``round_robin``'s and >= every other router's, its TTFT p50
 <= every other router's, and >= 80% of the big replica's total hit rate (and where 1.5x round robin
 lies above the big replica's, that it is out of reach); for a trace, the share of its prompt tokens an
