@@ -2,7 +2,7 @@
 
     python bench/cluster_sim.py [--trace ../shared/traces/mooncake_synthetic_trace.jsonl] [--requests 3000]
         [--workloads trace,conversations] [--tiers none,host:256GiB] [--instances 8] [--concurrency 64]
-        [--routers hybrid_exact,prefix,least_loaded,round_robin] [--jobs 2] [--explain] [--json FILE [--per-request]]
+        [--routers hybrid_exact,prefix,least_loaded,round_robin] [--jobs N] [--explain] [--json FILE [--per-request]]
 
 ``--instances`` simulated replicas of ``--model`` on ``--gpu`` (each its own scheduler, device pool and,
 with a host tier, its own tier; ``hybridkv.sim.cluster``) behind each router, a closed loop of
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -199,7 +200,10 @@ def main() -> None:
     ap.add_argument("--miss-weight", type=float, default=ClusterConfig.miss_weight)
     ap.add_argument("--junction-weight", type=float, default=ClusterConfig.junction_weight)
     ap.add_argument("--explain", action="store_true", help="where reusable tokens were, per router")
-    ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel processes")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="simulations run in parallel processes (default: one more than the CPUs, at most one "
+                         "per simulation: the simulations differ in length, and a spare process keeps every CPU "
+                         "busy until the last ends)")
     ap.add_argument("--json", default=None, help="write the summaries to this file")
     ap.add_argument("--per-request", action="store_true",
                     help="with --json: each request's replica, hit, predicted hit, arrival, TTFT and finish")
@@ -215,7 +219,8 @@ def main() -> None:
     tier_settings = [t.strip() for t in args.tiers.split(",")]
     tasks = [(w, t, r) for w in names for t in tier_settings for r in routers]
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    jobs = args.jobs if args.jobs is not None else min(len(tasks), (os.cpu_count() or 1) + 1)
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         results = list(pool.map(one, [args] * len(tasks), tasks))
     wall = time.perf_counter() - t0
     by_task = dict(zip(tasks, results, strict=True))
@@ -231,7 +236,7 @@ def main() -> None:
             if s0.get("reuse_ceiling") is not None:
                 title += f"; an unbounded cache could serve {s0['reuse_ceiling']:.1%} of the prompt tokens"
             verdicts += report(rows, title, args.explain)
-    print(f"\n{len(tasks)} simulations in {wall:.0f} s ({args.jobs} processes)")
+    print(f"\n{len(tasks)} simulations in {wall:.0f} s ({jobs} processes)")
     if args.json:
         out = {f"{w} | {t} | {r}": s for (w, t, r), s in by_task.items()}
         Path(args.json).write_text(json.dumps({"results": out, "verdicts": verdicts}, indent=2) + "\n")
