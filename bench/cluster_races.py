@@ -7,7 +7,7 @@ their prefix was still running when they arrived (a race with its blocks' evicti
         [--a hybrid_exact] [--b prefix] [--tiers none]
 
 For each request with a device hit under exactly one of the routers ``--a`` and ``--b``: the
-earlier request sharing the most of its prompt's leading blocks (the latest of equals), and, under
+earlier request sharing the most of its prompt's leading tokens (the latest of equals), and, under
 the router that hit and the one that did not, whether that request was still running when this one
 arrived, and how long before it had ended. Prints one line per request and the counts.
 """
@@ -19,31 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from cluster_sim import DEFAULT_TRACE
-
-
-def sharers(trace: Path, n: int) -> list[tuple[int, int] | None]:
-    """Per request of the trace's first ``n``: (the latest earlier request sharing the most leading
-    blocks, how many), or None when it shares none (a trie over the hash ids)."""
-    out: list[tuple[int, int] | None] = []
-    trie: dict = {}
-    with trace.open() as f:
-        for i, line in enumerate(f):
-            if i >= n:
-                break
-            hashes = json.loads(line)["hash_ids"]
-            node, depth, last = trie, 0, None
-            for h in hashes:
-                if h not in node:
-                    break
-                node, depth = node[h], depth + 1
-                last = node["last"]
-            out.append((last, depth) if depth else None)
-            node = trie
-            for h in hashes:
-                node = node.setdefault(h, {})
-                node["last"] = i
-    return out
+from cluster_sim import DEFAULT_TRACE, earlier_shares
+from hybridkv.sim.mooncake import read_mooncake
 
 
 def main() -> None:
@@ -65,21 +42,21 @@ def main() -> None:
         print(f"--trace {args.trace}: no such file", file=sys.stderr)
         raise SystemExit(2)
     ids = sorted(runs[args.a], key=lambda k: int(k.rsplit("-", 1)[1]))
-    shared = sharers(Path(args.trace), len(ids))
+    shared = earlier_shares(read_mooncake(args.trace, limit=len(ids)))
     counts = {args.a: [0, 0], args.b: [0, 0]}
     for i, rid in enumerate(ids):
         hit = {r: runs[r][rid]["hit_tokens"] > 0 for r in runs}
-        if hit[args.a] == hit[args.b] or shared[i] is None:
+        j, tokens = shared[i]
+        if hit[args.a] == hit[args.b] or j is None:
             continue
         winner, loser = (args.a, args.b) if hit[args.a] else (args.b, args.a)
-        j, blocks = shared[i]
         prev = f"{rid.rsplit('-', 1)[0]}-{j}"
         running = {r: runs[r][prev]["finish_s"] > runs[r][rid]["arrival_s"] for r in runs}
         ended = runs[loser][rid]["arrival_s"] - runs[loser][prev]["finish_s"]
         counts[winner][0] += 1
         counts[winner][1] += running[winner]
-        print(f"{rid}: hit only under {winner} ({runs[winner][rid]['hit_tokens']:,} tokens); shares {blocks} "
-              f"blocks with {prev}, running at arrival under {winner}: {running[winner]}, under {loser}: "
+        print(f"{rid}: hit only under {winner} ({runs[winner][rid]['hit_tokens']:,} tokens); shares {tokens:,} "
+              f"leading tokens with {prev}, running at arrival under {winner}: {running[winner]}, under {loser}: "
               f"{running[loser]}" + ("" if running[loser] else f" (ended {ended:.1f} s before)"))
     for r, (n, running) in counts.items():
         print(f"hit only under {r}: {n} requests; the earlier request of the prefix still running in {running}")

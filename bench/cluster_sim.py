@@ -64,27 +64,35 @@ def workload(args: argparse.Namespace, name: str) -> Workload:
                            seed=args.seed)
 
 
-def reuse_ceiling(w: Workload) -> float:
-    """The share of ``w``'s prompt tokens an unbounded cache could serve from earlier prompts: each
-    request's longest run of leading segments an earlier request had (a trie over the segments'
-    content keys; answers a later prompt repeats are not counted)."""
+def earlier_shares(w: Workload) -> list[tuple[int | None, int]]:
+    """Per request of ``w``: the latest earlier request that shares the longest run of its leading
+    prompt segments, and how many tokens that run holds ((None, 0) when none does; a trie over the
+    segments' content keys, so answers a later prompt repeats are not seen)."""
     trie: dict[str, Any] = {}
-    reusable = total = 0
-    for r in w.requests:
-        node, matching = trie, True
+    out: list[tuple[int | None, int]] = []
+    for i, r in enumerate(w.requests):
+        node, matching, shared, last = trie, True, 0, None
         for key, n in r.segments:
-            total += n
             child = node.get(key)
             if matching and child is not None:
-                reusable += min(n, child["tokens"])
+                shared += min(n, child["tokens"])
+                last = child["last"]
                 matching = child["tokens"] >= n
             else:
                 matching = False
             if child is None:
                 child = node[key] = {"tokens": n, "next": {}}
             child["tokens"] = max(child["tokens"], n)
+            child["last"] = i
             node = child["next"]
-    return reusable / total if total else 0.0
+        out.append((last, shared))
+    return out
+
+
+def reuse_ceiling(w: Workload) -> float:
+    """The share of ``w``'s prompt tokens an unbounded cache could serve from earlier prompts."""
+    total = sum(r.prompt_len for r in w.requests)
+    return sum(n for _, n in earlier_shares(w)) / total if total else 0.0
 
 
 def system(args: argparse.Namespace, tiers: str, scale: int = 1) -> SimConfig:
@@ -117,8 +125,6 @@ def one(args: argparse.Namespace, task: tuple[str, str, str]) -> dict[str, Any]:
     if args.per_request:
         s["per_request"] = result.requests  # replica, hit, predicted hit, arrival, TTFT, finish
     s["prompt_tokens"] = sum(r.prompt_len for r in w.requests)
-    # A trace's answers are never part of a later prompt's blocks; a chat's are (not counted here).
-    s["reuse_ceiling"] = reuse_ceiling(w) if name == "trace" else None
     return s
 
 
@@ -226,6 +232,8 @@ def main() -> None:
     by_task = dict(zip(tasks, results, strict=True))
     verdicts = []
     for w in names:
+        # A chat's later prompts repeat its answers, which its segments do not show: traces only.
+        ceiling = reuse_ceiling(workload(args, w)) if w == "trace" else None
         for t in tier_settings:
             rows = {r: by_task[(w, t, r)] for r in routers}
             s0 = next(iter(rows.values()))
@@ -233,8 +241,8 @@ def main() -> None:
                      f"tokens, {args.instances} x {args.model} / {args.gpu} "
                      f"({rows[routers[0]]['kv_capacity_tokens']:,} KV tokens each), closed loop {args.concurrency}, "
                      f"tiers {t}")
-            if s0.get("reuse_ceiling") is not None:
-                title += f"; an unbounded cache could serve {s0['reuse_ceiling']:.1%} of the prompt tokens"
+            if ceiling is not None:
+                title += f"; an unbounded cache could serve {ceiling:.1%} of the prompt tokens"
             verdicts += report(rows, title, args.explain)
     print(f"\n{len(tasks)} simulations in {wall:.0f} s ({jobs} processes)")
     if args.json:
