@@ -26,6 +26,7 @@ from hybridkv.cluster import (
     BlockStoredEvent,
     ClusterIndex,
     HybridkvHashes,
+    RequestKeys,
     from_core_events,
     group_metadata,
     make_batch,
@@ -179,6 +180,29 @@ def test_a_cpu_tier_extends_the_device_hit_from_where_it_stops() -> None:
     index.apply_events("r", make_batch([BlockRemovedEvent((h[9],), MEDIUM_CPU, 1)]))
     p = index.lookup(prompt)["r"]
     assert (p.tokens, p.by_medium) == (144, ((MEDIUM_GPU, 64), (MEDIUM_CPU, 80)))
+
+
+def test_a_block_stored_twice_stays_until_removed_twice() -> None:
+    # Two copies of one hash (two sequences computed one prefix at once): the replica holds it until
+    # both are removed, in one event or two; a removal of a copy it never held is counted, not applied.
+    scheme = HybridkvHashes()
+    prompt = tokens(0, 64)
+    h = scheme.chain(prompt, 16, None)  # 4 full blocks
+    query = prompt + [7]  # all 4 can hit
+    index = ClusterIndex()
+    for name in ("a", "b"):
+        index.add_replica(name, scheme=scheme, layout=layout(10, full(16)))
+    index.apply_events("a", make_batch([_stored(h[:4], 0, MEDIUM_GPU), _stored(h[:2], 0, MEDIUM_GPU)]))
+    index.apply_events("b", make_batch([_stored(h[:4], 0, MEDIUM_GPU)]))
+    index.apply_events("a", make_batch([BlockRemovedEvent((h[0], h[3]), MEDIUM_GPU, 0)]))
+    assert {n: p.tokens for n, p in index.lookup(query).items()} == {"a": 48, "b": 64}
+    index.apply_events("a", make_batch([BlockRemovedEvent((h[1], h[1], h[0]), MEDIUM_GPU, 0)]))
+    assert {n: p.tokens for n, p in index.lookup(query).items()} == {"a": 0, "b": 64}
+    assert index.views["a"].unknown_removals == 0
+    index.apply_events("b", make_batch([BlockRemovedEvent((h[2], h[2]), MEDIUM_GPU, 0)]))
+    assert {n: p.tokens for n, p in index.lookup(query).items()} == {"a": 0, "b": 32}
+    assert index.views["b"].unknown_removals == 1
+    assert index.lookup_keys(RequestKeys(query)) == index.lookup_each(RequestKeys(query))
 
 
 def test_a_shared_medium_serves_every_replica() -> None:

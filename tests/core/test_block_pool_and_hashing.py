@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv import BlockHasher, BlockPool, BlockRemoved, BlockStored, InvalidInputError, Sequence
+from hybridkv.core.block_pool import FreeQueue
 from hybridkv.core.hashing import encode_extra_keys
 from hybridkv.core.retention import KeptBlocks
 
@@ -190,6 +191,44 @@ def test_bad_tokens_are_rejected_with_the_offending_value() -> None:
     with pytest.raises(InvalidInputError, match="'x'"):
         seq.append_token_ids(["x"])  # type: ignore[list-item]
     assert seq.num_tokens == 2  # nothing was appended
+
+
+class _TightQueue(FreeQueue):
+    slack = 2  # cut and rebuild after a handful of entries, so short examples reach both
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "add_run", "remove", "pop", "take_run"]), st.integers(0, 11),
+                          st.integers(1, 6)), max_size=80))
+def test_free_queue_keeps_the_order_of_an_ordered_set(ops: list[tuple[str, int, int]]) -> None:
+    # The pool's free queues append at the back, take from the front (one block or a run in one
+    # slice) and remove from anywhere (a hit on a free block); stale entries are skipped and the
+    # list is cut and rebuilt as it goes. The same operations on an insertion-ordered dict must
+    # give the same blocks in the same order.
+    from collections import OrderedDict
+
+    queue, model = _TightQueue(), OrderedDict[int, None]()
+    for op, b, n in ops:
+        if op == "add" and b not in model:
+            queue.append(b)
+            model[b] = None
+        elif op == "add_run":
+            run = [x for x in range(b, b + n) if x not in model]
+            queue.extend(run)
+            model.update(dict.fromkeys(run))
+        elif op == "remove" and b in model:
+            queue.remove(b)
+            del model[b]
+        elif op == "pop" and model:
+            assert queue.pop_front() == model.popitem(last=False)[0]
+        elif op == "take_run" and model:
+            run = queue.front(min(n, len(model)))
+            assert run == list(model)[:len(run)]
+            queue.drop_front(len(run))
+            for _ in run:
+                model.popitem(last=False)
+        queue.check_invariants("q")
+        assert len(queue) == len(model) and list(queue) == list(model)
 
 
 def _pool_state(pool: BlockPool) -> tuple[object, ...]:

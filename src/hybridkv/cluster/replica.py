@@ -52,6 +52,13 @@ def _key(h: bytes | int) -> bytes:
     return h if isinstance(h, bytes) else h.to_bytes(8, "big")
 
 
+def _keys(hashes: tuple[bytes | int, ...]) -> tuple[bytes, ...] | list[bytes]:
+    """The index keys of an event's hashes (the hashes themselves when all are digests, checked in C)."""
+    if type(hashes[0]) is bytes and len(set(map(type, hashes))) == 1:
+        return hashes  # type: ignore[return-value]
+    return [_key(h) for h in hashes]
+
+
 class RequestKeys:
     """A request's tokens and, computed once per scheme and block size, its block hashes: every
     replica's prediction for one request shares them."""
@@ -212,23 +219,21 @@ class ReplicaView:
         held = shared[medium] if medium in shared else self._own(medium)
         group = held.setdefault(group_idx, {})
         get = group.get
-        hashes = e.block_hashes
-        if type(hashes[0]) is bytes and group.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
-            # The common store: digests this view does not hold yet, in bulk (as the loops below would).
-            group.update(dict.fromkeys(hashes, 1))  # type: ignore[arg-type]
+        keys = _keys(e.block_hashes)
+        if group.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            # The common store: keys this view does not hold yet, in bulk (as the loops below would).
+            group.update(dict.fromkeys(keys, 1))
             if self.masks is not None and medium not in shared:
                 masks, shift = self.masks.group(medium, group_idx)
                 bit, holders = self.bit << shift, masks.get
-                masks.update({k: holders(k, 0) | bit for k in hashes})  # type: ignore[misc, arg-type]
+                masks.update({k: holders(k, 0) | bit for k in keys})
         elif self.masks is None or medium in shared:
-            for h in e.block_hashes:
-                k = h if type(h) is bytes else _key(h)
+            for k in keys:
                 group[k] = get(k, 0) + 1
         else:
             masks, shift = self.masks.group(medium, group_idx)
             bit, holders = self.bit << shift, masks.get
-            for h in e.block_hashes:
-                k = h if type(h) is bytes else _key(h)
+            for k in keys:
                 n = get(k, 0)
                 group[k] = n + 1
                 if not n:
@@ -274,14 +279,30 @@ class ReplicaView:
         if group is None:
             self.unknown_removals += len(e.block_hashes)
             return
-        get = group.get
-        unknown = 0
         masks, keep = None, -1
         if self.masks is not None and medium not in shared:
             masks, shift = self.masks.group(medium, e.group_idx or 0)
             keep = ~(self.bit << shift)
-        for h in e.block_hashes:
-            k = h if type(h) is bytes else _key(h)
+        if not e.block_hashes:
+            return
+        keys = _keys(e.block_hashes)
+        pop = group.pop
+        counts = [pop(k, 0) for k in keys]
+        if counts.count(1) == len(counts):  # the common removal: each the view's only copy
+            if masks is not None:
+                for k in keys:
+                    left = masks[k] & keep
+                    if left:
+                        masks[k] = left
+                    else:
+                        del masks[k]
+            return
+        for k, n in zip(keys, counts):  # put back what was popped, then one hash at a time
+            if n:
+                group[k] = n
+        get = group.get
+        unknown = 0
+        for k in keys:
             n = get(k, 0)
             if n > 1:
                 group[k] = n - 1

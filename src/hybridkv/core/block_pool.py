@@ -10,9 +10,8 @@ See docs/ARCHITECTURE.md, "The block pool and its free queues".
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
-from itertools import islice
 from typing import Protocol
 
 from hybridkv.core._util import gather
@@ -104,6 +103,117 @@ class KeptQueue(Protocol):
         ...
 
 
+class FreeQueue:
+    """Free cached blocks in the order they joined, oldest first: appending, taking from the front
+    (a run in one list slice) and removing from anywhere are O(1).
+
+    A removed block's entry stays in ``items`` and is skipped once it reaches the front. ``stale[b]``
+    counts ``b``'s entries that no longer stand for it (every entry but the newest while ``b`` is in
+    the queue, all of them once it left), so an entry whose block is not in ``stale`` is live, and
+    the front's first ``n`` entries are the first ``n`` blocks when none of them is in ``stale``.
+    Entries before ``head`` are gone; the list is cut once they are half of it, and rebuilt from the
+    live blocks once stale entries outnumber them (so a queue that is never taken from, whose blocks
+    leave and come back, stays as long as its blocks).
+    """
+
+    __slots__ = ("items", "head", "size", "stale", "num_stale")
+    slack = 1024
+    """Gone or stale entries the list may carry before it is cut or rebuilt."""
+
+    def __init__(self) -> None:
+        self.items: list[int] = []
+        self.head = 0
+        self.size = 0
+        """Blocks in the queue (live entries)."""
+        self.stale: dict[int, int] = {}
+        self.num_stale = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        """The blocks, oldest first."""
+        skip = dict(self.stale)
+        for b in self.items[self.head:]:
+            n = skip.get(b)
+            if n:
+                skip[b] = n - 1
+            else:
+                yield b
+
+    def append(self, block: int) -> None:
+        """``block`` (not in the queue) joins at the back."""
+        self.items.append(block)
+        self.size += 1
+
+    def extend(self, blocks: list[int]) -> None:
+        """``blocks`` (none in the queue, each once) join at the back in order."""
+        self.items += blocks
+        self.size += len(blocks)
+
+    def remove(self, block: int) -> None:
+        """``block`` (in the queue) leaves it."""
+        self.stale[block] = self.stale.get(block, 0) + 1
+        self.size -= 1
+        self.num_stale += 1
+        if self.num_stale > self.size + self.slack:
+            self.items = list(self)
+            self.head = 0
+            self.stale.clear()
+            self.num_stale = 0
+
+    def front(self, n: int) -> list[int]:
+        """The oldest blocks, at most ``n`` (``n <= len(self)``), up to the first stale entry: the
+        run ``drop_front`` can take in one slice (empty when the front entry is stale)."""
+        run = self.items[self.head:self.head + n]
+        stale = self.stale
+        if stale and not stale.keys().isdisjoint(run):
+            del run[next(i for i, b in enumerate(run) if b in stale):]
+        return run
+
+    def drop_front(self, n: int) -> None:
+        """Take the first ``n`` blocks ``front`` returned."""
+        self.head += n
+        self.size -= n
+        self._cut()
+
+    def pop_front(self) -> int:
+        """Take the oldest block (the queue is not empty)."""
+        items, stale = self.items, self.stale
+        while True:
+            b = items[self.head]
+            self.head += 1
+            n = stale.get(b) if stale else None
+            if not n:
+                break
+            if n == 1:
+                del stale[b]
+            else:
+                stale[b] = n - 1
+            self.num_stale -= 1
+        self.size -= 1
+        self._cut()
+        return b
+
+    def clear(self) -> None:
+        self.items = []
+        self.head = self.size = self.num_stale = 0
+        self.stale.clear()
+
+    def _cut(self) -> None:
+        if self.head > self.slack and 2 * self.head > len(self.items):
+            del self.items[:self.head]
+            self.head = 0
+
+    def check_invariants(self, name: str) -> None:
+        entries = len(self.items) - self.head
+        assert entries == self.size + self.num_stale, f"{name} queue: {entries} entries, {self.size} live + " \
+                                                        f"{self.num_stale} stale"
+        assert sum(self.stale.values()) == self.num_stale and all(self.stale.values()), f"{name} queue: stale counts"
+        live = list(self)
+        assert len(live) == len(set(live)) == self.size, f"{name} queue lists a block twice"
+
+
 # Hot loops below are plain ``for`` loops and comprehensions over lists of ints: on CPython 3.11+
 # they run specialised list bytecodes and beat ``map``/``compress`` chains of slot wrappers.
 
@@ -165,8 +275,8 @@ class BlockPool:
         self._dups: list[dict[bytes, list[int]]] = [{} for _ in range(num_groups)]
         self._uncached: list[int] = []
         self._next_fresh = 1
-        self._low: OrderedDict[int, None] = OrderedDict()
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._low = FreeQueue()
+        self._lru = FreeQueue()
         self.kept = kept_queue(self.ref_cnt) if kept_queue is not None else None
         self._events: list[KVCacheEvent] = []
         self.evictions = 0  # hashes dropped so far: a hit looked up at the same count is still valid
@@ -177,7 +287,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks a running sequence's allocation could take now (every free queue)."""
-        free = len(self._uncached) + (self.num_blocks - self._next_fresh) + len(self._low) + len(self._lru)
+        free = len(self._uncached) + (self.num_blocks - self._next_fresh) + self._low.size + self._lru.size
         return free + len(self.kept) if self.kept is not None else free
 
     @property
@@ -230,9 +340,9 @@ class BlockPool:
             for b in free:
                 t = queue[b]
                 if t == LRU:
-                    del self._lru[b]
+                    self._lru.remove(b)
                 elif t == LOW:
-                    del self._low[b]
+                    self._low.remove(b)
                 elif t == KEPT:
                     self.kept.take(b)  # type: ignore[union-attr]
                 elif t == HELD:  # listed twice
@@ -282,14 +392,16 @@ class BlockPool:
         bulk = True  # until a run is refused: then block by block for the rest of the call
         while len(out) < num_blocks:
             # ``low`` first: an evicted anchor releases its kept blocks into ``low``, and they go next.
-            queue = low if low else lru
-            if queue:
-                n = min(num_blocks - len(out), len(queue))
+            queue = low if low.size else lru
+            if queue.size:
+                n = min(num_blocks - len(out), queue.size)
                 if bulk and n > 1:
-                    if self._evict_run(queue, n, out):
-                        continue
-                    bulk = False
-                b = queue.popitem(last=False)[0]
+                    run = queue.front(n)
+                    if len(run) > 1:
+                        if self._evict_run(queue, run, out):
+                            continue
+                        bulk = False
+                b = queue.pop_front()
             else:
                 got = kept.pop(allow_reserved) if kept is not None and len(kept) else None
                 if got is None:
@@ -310,11 +422,11 @@ class BlockPool:
                 self.evictions += 1
             out.append(b)
 
-    def _evict_run(self, queue: OrderedDict[int, None], n: int, out: list[int]) -> bool:
-        """Evict the ``n`` oldest blocks of ``queue`` into ``out`` in one loop without per-block
-        checks, when each alone holds its hash and no kept block depends on any (what the per-block
-        path does for such blocks, in the same order). Returns False, changing nothing, otherwise."""
-        victims = list(islice(queue, n))
+    def _evict_run(self, queue: FreeQueue, victims: list[int], out: list[int]) -> bool:
+        """Evict ``victims``, the oldest blocks of ``queue``, into ``out`` in one loop without
+        per-block checks, when each alone holds its hash and no kept block depends on any (what the
+        per-block path does for such blocks, in the same order). Returns False, changing nothing,
+        otherwise."""
         depended_on = self.kept.depended_on if self.kept is not None else None
         if depended_on and any(map(depended_on.__contains__, victims)):
             return False
@@ -325,7 +437,6 @@ class BlockPool:
             victim_hashes = gather(hashes, victims)
             if any(not d.keys().isdisjoint(victim_hashes) for d in dups if d):
                 return False
-        pop = queue.popitem
         if self.enable_events:  # one event per run of one group's blocks, in eviction order
             events = self._events
             run_group, run = groups[victims[0]], [hashes[victims[0]]]
@@ -336,11 +447,11 @@ class BlockPool:
                     run_group, run = group, []
                 run.append(hashes[b])
             events.append(BlockRemoved(run_group, tuple(run)))  # type: ignore[arg-type]
+        queue.drop_front(len(victims))
         for b in victims:
-            pop(False)  # the victims are the queue's first n
             del index[groups[b]][hashes[b]]  # type: ignore[arg-type]
             hashes[b] = None
-        self.evictions += n
+        self.evictions += len(victims)
         out += victims
         return True
 
@@ -387,7 +498,7 @@ class BlockPool:
         if self.kept is not None:
             for w in self.kept.on_evicted(b):
                 self._queue[w] = LOW
-                self._low[w] = None
+                self._low.append(w)
 
     # ------------------------------------------------------------------ release references
     def free(self, block_ids: Iterable[int]) -> list[int]:
@@ -396,8 +507,9 @@ class BlockPool:
 
         Blocks reaching zero go to ``uncached`` without a hash, to the ``lru`` tail with one.
         """
-        ref, queue, hashes, lru, uncached = self.ref_cnt, self._queue, self.block_hash, self._lru, self._uncached
+        ref, queue, hashes, uncached = self.ref_cnt, self._queue, self.block_hash, self._uncached
         released: list[int] = []
+        cached: list[int] = []
         for b in block_ids:
             r = ref[b] - 1
             ref[b] = r
@@ -408,7 +520,8 @@ class BlockPool:
                     uncached.append(b)
                 else:
                     queue[b] = LRU
-                    lru[b] = None
+                    cached.append(b)
+        self._lru.extend(cached)
         # Null entries counted the null block down (never to zero: it starts at 0); reset it. A
         # block freed more often than referenced goes negative: check_invariants() reports it.
         ref[NULL_BLOCK] = 0
@@ -429,7 +542,7 @@ class BlockPool:
             for a in anchors:
                 for w in self.kept.on_evicted(a):
                     queue[w] = LOW
-                    low[w] = None
+                    low.append(w)
                     moved += 1
         return moved
 
@@ -438,11 +551,12 @@ class BlockPool:
         (which enters them into the queue's own structures) says so, else to the ``lru`` tail."""
         self._place_released(self._release(block_ids), LRU, self._lru, admit)
 
-    def _place_released(self, released: list[int], state: int, order: OrderedDict[int, None],
+    def _place_released(self, released: list[int], state: int, order: FreeQueue,
                         admit: Callable[[int], bool] | None = None) -> None:
         """Put blocks that reached zero in their queue: ``uncached`` without a hash, else the kept queue
         where ``admit(block)`` says so, else the tail of ``order`` (the queue ``state`` names)."""
         hashes, queue, uncached = self.block_hash, self._queue, self._uncached
+        cached: list[int] = []
         for b in released:
             if hashes[b] is None:
                 queue[b] = UNCACHED
@@ -451,7 +565,8 @@ class BlockPool:
                 queue[b] = KEPT
             else:
                 queue[b] = state
-                order[b] = None
+                cached.append(b)
+        order.extend(cached)
 
     def _release(self, block_ids: Iterable[int]) -> list[int]:
         """Drop one reference on each non-null block; return those that reached zero (told to the
@@ -481,9 +596,9 @@ class BlockPool:
             if b == NULL_BLOCK or t not in (LOW, LRU) or not admit(b):
                 continue
             if t == LOW:
-                del self._low[b]
+                self._low.remove(b)
             else:
-                del self._lru[b]
+                self._lru.remove(b)
             queue[b] = KEPT
             moved += 1
         return moved
@@ -577,6 +692,7 @@ class BlockPool:
         assert counts[FRESH] == n - self._next_fresh, "fresh counter disagrees with queue tags"
         assert counts[UNCACHED] == len(self._uncached) == len(set(self._uncached)), "uncached list"
         for name, tag, od in (("low", LOW, self._low), ("lru", LRU, self._lru)):
+            od.check_invariants(name)
             assert counts[tag] == len(od), f"{name} queue holds {len(od)}, tags say {counts[tag]}"
             for b in od:
                 assert queue[b] == tag, f"block {b} in {name} queue tagged {QUEUE_NAMES[queue[b]]}"
