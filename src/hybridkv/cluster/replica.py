@@ -7,7 +7,7 @@ are kept as 8 bytes, and the request's hashes are cut to their last 8 bytes to m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,17 @@ def media_order(media: list[str]) -> list[str]:
 
 def _key(h: bytes | int) -> bytes:
     return h if isinstance(h, bytes) else h.to_bytes(8, "big")
+
+
+def _drop_bit(masks: dict[bytes, int], keys: Iterable[bytes], keep: int) -> None:
+    """Clear a replica's bit (``keep`` is every other bit) from the masks of ``keys``; a mask left
+    empty goes."""
+    for k in keys:
+        left = masks[k] & keep
+        if left:
+            masks[k] = left
+        else:
+            del masks[k]
 
 
 def _keys(hashes: tuple[bytes | int, ...]) -> tuple[bytes, ...] | list[bytes]:
@@ -290,33 +301,24 @@ class ReplicaView:
         counts = [pop(k, 0) for k in keys]
         if counts.count(1) == len(counts):  # the common removal: each the view's only copy
             if masks is not None:
-                for k in keys:
-                    left = masks[k] & keep
-                    if left:
-                        masks[k] = left
-                    else:
-                        del masks[k]
+                _drop_bit(masks, keys, keep)
             return
         for k, n in zip(keys, counts):  # put back what was popped, then one hash at a time
             if n:
                 group[k] = n
         get = group.get
-        unknown = 0
+        gone: list[bytes] = []
         for k in keys:
             n = get(k, 0)
             if n > 1:
                 group[k] = n - 1
             elif n == 1:
                 del group[k]
-                if masks is not None:
-                    left = masks[k] & keep
-                    if left:
-                        masks[k] = left
-                    else:
-                        del masks[k]
+                gone.append(k)
             else:
-                unknown += 1
-        self.unknown_removals += unknown
+                self.unknown_removals += 1
+        if masks is not None:
+            _drop_bit(masks, gone, keep)
 
     def _check(self, e: BlockStoredEvent) -> None:
         """Recompute the event's first block with the scheme (its parent a digest or None: a 64-bit
@@ -343,13 +345,7 @@ class ReplicaView:
             for medium, held in self.media.items():
                 for g, group in held.items():
                     masks, shift = self.masks.group(medium, g)
-                    keep = ~(self.bit << shift)
-                    for k in group:
-                        left = masks[k] & keep
-                        if left:
-                            masks[k] = left
-                        else:
-                            del masks[k]
+                    _drop_bit(masks, group, ~(self.bit << shift))
         self.media.clear()
         self._order = []
         self._regroup()

@@ -196,6 +196,7 @@ class FreeQueue:
         return b
 
     def clear(self) -> None:
+        """Empty the queue."""
         self.items = []
         self.head = self.size = self.num_stale = 0
         self.stale.clear()
@@ -206,6 +207,7 @@ class FreeQueue:
             self.head = 0
 
     def check_invariants(self, name: str) -> None:
+        """Counts agree with the entries, and no block is in the queue twice (``name`` labels errors)."""
         entries = len(self.items) - self.head
         assert entries == self.size + self.num_stale, f"{name} queue: {entries} entries, {self.size} live + " \
                                                         f"{self.num_stale} stale"
