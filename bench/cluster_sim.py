@@ -244,7 +244,7 @@ def main() -> None:
             if ceiling is not None:
                 title += f"; an unbounded cache could serve {ceiling:.1%} of the prompt tokens"
             verdicts += report(rows, title, args.explain)
-    print(f"\n{len(tasks)} simulations in {wall:.0f} s ({jobs} processes)")
+    print(f"\n{len(tasks)} simulations in {wall:.0f} s ({jobs} process{'es' if jobs != 1 else ''})")
     if args.json:
         out = {f"{w} | {t} | {r}": s for (w, t, r), s in by_task.items()}
         Path(args.json).write_text(json.dumps({"results": out, "verdicts": verdicts}, indent=2) + "\n")
