@@ -4,7 +4,7 @@ their prefix was still running when they arrived (a race with its blocks' evicti
     python bench/cluster_sim.py --workloads trace --tiers none --routers hybrid_exact,prefix --no-big \\
         --json runs.json --per-request
     python bench/cluster_races.py runs.json [--trace ../shared/traces/mooncake_synthetic_trace.jsonl] \\
-        [--a hybrid_exact] [--b prefix] [--tiers none]
+        [--a hybrid_exact] [--b prefix] [--tiers none] [--workload trace]
 
 For each request with a device hit under exactly one of the routers ``--a`` and ``--b``: the
 earlier request sharing the most of its prompt's leading tokens (the latest of equals), and, under
@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from cluster_sim import DEFAULT_TRACE, earlier_shares
+from cluster_sim import DEFAULT_TRACE, earlier_shares, trace_skip
 from hybridkv.sim.mooncake import read_mooncake
 
 
@@ -30,19 +30,24 @@ def main() -> None:
     ap.add_argument("--a", default="hybrid_exact")
     ap.add_argument("--b", default="prefix")
     ap.add_argument("--tiers", default="none")
+    ap.add_argument("--workload", default="trace", help="trace or trace@N, as bench/cluster_sim.py ran it")
     args = ap.parse_args()
     try:
         results = json.loads(Path(args.runs).read_text())["results"]
-        runs = {r: results[f"trace | {args.tiers} | {r}"]["per_request"] for r in (args.a, args.b)}
+        runs = {r: results[f"{args.workload} | {args.tiers} | {r}"]["per_request"] for r in (args.a, args.b)}
     except (OSError, ValueError, KeyError) as e:
-        print(f"{args.runs}: no per-request records of trace | {args.tiers} | {args.a} and {args.b} "
+        print(f"{args.runs}: no per-request records of {args.workload} | {args.tiers} | {args.a} and {args.b} "
               f"(run bench/cluster_sim.py with --json and --per-request): {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if not Path(args.trace).is_file():
         print(f"--trace {args.trace}: no such file", file=sys.stderr)
         raise SystemExit(2)
     ids = sorted(runs[args.a], key=lambda k: int(k.rsplit("-", 1)[1]))
-    shared = earlier_shares(read_mooncake(args.trace, limit=len(ids)))
+    skip = trace_skip(args.workload)
+    if skip is None:
+        print(f"--workload {args.workload!r}: races are read for a trace (trace or trace@N)", file=sys.stderr)
+        raise SystemExit(2)
+    shared = earlier_shares(read_mooncake(args.trace, limit=len(ids), skip=skip))
     counts = {args.a: [0, 0], args.b: [0, 0]}
     for i, rid in enumerate(ids):
         hit = {r: runs[r][rid]["hit_tokens"] > 0 for r in runs}

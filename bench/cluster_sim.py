@@ -16,7 +16,9 @@ with a host tier, its own tier; ``hybridkv.sim.cluster``) behind each router, a 
 * ``one big replica``: the upper bound, one replica with ``--instances`` times the device pool and
   ``--instances`` times each tier (the same requests; its TTFT is one GPU's and not comparable).
 
-Workloads: ``trace``, the first ``--requests`` requests of a Mooncake trace in file order;
+Workloads: ``trace``, the first ``--requests`` requests of a Mooncake trace in file order
+(``trace@N``: the ``--requests`` after its first N, another window of the same trace;
+``--workloads trace,trace@500,trace@993`` compares the routers on three);
 ``conversations``, ``--conversations`` chats of ``--turns`` turns (each turn's prompt is the previous
 turn's prompt, its answer and a new user message, after a system prompt of ``--system-prompt-len``
 tokens, each chat's own unless ``--shared-system-prompt``), turns of one chat in order.
@@ -55,13 +57,24 @@ DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "trac
 
 
 def workload(args: argparse.Namespace, name: str) -> Workload:
-    if name == "trace":
-        return read_mooncake(args.trace, limit=args.requests, concurrency=args.concurrency)
+    skip = trace_skip(name)
+    if skip is not None:
+        return read_mooncake(args.trace, limit=args.requests, skip=skip, concurrency=args.concurrency)
     return multi_turn_chat(args.conversations, args.turns, system_prompt_len=args.system_prompt_len,
                            user_len=LengthDist(median=args.user_len, sigma=0.5, min_len=16),
                            max_new_tokens=LengthDist(median=args.output_len, sigma=0.5, min_len=8),
                            arrivals=ClosedLoop(args.concurrency), shared_system_prompt=args.shared_system_prompt,
                            seed=args.seed)
+
+
+def trace_skip(name: str) -> int | None:
+    """The trace requests a workload name skips (``trace``: 0, ``trace@N``: N); None for another workload."""
+    if name == "trace":
+        return 0
+    head, at, tail = name.partition("@")
+    if head == "trace" and at and tail.isdigit():
+        return int(tail)
+    return None
 
 
 def earlier_shares(w: Workload) -> list[tuple[int | None, int]]:
@@ -218,7 +231,12 @@ def main() -> None:
         print("--per-request needs --json FILE to write the records to", file=sys.stderr)
         raise SystemExit(2)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if "trace" in names and not Path(args.trace).is_file():
+    unknown = [w for w in names if w != "conversations" and trace_skip(w) is None]
+    if unknown:
+        print(f"--workloads: unknown workload {unknown[0]!r}; choose trace, trace@N (the trace after its "
+              f"first N requests) or conversations", file=sys.stderr)
+        raise SystemExit(2)
+    if any(trace_skip(w) is not None for w in names) and not Path(args.trace).is_file():
         print(f"--trace {args.trace}: no such file", file=sys.stderr)
         raise SystemExit(2)
     routers = [r.strip() for r in args.routers.split(",")] + ([] if args.no_big else [BIG])
@@ -233,7 +251,7 @@ def main() -> None:
     verdicts = []
     for w in names:
         # A chat's later prompts repeat its answers, which its segments do not show: traces only.
-        ceiling = reuse_ceiling(workload(args, w)) if w == "trace" else None
+        ceiling = reuse_ceiling(workload(args, w)) if trace_skip(w) is not None else None
         for t in tier_settings:
             rows = {r: by_task[(w, t, r)] for r in routers}
             s0 = next(iter(rows.values()))

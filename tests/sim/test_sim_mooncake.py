@@ -40,6 +40,20 @@ def test_a_closed_loop_ignores_the_timestamps_and_limit_keeps_the_first_requests
     assert [r.prompt_len for r in w.requests] == [2752, 33, 2725]
 
 
+def test_skip_starts_the_window_later_and_counts_its_arrivals_from_its_first_request() -> None:
+    whole = read_mooncake(EXCERPT).requests
+    window = read_mooncake(EXCERPT, skip=2, limit=3).requests
+    assert [r.segments for r in window] == [r.segments for r in whole[2:5]]
+    assert [r.request_id for r in window] == ["mooncake-0", "mooncake-1", "mooncake-2"]
+    start = whole[2].arrival_time
+    assert [r.arrival_time for r in window] == pytest.approx([r.arrival_time - start for r in whole[2:5]])
+    assert {r.arrival_time for r in read_mooncake(EXCERPT, skip=2, concurrency=2).requests} == {0.0}
+    with pytest.raises(InvalidInputError, match="no requests after the first 8"):
+        read_mooncake(EXCERPT, skip=8)
+    with pytest.raises(InvalidInputError, match="skip must be a whole number"):
+        read_mooncake(EXCERPT, skip=-1)
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1]}', "1 hash_ids for input_length 1000"),
     ('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1], "text": "x"}', "unknown field 'text'"),

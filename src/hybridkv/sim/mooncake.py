@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from hybridkv.errors import InvalidInputError
@@ -62,22 +63,30 @@ def _request(obj: object, index: int, where: str, block_size: int, time_scale: f
 
 
 def read_mooncake(path: str | os.PathLike[str], *, time_scale: float = 1.0, concurrency: int | None = None,
-                  limit: int | None = None, block_size: int = MOONCAKE_BLOCK_SIZE) -> Workload:
+                  limit: int | None = None, skip: int = 0, block_size: int = MOONCAKE_BLOCK_SIZE) -> Workload:
     """The workload of a Mooncake trace file (gzip when the name ends with '.gz'): its first ``limit``
-    requests (all by default), open loop at ``time_scale`` times the logged arrivals, or a closed loop
-    of ``concurrency`` requests in flight. Errors name ``path:line`` and the field."""
+    requests (all by default) after the first ``skip`` in file order, open loop at ``time_scale`` times
+    the logged arrivals (counted from the first request read), or a closed loop of ``concurrency``
+    requests in flight. Requests are named by their place among those read (``mooncake-0`` first).
+    Errors name ``path:line`` and the field."""
     if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
         raise InvalidInputError(f"concurrency must be a positive integer, got {concurrency!r}")
     if not isinstance(time_scale, (int, float)) or not math.isfinite(time_scale) or time_scale <= 0:
         raise InvalidInputError(f"time_scale must be a positive number, got {time_scale!r}")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise InvalidInputError(f"limit must be a positive integer, got {limit!r}")
+    if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
+        raise InvalidInputError(f"skip must be a whole number of requests >= 0, got {skip!r}")
     p = os.fspath(path)
     scale = None if concurrency is not None else float(time_scale)
     requests: list[SimRequest] = []
+    skipped = 0
     for lineno, text in numbered_lines(p):
         if limit is not None and len(requests) >= limit:
             break
+        if skipped < skip:
+            skipped += 1
+            continue
         where = f"{p}:{lineno}"
         try:
             obj = json.loads(text)
@@ -85,7 +94,11 @@ def read_mooncake(path: str | os.PathLike[str], *, time_scale: float = 1.0, conc
             raise InvalidInputError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
         requests.append(_request(obj, len(requests), where, block_size, scale))
     if not requests:
-        raise InvalidInputError(f"{p}: no requests in the file")
+        raise InvalidInputError(f"{p}: no requests in the file" if not skipped else
+                                f"{p}: no requests after the first {skipped:,} (skip={skip:,})")
     requests.sort(key=lambda r: r.arrival_time)  # stable: the file order breaks ties
+    if skipped and scale is not None:
+        start = requests[0].arrival_time
+        requests = [replace(r, arrival_time=r.arrival_time - start) for r in requests]
     name = Path(p).name.removesuffix(".gz").removesuffix(".jsonl")
     return Workload(requests, concurrency, name, 0.0, content_block_size=block_size)
