@@ -32,6 +32,10 @@ def main() -> None:
     ap.add_argument("--tiers", default="none")
     ap.add_argument("--workload", default="trace", help="trace or trace@N, as bench/cluster_sim.py ran it")
     args = ap.parse_args()
+    skip = trace_skip(args.workload)
+    if skip is None:
+        print(f"--workload {args.workload!r}: races are read for a trace (trace or trace@N)", file=sys.stderr)
+        raise SystemExit(2)
     try:
         results = json.loads(Path(args.runs).read_text())["results"]
         runs = {r: results[f"{args.workload} | {args.tiers} | {r}"]["per_request"] for r in (args.a, args.b)}
@@ -43,10 +47,6 @@ def main() -> None:
         print(f"--trace {args.trace}: no such file", file=sys.stderr)
         raise SystemExit(2)
     ids = sorted(runs[args.a], key=lambda k: int(k.rsplit("-", 1)[1]))
-    skip = trace_skip(args.workload)
-    if skip is None:
-        print(f"--workload {args.workload!r}: races are read for a trace (trace or trace@N)", file=sys.stderr)
-        raise SystemExit(2)
     shared = earlier_shares(read_mooncake(args.trace, limit=len(ids), skip=skip))
     counts = {args.a: [0, 0], args.b: [0, 0]}
     for i, rid in enumerate(ids):

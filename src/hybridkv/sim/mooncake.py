@@ -9,6 +9,7 @@ import json
 import math
 import os
 from dataclasses import replace
+from itertools import islice
 from pathlib import Path
 
 from hybridkv.errors import InvalidInputError
@@ -80,13 +81,9 @@ def read_mooncake(path: str | os.PathLike[str], *, time_scale: float = 1.0, conc
     p = os.fspath(path)
     scale = None if concurrency is not None else float(time_scale)
     requests: list[SimRequest] = []
-    skipped = 0
-    for lineno, text in numbered_lines(p):
+    for lineno, text in islice(numbered_lines(p), skip, None):
         if limit is not None and len(requests) >= limit:
             break
-        if skipped < skip:
-            skipped += 1
-            continue
         where = f"{p}:{lineno}"
         try:
             obj = json.loads(text)
@@ -94,10 +91,10 @@ def read_mooncake(path: str | os.PathLike[str], *, time_scale: float = 1.0, conc
             raise InvalidInputError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
         requests.append(_request(obj, len(requests), where, block_size, scale))
     if not requests:
-        raise InvalidInputError(f"{p}: no requests in the file" if not skipped else
-                                f"{p}: no requests after the first {skipped:,} (skip={skip:,})")
+        raise InvalidInputError(f"{p}: no requests after the first {skip:,}" if skip
+                                else f"{p}: no requests in the file")
     requests.sort(key=lambda r: r.arrival_time)  # stable: the file order breaks ties
-    if skipped and scale is not None:
+    if skip and scale is not None:
         start = requests[0].arrival_time
         requests = [replace(r, arrival_time=r.arrival_time - start) for r in requests]
     name = Path(p).name.removesuffix(".gz").removesuffix(".jsonl")
