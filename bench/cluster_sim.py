@@ -14,7 +14,12 @@ with a host tier, its own tier; ``hybridkv.sim.cluster``) behind each router, a 
 * ``prefix``: hit of the full-attention chain against queue length (what deployed routers do);
 * ``least_loaded``; ``round_robin``;
 * ``one big replica``: the upper bound, one replica with ``--instances`` times the device pool and
-  ``--instances`` times each tier (the same requests; its TTFT is one GPU's and not comparable).
+  ``--instances`` times each tier (the same requests; its TTFT is one GPU's and not comparable);
+* ``one pooled replica``: the cluster's hardware as one replica: ``--instances`` times the pool and the
+  tiers (capacity and bandwidth), tensor parallel over ``--instances`` GPUs and ``--instances`` times
+  the step's token budget, so it serves the requests in about the cluster's time. The big replica
+  has one GPU's compute and takes about six times as long; the pooled one shows what one pool gains
+  at the cluster's speed (docs/CLUSTER.md, "The two upper bounds"). ``--no-big`` skips both.
 
 Workloads: ``trace``, the first ``--requests`` requests of a Mooncake trace in file order
 (``trace@N``: the ``--requests`` after its first N, another window of the same trace;
@@ -27,7 +32,8 @@ Prints per workload and tier setting: device and total (device + tier) prefix-hi
 mean / p99, requests per replica, what decided the routing, wall time; and the routing targets:
 ``hybrid_exact``'s total hit rate >= 1.5x ``round_robin``'s and >= every other router's, its TTFT p50
 <= every other router's, and >= 80% of the big replica's total hit rate (and where 1.5x round robin
-lies above the big replica's, that it is out of reach); for a trace, the share of its prompt tokens an
+lies above the big replica's, that it is out of reach), and, for reference, its share of the pooled
+replica's; for a trace, the share of its prompt tokens an
 unbounded cache could serve from earlier prompts. ``--explain`` adds, per router,
 where each request's reusable tokens were and what sent it elsewhere.
 """
@@ -46,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.core import capacity_report
+from hybridkv.errors import InvalidInputError
 from hybridkv.sim.cluster import OUTCOMES, ROUTERS, ClusterConfig, simulate_cluster
 from hybridkv.sim.mooncake import read_mooncake
 from hybridkv.sim.simulator import SimConfig, build_manager
@@ -53,6 +60,8 @@ from hybridkv.sim.tiers import TierSpec, parse_tiers
 from hybridkv.sim.workloads import ClosedLoop, LengthDist, Workload, multi_turn_chat
 
 BIG = "one big replica"
+POOLED = "one pooled replica"
+BOUNDS = (BIG, POOLED)
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
@@ -108,8 +117,9 @@ def reuse_ceiling(w: Workload) -> float:
     return sum(n for _, n in earlier_shares(w)) / total if total else 0.0
 
 
-def system(args: argparse.Namespace, tiers: str, scale: int = 1) -> SimConfig:
-    """The simulated replica; ``scale`` times its device pool and tiers for the big one."""
+def system(args: argparse.Namespace, tiers: str, scale: int = 1, *, pooled: bool = False) -> SimConfig:
+    """The simulated replica; ``scale`` times its device pool and tiers for the big one, and with
+    ``pooled`` ``scale`` times its compute (tensor parallel), step token budget and tier bandwidth too."""
     specs = parse_tiers(tiers)
     cfg = SimConfig(model=args.model, gpu=args.gpu, tiers=specs)
     if scale == 1:
@@ -118,15 +128,20 @@ def system(args: argparse.Namespace, tiers: str, scale: int = 1) -> SimConfig:
     layout = planned.layout
     tokens = capacity_report(layout, max_model_len=planned.max_model_len,
                              max_num_batched_tokens=planned.max_num_batched_tokens).token_capacity
-    big = tuple(TierSpec(s.kind, s.capacity_bytes * scale, s.bandwidth, s.latency_s) for s in specs)
-    return replace(cfg, kv_cache_tokens=tokens * scale, tiers=big)
+    link = scale if pooled else 1
+    big = tuple(TierSpec(s.kind, s.capacity_bytes * scale, s.bandwidth * link, s.latency_s) for s in specs)
+    cfg = replace(cfg, kv_cache_tokens=tokens * scale, tiers=big)
+    if pooled:
+        cfg = replace(cfg, tensor_parallel_size=cfg.tensor_parallel_size * scale,
+                      max_num_batched_tokens=cfg.max_num_batched_tokens * scale, max_num_seqs=cfg.max_num_seqs * scale)
+    return cfg
 
 
 def one(args: argparse.Namespace, task: tuple[str, str, str]) -> dict[str, Any]:
     name, tiers, router = task
     w = workload(args, name)
-    big = router == BIG
-    cfg = system(args, tiers, args.instances if big else 1)
+    big = router in BOUNDS
+    cfg = system(args, tiers, args.instances if big else 1, pooled=router == POOLED)
     cluster = ClusterConfig(instances=1 if big else args.instances, router="round_robin" if big else router,
                             balance=args.balance, slack=args.slack, miss_weight=args.miss_weight,
                             junction_weight=args.junction_weight,
@@ -147,12 +162,12 @@ def check(label: str, ok: bool) -> str:
 
 def report(rows: dict[str, dict[str, Any]], title: str, explain: bool) -> list[str]:
     print(f"\n{title}")
-    print(f"{'router':16s} {'device hit':>10s} {'total hit':>9s} {'TTFT p50':>8s} {'mean':>7s} {'p99':>7s} "
+    print(f"{'router':18s} {'device hit':>10s} {'total hit':>9s} {'TTFT p50':>8s} {'mean':>7s} {'p99':>7s} "
           f"{'per replica':>11s} {'wall':>6s}  decided by")
     for router, s in rows.items():
         routed = list(s["routed"].values())
-        decided = ", ".join(f"{k} {v}" for k, v in sorted(s["decisions"].items())) if router != BIG else "-"
-        print(f"{router:16s} {s['prefix_hit_rate']:10.1%} {s['total_hit_rate']:9.1%} {s['ttft_p50_s']:7.2f}s "
+        decided = ", ".join(f"{k} {v}" for k, v in sorted(s["decisions"].items())) if router not in BOUNDS else "-"
+        print(f"{router:18s} {s['prefix_hit_rate']:10.1%} {s['total_hit_rate']:9.1%} {s['ttft_p50_s']:7.2f}s "
               f"{s['ttft_mean_s']:6.2f}s {s['ttft_p99_s']:6.2f}s {min(routed):>5d}-{max(routed):<5d} "
               f"{s['wall_s']:5.0f}s  {decided}")
     if explain:
@@ -160,12 +175,12 @@ def report(rows: dict[str, dict[str, Any]], title: str, explain: bool) -> list[s
         for router, s in rows.items():
             b = s.get("routing_breakdown")
             if b:
-                print(f"  {router:14s} " + "; ".join(f"{o} {b[o]['requests']} ({b[o]['reusable_tokens'] / 1e6:.2f}M)"
+                print(f"  {router:16s} " + "; ".join(f"{o} {b[o]['requests']} ({b[o]['reusable_tokens'] / 1e6:.2f}M)"
                                                      for o in OUTCOMES))
     verdicts = []
     he = rows.get("hybrid_exact")
     if he is not None:
-        others = {r: s for r, s in rows.items() if r not in ("hybrid_exact", BIG)}
+        others = {r: s for r, s in rows.items() if r != "hybrid_exact" and r not in BOUNDS}
         total = he["total_hit_rate"]
         if "round_robin" in rows:
             rr = rows["round_robin"]["total_hit_rate"]
@@ -188,6 +203,11 @@ def report(rows: dict[str, dict[str, Any]], title: str, explain: bool) -> list[s
             share = total / bound if bound else math.inf
             verdicts.append(check(f"hybrid_exact at {share:.0%} of the big replica's {bound:.1%} (>= 80%)",
                                   share >= 0.8))
+        if POOLED in rows:
+            pooled = rows[POOLED]["total_hit_rate"]
+            share = f"{total / pooled:.0%}" if pooled else "all"
+            verdicts.append(f"for reference: hybrid_exact at {share} of the pooled replica's {pooled:.1%} "
+                            f"(one pool at the cluster's speed)")
     for v in verdicts:
         print("  " + v)
     return [f"{title}: {v}" for v in verdicts]
@@ -213,7 +233,7 @@ def main() -> None:
     ap.add_argument("--model", default="gemma-3-27b")
     ap.add_argument("--gpu", default="h100-80gb")
     ap.add_argument("--routers", default=",".join(ROUTERS))
-    ap.add_argument("--no-big", action="store_true", help="skip the big replica")
+    ap.add_argument("--no-big", action="store_true", help="skip the big and the pooled replica")
     ap.add_argument("--balance", type=float, default=ClusterConfig.balance)
     ap.add_argument("--slack", type=int, default=ClusterConfig.slack)
     ap.add_argument("--miss-weight", type=float, default=ClusterConfig.miss_weight)
@@ -240,6 +260,12 @@ def main() -> None:
         print(f"--trace {args.trace}: no such file", file=sys.stderr)
         raise SystemExit(2)
     routers = [r.strip() for r in args.routers.split(",")] + ([] if args.no_big else [BIG])
+    if not args.no_big:
+        try:
+            build_manager(system(args, "none", args.instances, pooled=True))
+            routers.append(POOLED)
+        except InvalidInputError as e:  # e.g. the model's heads do not split over --instances GPUs
+            print(f"no pooled replica: {e}", file=sys.stderr)
     tier_settings = [t.strip() for t in args.tiers.split(",")]
     tasks = [(w, t, r) for w in names for t in tier_settings for r in routers]
     t0 = time.perf_counter()
