@@ -205,8 +205,8 @@ def report(rows: dict[str, dict[str, Any]], title: str, explain: bool) -> list[s
                                   share >= 0.8))
         if POOLED in rows:
             pooled = rows[POOLED]["total_hit_rate"]
-            share = f"{total / pooled:.0%}" if pooled else "all"
-            verdicts.append(f"for reference: hybrid_exact at {share} of the pooled replica's {pooled:.1%} "
+            part = f"{total / pooled:.0%}" if pooled else "all"
+            verdicts.append(f"for reference: hybrid_exact at {part} of the pooled replica's {pooled:.1%} "
                             f"(one pool at the cluster's speed)")
     for v in verdicts:
         print("  " + v)
