@@ -140,12 +140,12 @@ def system(args: argparse.Namespace, tiers: str, scale: int = 1, *, pooled: bool
 def one(args: argparse.Namespace, task: tuple[str, str, str]) -> dict[str, Any]:
     name, tiers, router = task
     w = workload(args, name)
-    big = router in BOUNDS
-    cfg = system(args, tiers, args.instances if big else 1, pooled=router == POOLED)
-    cluster = ClusterConfig(instances=1 if big else args.instances, router="round_robin" if big else router,
+    bound = router in BOUNDS
+    cfg = system(args, tiers, args.instances if bound else 1, pooled=router == POOLED)
+    cluster = ClusterConfig(instances=1 if bound else args.instances, router="round_robin" if bound else router,
                             balance=args.balance, slack=args.slack, miss_weight=args.miss_weight,
                             junction_weight=args.junction_weight,
-                            explain=args.explain and not big)
+                            explain=args.explain and not bound)
     t = time.perf_counter()
     result = simulate_cluster(w, cfg, cluster)
     s = result.summary
