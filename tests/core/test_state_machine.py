@@ -218,7 +218,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.history: list[tuple[list[int], str | None]] = []
         self.next_id = 0
         self.expected_stats = {"admissions": 0, "queried_tokens": 0, "hit_tokens": 0, "external_tokens": 0,
-                               "allocation_failures": 0}
+                               "allocation_failures": 0, "readmissions": 0, "readmitted_queried_tokens": 0,
+                               "readmitted_hit_tokens": 0, "readmitted_external_tokens": 0}
+        self.marked: set[str] = set()  # freed with preempted=True and not admitted or freed since
 
     # ------------------------------------------------------------------ setup
     @initialize(cfg=manager_cfgs(),
@@ -560,7 +562,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             seq.num_computed_tokens = computed if loaded else 0
             self._count_admission(seq, n_hit, ext)
             self.running[sid] = seq
-            self._release(sid, by_id=False)
+            self._release(sid, by_id=False, preempted=data.draw(st.booleans(), label="freed as preempted"))
             seq.num_computed_tokens = 0
             self.waiting[sid] = seq
             if not ext:  # (external tokens move a window past hit blocks it then need not adopt)
@@ -573,10 +575,20 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self._count_admission(seq, n_hit, ext)
 
     def _count_admission(self, seq: Sequence, n_hit: int, ext: int) -> None:
-        for key, value in (("admissions", 1), ("queried_tokens", seq.num_tokens), ("hit_tokens", n_hit),
-                           ("external_tokens", ext)):
+        counts = [("admissions", 1), ("queried_tokens", seq.num_tokens), ("hit_tokens", n_hit),
+                  ("external_tokens", ext)]
+        if seq.seq_id in self.marked:  # a re-admission after a preemption counts in both
+            self.marked.discard(seq.seq_id)
+            counts += [("readmissions", 1), ("readmitted_queried_tokens", seq.num_tokens),
+                       ("readmitted_hit_tokens", n_hit), ("readmitted_external_tokens", ext)]
+        for key, value in counts:
             self.expected_stats[key] += value
         self._check_stats()
+        assert self.mgr is not None
+        st_ = self.mgr.stats
+        first = st_.queried_tokens - st_.readmitted_queried_tokens
+        expected = (st_.hit_tokens - st_.readmitted_hit_tokens) / first if first else 0.0
+        assert st_.first_admission_hit_rate == expected
 
     def _step(self, seq: Sequence, n: int, lookahead: int, abort: bool = False) -> None:
         """allocate(seq, n) for a running sequence and check it against the model; with ``abort``,
@@ -747,7 +759,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self._record_contents(seq, tables, (), seq.num_computed_tokens, 0,
                               list(range(known + 1, seq.num_computed_tokens)))
 
-    def _release(self, sid: str, by_id: bool) -> Sequence:
+    def _release(self, sid: str, by_id: bool, preempted: bool = False) -> Sequence:
         mgr = self.mgr
         assert mgr is not None
         seq = self.running.pop(sid)
@@ -757,7 +769,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         own = mgr.block_table(sid)
         others = self._tables()
         free_before = mgr.num_free_blocks
-        mgr.free(sid if by_id else seq)
+        mgr.free(sid if by_id else seq, preempted=preempted)
+        (self.marked.add if preempted else self.marked.discard)(sid)
         with pytest.raises(UnknownSequenceError):
             mgr.block_table(sid)
         assert self._tables() == others, "freeing a sequence changed another one's table"
@@ -766,7 +779,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             assert self.pool.ref_cnt[b] == ref_before[b] - 1, f"block {b} not released"
         assert mgr.num_free_blocks == free_before + sum(1 for b in blocks if ref_before[b] == 1)
         state = pool_state(self.pool)
-        mgr.free(seq)  # idempotent
+        mgr.free(seq, preempted=preempted)  # idempotent (the latest free says whether it comes back)
         assert pool_state(self.pool) == state, "a second free changed the pool"
         return seq
 
@@ -778,9 +791,18 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     def preempt(self, data: st.DataObject) -> None:
         """Free the sequence and reset its progress; it is re-admitted later with a fresh lookup."""
         sid = data.draw(st.sampled_from(sorted(self.running)), label="sequence")
-        seq = self._release(sid, by_id=False)
+        seq = self._release(sid, by_id=False, preempted=data.draw(st.booleans(), label="freed as preempted"))
         seq.num_computed_tokens = 0
         self.waiting[sid] = seq
+
+    def drop_waiting(self, data: st.DataObject) -> None:
+        """A waiting sequence is dropped (aborted, rejected): freed again, so it is not re-admitted."""
+        sid = data.draw(st.sampled_from(sorted(self.waiting)), label="waiting")
+        state = pool_state(self.pool)
+        assert self.mgr is not None
+        self.mgr.free(self.waiting.pop(sid))
+        self.marked.discard(sid)
+        assert pool_state(self.pool) == state, "freeing a sequence that holds no blocks changed the pool"
 
     def reset_prefix_cache(self, data: st.DataObject) -> None:
         mgr = self.mgr
@@ -808,6 +830,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             actions += ["decode"] * 4 + ["speculate"] * 3
         if self.running:
             actions += ["finish", "preempt"]
+        if self.waiting:
+            actions.append("drop_waiting")
         getattr(self, data.draw(st.sampled_from(actions), label="action"))(data)
 
     # ------------------------------------------------------------------ invariants

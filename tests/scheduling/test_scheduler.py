@@ -116,6 +116,10 @@ def test_preemption_frees_the_newest_and_recomputes_with_prefix_hits() -> None:
     assert b.num_preemptions >= 1 and a.num_preemptions == 0
     assert b.num_hit_tokens > 0  # re-admitted with its computed prefix from the cache
     assert mgr.stats.hit_tokens >= b.num_hit_tokens
+    # That hit is the victim's own blocks found again: counted, and left out of the first admissions' rate.
+    st = mgr.stats
+    assert st.readmissions == b.num_preemptions and st.readmitted_hit_tokens == st.hit_tokens > 0
+    assert st.first_admission_hit_rate == 0.0 < st.hit_rate
 
 
 def test_guaranteed_no_preemption_never_preempts() -> None:
@@ -222,6 +226,25 @@ def test_forced_preempt_between_steps_requeues_at_the_front_and_recomputes() -> 
     out = sched.schedule()
     assert out.num_scheduled_tokens["a"] == 101 - a.num_hit_tokens  # prompt + its first output token
     assert a.num_hit_tokens == 96  # the cached full blocks of its prompt (never the last token)
+    st = mgr.stats
+    assert (st.admissions, st.readmissions, st.readmitted_hit_tokens, st.readmitted_queried_tokens) == (3, 1, 96, 101)
     sched.update(out, {"a": [7], "b": [7]})
     drive(sched)
     assert a.status is b.status is Status.FINISHED and len(a.seq.token_ids) == 110
+
+
+def test_a_victim_that_never_returns_leaves_no_readmission_mark() -> None:
+    """A preempted request aborted while it waits is freed again: a later request that reuses its id
+    is a first admission."""
+    mgr = manager(100, full(16), max_model_len=512, batch=512)
+    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=512))
+    sched.add(Sequence("a", tokens(0, 100)), 10)
+    sched.update(sched.schedule(), {"a": [7]})
+    assert sched.preempt("a")
+    sched.abort("a")
+    sched.forget("a")
+    again = sched.add(Sequence("a", tokens(0, 100)), 10)
+    drive(sched)
+    st = mgr.stats
+    assert again.status is Status.FINISHED and again.num_hit_tokens == 96
+    assert (st.admissions, st.readmissions) == (2, 0) and st.first_admission_hit_rate == st.hit_rate > 0

@@ -23,6 +23,9 @@ from hybridkv.core.retention import RetentionPolicy, make_policy
 from hybridkv.core.sequence import KVSequence, is_kv_sequence
 from hybridkv.errors import InvalidInputError, SequenceTooLongError, UnknownSequenceError
 
+MAX_PREEMPTED_MARKS = 1 << 16
+"""The most preempted sequences awaiting re-admission the manager remembers (the oldest go first)."""
+
 
 @dataclass
 class KVCacheStats:
@@ -41,11 +44,28 @@ class KVCacheStats:
     serve, by cause (``hybridkv.core.hits.LOSS_CAUSES``): what a hybrid layout lost against a
     cache of full attention only."""
     retention: dict[str, int] = field(default_factory=dict)
+    readmissions: int = 0
+    """Admissions of sequences freed with ``preempted=True`` (also counted in ``admissions``)."""
+    readmitted_queried_tokens: int = 0
+    """Their tokens (also counted in ``queried_tokens``)."""
+    readmitted_hit_tokens: int = 0
+    """Their tokens served from the local prefix cache (also counted in ``hit_tokens``): mostly the
+    victim's own blocks found again, not reuse between requests."""
+    readmitted_external_tokens: int = 0
+    """Their tokens an external tier supplied (also counted in ``external_tokens``)."""
 
     @property
     def hit_rate(self) -> float:
         """``hit_tokens / queried_tokens`` (0 before any admission)."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    @property
+    def first_admission_hit_rate(self) -> float:
+        """The hit rate of first admissions alone, re-admissions after a preemption left out (vLLM's
+        ``prefix_cache_hits / prefix_cache_queries``, which counts a preempted request's lookups
+        apart): the prefix reuse between requests (0 before any first admission)."""
+        queried = self.queried_tokens - self.readmitted_queried_tokens
+        return (self.hit_tokens - self.readmitted_hit_tokens) / queried if queried else 0.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +187,8 @@ class KVCacheManager:
         self._start_bookkeeping()
         self._no_new_blocks = _empty_lists(len(self.groups))
         self._stats = KVCacheStats()
+        self._preempted: dict[str, None] = {}
+        """The ids of sequences freed as preempted, in order, until their next admission or free."""
         self._token = object()  # the identity hits found here carry
         self.pool.remember_evictions(g.group for g in self._deferred)
 
@@ -626,6 +648,11 @@ class KVCacheManager:
         st.queried_tokens += seq.num_tokens
         st.hit_tokens += adopted.num_tokens
         st.external_tokens += external
+        if self._preempted and self._preempted.pop(seq.seq_id, 0) is None:
+            st.readmissions += 1
+            st.readmitted_queried_tokens += seq.num_tokens
+            st.readmitted_hit_tokens += adopted.num_tokens
+            st.readmitted_external_tokens += external
         if self._tracks_admissions:
             self.retainer.on_admit(seq, adopted)
 
@@ -789,8 +816,13 @@ class KVCacheManager:
         return seq.token_ids if self.pool.enable_events else None
 
     # ------------------------------------------------------------------ free
-    def free(self, seq: KVSequence | str) -> None:
+    def free(self, seq: KVSequence | str, *, preempted: bool = False) -> None:
         """Release every block of the sequence (finished or preempted). Idempotent.
+
+        ``preempted``: the sequence will be admitted again (recomputed); its next admission is counted
+        as a re-admission too (``KVCacheStats.readmissions`` and the ``readmitted_*`` counters). A
+        free without it forgets that mark: free a preempted sequence that will not return once more
+        (the scheduler does when it rejects or aborts it).
 
         Blocks registered for tokens the sequence never computed (a step allocated but not run, or
         one that failed: free its sequences before advancing their computed counts) leave the prefix
@@ -804,6 +836,13 @@ class KVCacheManager:
             raise InvalidInputError(f"free takes a sequence (hybridkv.Sequence or another KVSequence) or a "
                                     f"sequence id, got {type(seq).__name__}")
         stored = self._seqs.get(sid)
+        if not preempted:
+            self._preempted.pop(sid, None)
+        elif stored is not None:
+            marks = self._preempted
+            marks[sid] = None
+            if len(marks) > MAX_PREEMPTED_MARKS:  # a caller that never frees its dropped victims
+                del marks[next(iter(marks))]
         if stored is None:
             return
         computed = self._computed_tokens(stored)
@@ -989,6 +1028,8 @@ class KVCacheManager:
         assert len(self._idle_until) <= len(self._seqs) and all(
             self._seqs.get(seq.seq_id) is seq for seq in self._idle_until
         ), "idle limits of sequences that hold no blocks"
+        assert self._preempted.keys().isdisjoint(self._seqs) and len(self._preempted) <= MAX_PREEMPTED_MARKS, \
+            "a sequence marked preempted holds blocks (its admission did not count as a re-admission)"
 
     def _check_table(self, g: KindManager, sid: str, table: list[int]) -> list[int]:
         """Check one table of group ``g`` (each block once, the group's own rules, registered blocks

@@ -491,7 +491,7 @@ class Scheduler:
         returned = self._cost(victim, victim.seq.num_computed_tokens, out.num_scheduled_tokens.pop(victim.seq_id, 0))
         returned += len(out.draft_tokens.pop(victim.seq_id, ()))
         self.running.remove(victim)
-        self.manager.free(victim.seq)
+        self.manager.free(victim.seq, preempted=True)
         victim.seq.num_computed_tokens = 0
         if victim.load is not None:
             victim.load.cancel()
