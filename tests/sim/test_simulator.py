@@ -117,3 +117,18 @@ def test_cli_simulate_rejects_bad_options(capsys: pytest.CaptureFixture[str]) ->
     assert "--trace" in capsys.readouterr().err
     assert main(["simulate", "--workload", "chat", "--compare", "colour=red", "--requests", "2", "--no-progress"]) == 2
     assert "unknown option" in capsys.readouterr().err
+
+
+def test_re_admissions_after_preemption_are_counted_apart() -> None:
+    """Unique prompts that grow past a small pool: the newest is preempted and re-admitted, finding its
+    own computed blocks again. Those hits count in ``prefix_hit_rate`` (documented) and are left out
+    of ``first_admission_hit_rate``, which here is 0: no request shares anything with another."""
+    cfg = SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=2048, max_num_batched_tokens=2048,
+                    kv_cache_tokens=6_000, retention="none")
+    w = Workload([SimRequest(f"r{i}", 0.0, ((f"unique-{i}", 1000),), 600) for i in range(8)], 8, "unique")
+    s = simulate(w, cfg).summary
+    assert s["finished"] == 8 and s["preemptions"] > 0
+    assert s["readmissions"] == s["preemptions"]  # every victim came back
+    assert s["hit_tokens"] == s["readmitted_hit_tokens"] > 0 and s["prefix_hit_rate"] > 0
+    assert s["first_admission_hit_rate"] == s["first_admission_total_hit_rate"] == 0.0
+    assert s["queried_tokens"] - s["readmitted_queried_tokens"] == 8 * 1000

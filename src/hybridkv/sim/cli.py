@@ -49,6 +49,9 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("simulated time", lambda s: f"{s['duration_s']:.1f} s"),
     ("throughput", lambda s: f"{s['throughput_tokens_per_s']:,.0f} tok/s, {s['throughput_requests_per_s']:.2f} req/s"),
     ("prefix-hit rate (tokens)", lambda s: f"{s['prefix_hit_rate']:.1%}"),
+    ("the same, first admissions only (vLLM's count)",
+     lambda s: f"{s['first_admission_hit_rate']:.1%} ({s['readmitted_hit_tokens']:,} hit tokens of "
+               f"{s['readmissions']} re-admissions left out)"),
     ("hit tokens lost: window / state evicted / not checkpointed",
      lambda s: " / ".join(f"{s['lost_hit_tokens'][c]:,}" for c in LOSS_CAUSES)),
     ("TTFT p50 / p90 / p99", lambda s: f"{s['ttft_p50_s']:.3f} / {s['ttft_p90_s']:.3f} / {s['ttft_p99_s']:.3f} s"),

@@ -48,6 +48,7 @@ from hybridkv.sim.simulator import (
     build_manager,
     calibrated_cost_model,
     collector_paused,
+    readmission_keys,
     sim_tiers,
     tier_keys,
 )
@@ -549,6 +550,7 @@ def _engine_keys(workload: Workload, cfg: SimConfig, replicas: list[ReplicaSim],
         "kv_usage_max": max(e.usage_max for e in engines),
         **tier_keys(cfg, tiers, sum(sum(t.load_s) for t in tiers),
                     sum(t.stats.bytes_written for t in distinct.values()), hit, external, queried),
+        **readmission_keys(r.mgr.stats for r in replicas),
         "tier_stats": {},
     }
 

@@ -6,7 +6,7 @@ What it models, in full: ``docs/SIMULATOR.md``, "The simulation loop and its sum
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -15,6 +15,7 @@ from hybridkv.connectors.storage import StoragePolicy, StoreAll, StoreHitSpans, 
 from hybridkv.core import (
     KVCacheLayout,
     KVCacheManager,
+    KVCacheStats,
     RecurrentPages,
     RetentionPolicy,
     capacity_report,
@@ -297,6 +298,27 @@ def _next_event(engine: SimEngine, queue: ArrivalQueue) -> float:
     return min(times)
 
 
+def readmission_keys(stats: Iterable[KVCacheStats]) -> dict[str, Any]:
+    """The summary's re-admission keys over managers' ``stats``: what re-admissions after a preemption
+    found again (counted in ``hit_tokens`` / ``tier_hit_tokens`` too) and the hit rates without them."""
+    queried = hit = external = r_queried = r_hit = r_external = readmissions = 0
+    for st in stats:
+        queried += st.queried_tokens
+        hit += st.hit_tokens
+        external += st.external_tokens
+        readmissions += st.readmissions
+        r_queried += st.readmitted_queried_tokens
+        r_hit += st.readmitted_hit_tokens
+        r_external += st.readmitted_external_tokens
+    first = queried - r_queried
+    return {
+        "readmissions": readmissions, "readmitted_queried_tokens": r_queried,
+        "readmitted_hit_tokens": r_hit, "readmitted_tier_hit_tokens": r_external,
+        "first_admission_hit_rate": (hit - r_hit) / first if first else 0.0,
+        "first_admission_total_hit_rate": (hit + external - r_hit - r_external) / first if first else 0.0,
+    }
+
+
 def tier_keys(cfg: SimConfig, tiers: list[SimTiers], load_s: float, stored_bytes: int, hit: int, external: int,
               queried: int) -> dict[str, Any]:
     """The summary's tier keys (``tiers`` to ``tier_lookup_probes``) of engines with ``tiers``."""
@@ -338,6 +360,7 @@ def _summary(workload: Workload, cfg: SimConfig, engine: SimEngine, plan: dict[s
         **tier_keys(cfg, [tiers] if tiers is not None else [], sum(tiers.load_s) if tiers is not None else 0.0,
                     sum(t.stats.bytes_written for t in tiers.tiers) if tiers is not None else 0,
                     st.hit_tokens, st.external_tokens, st.queried_tokens),
+        **readmission_keys([st]),
         "rejected_too_long": records.too_long,
         "tier_stats": tiers.summary() if tiers is not None else {},
         "spec_decode": engine.spec.summary(),
