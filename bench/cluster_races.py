@@ -4,9 +4,10 @@ their prefix was still running when they arrived (a race with its blocks' evicti
     python bench/cluster_sim.py --workloads trace --tiers none --routers hybrid_exact,prefix --no-big \\
         --json runs.json --per-request
     python bench/cluster_races.py runs.json [--trace ../shared/traces/mooncake_synthetic_trace.jsonl] \\
-        [--a hybrid_exact] [--b prefix] [--tiers none] [--workload trace]
+        [--a hybrid_exact] [--b prefix] [--tiers none] [--workload trace] [--beyond TOKENS]
 
-For each request with a device hit under exactly one of the routers ``--a`` and ``--b``: the
+For each request with a device hit (of more than ``--beyond`` tokens: on a trace whose every prompt
+starts with one system prompt, its length) under exactly one of the routers ``--a`` and ``--b``: the
 earlier request sharing the most of its prompt's leading tokens (the latest of equals), and, under
 the router that hit and the one that did not, whether that request was still running when this one
 arrived, and how long before it had ended. Prints one line per request and the counts.
@@ -31,7 +32,12 @@ def main() -> None:
     ap.add_argument("--b", default="prefix")
     ap.add_argument("--tiers", default="none")
     ap.add_argument("--workload", default="trace", help="trace or trace@N, as bench/cluster_sim.py ran it")
+    ap.add_argument("--beyond", type=int, default=0, metavar="TOKENS",
+                    help="a hit counts when it is longer than this (default 0: any hit)")
     args = ap.parse_args()
+    if args.beyond < 0:
+        print(f"--beyond {args.beyond}: must be 0 or more tokens", file=sys.stderr)
+        raise SystemExit(2)
     skip = trace_skip(args.workload)
     if skip is None:
         print(f"--workload {args.workload!r}: races are read for a trace (trace or trace@N)", file=sys.stderr)
@@ -50,7 +56,7 @@ def main() -> None:
     shared = earlier_shares(read_mooncake(args.trace, limit=len(ids), skip=skip))
     counts = {args.a: [0, 0], args.b: [0, 0]}
     for i, rid in enumerate(ids):
-        hit = {r: runs[r][rid]["hit_tokens"] > 0 for r in runs}
+        hit = {r: runs[r][rid]["hit_tokens"] > args.beyond for r in runs}
         j, tokens = shared[i]
         if hit[args.a] == hit[args.b] or j is None:
             continue
