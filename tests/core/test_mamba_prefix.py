@@ -238,3 +238,20 @@ def test_a_hint_takes_the_step_checkpoint_a_junction_would() -> None:
 def test_a_hint_outside_the_prompt_is_refused_by_name(hints: object) -> None:
     with pytest.raises(InvalidInputError, match="checkpoint hint"):
         Sequence("x", SYSTEM + tokens(10_000, 200), checkpoint_hints=hints)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("hints, queue", [((130,), "lru"), ((), None)])
+def test_a_state_checkpointed_at_a_hint_is_dropped_to_the_lru_not_evicted_first(hints: tuple[int, ...],
+                                                                                 queue: str | None) -> None:
+    # Steps of 100 tokens: the second checkpoints the state at the hint (130 -> 128), the third
+    # moves on and drops it. A state written to be found goes to the LRU, with the prefix, not to
+    # ``low`` (the blocks no hit needs, evicted first), where pressure would take it before the
+    # next turn parts there. Without the hint no state is left at 128.
+    mgr = manager(60, full(16), mamba(16), retention="window", max_model_len=1024, batch=1024)
+    a = Sequence("a", tokens(0, 256), checkpoint_hints=hints)
+    run_prefill(mgr, a, 100)
+    state = mgr.pool.get_cached_block(1, mgr.block_hashes(a, 1)[7])
+    assert (mgr.pool.queue_of(state) if state is not None else None) == queue
+    mgr.free(a)
+    mgr.check_invariants()
+    assert mgr.lookup(Sequence("b", tokens(0, 128) + tokens(5000, 40))).num_tokens == (128 if hints else 0)

@@ -20,6 +20,7 @@ from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.hits import CacheHit
 from hybridkv.core.kinds import KindManager
 from hybridkv.core.sequence import KVSequence
+from hybridkv.core.specs import MambaSpec
 from hybridkv.errors import InvalidInputError
 
 HashesOf = Callable[[KVSequence, KindManager], list[bytes]]
@@ -176,6 +177,9 @@ class WindowRetention(RetentionPolicy):
     a junction. While it runs, the blocks it drops that a hit at its current end still needs (the
     state a recurrent group wrote at the last block boundary it crossed: one per group) go to the
     LRU tail instead of ``low``, and to ``low`` once the end moves past them.
+
+    A state a sequence checkpointed at one of its ``checkpoint_hints`` goes to the LRU when dropped,
+    not to ``low`` (window blocks there are not spared: docs/ARCHITECTURE.md, "Checkpoint hints").
     """
 
     name: ClassVar[str] = "window"
@@ -388,10 +392,16 @@ class WindowRetainer(Retainer):
         windows = [(group.hit_span(boundary), a) for boundary, a in junctions]
         align = self.alignment
         replay = group.hit_span((seq.num_prompt_tokens - 1) // align * align)
+        # A state checkpointed at one of the sequence's hints was written to be found: dropped, it
+        # goes to the LRU, not ``low``. Window blocks there are not spared (docs/ARCHITECTURE.md,
+        # "Checkpoint hints": a window's span, wasted where no request parts, costs hits).
+        marked = getattr(seq, "checkpoint_hints", None) if dropped and isinstance(group.spec, MambaSpec) else None
+        spared = [group.hit_span(h // align * align) for h in marked] if marked else []
         # The class changes only at span edges: cut ``freed`` there and class each piece once.
         edges = {e for span, _ in windows for e in span}
         if dropped:
             edges.update(replay)
+            edges.update(e for span in spared for e in span)
         negated = [-i for i, _ in freed]  # ascending, for bisect
         cuts = [bisect_right(negated, -e) for e in sorted(edges, reverse=True)] + [len(freed)]
         # Consecutive pieces of one class are released in one call, in ``freed``'s order.
@@ -404,7 +414,7 @@ class WindowRetainer(Retainer):
             anchor = next((a for (first, end), a in windows if first <= i < end), None) if windows else None
             if anchor is not None:
                 cls = ("kept", anchor)
-            elif dropped and not replay[0] <= i < replay[1]:
+            elif dropped and not replay[0] <= i < replay[1] and not any(f <= i < e for f, e in spared):
                 cls = ("low", NULL_BLOCK)
             else:
                 cls = ("lru", NULL_BLOCK)

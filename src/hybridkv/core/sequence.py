@@ -52,8 +52,9 @@ class KVSequence(Protocol):
 
     Optional: ``checkpoint_hints``, prompt positions where later requests are expected to part from
     this one (the end of a system prompt, message boundaries); recurrent groups checkpoint their
-    state there and tiers store there (``KVCacheManager.junctions``), so the second request to
-    share a prefix hits it, not only the third (a junction is otherwise learnt from the second).
+    state there (dropped, such a state goes to the LRU, not to the blocks evicted first) and tiers
+    store there (``KVCacheManager.junctions``), so the second request to share a prefix hits it,
+    not only the third (a junction is otherwise learnt from the second).
     """
 
     seq_id: str
