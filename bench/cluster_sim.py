@@ -74,7 +74,8 @@ DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "trac
 def workload(args: argparse.Namespace, name: str) -> Workload:
     skip = trace_skip(name)
     if skip is not None:
-        return read_mooncake(args.trace, limit=args.requests, skip=skip, concurrency=args.concurrency)
+        return read_mooncake(args.trace, limit=args.requests, skip=skip, concurrency=args.concurrency,
+                             mark_last_block=args.mark_last_block)
     return multi_turn_chat(args.conversations, args.turns, system_prompt_len=args.system_prompt_len,
                            user_len=LengthDist(median=args.user_len, sigma=0.5, min_len=16),
                            max_new_tokens=LengthDist(median=args.output_len, sigma=0.5, min_len=8),
@@ -246,6 +247,9 @@ def main() -> None:
     ap.add_argument("--slack", type=int, default=ClusterConfig.slack)
     ap.add_argument("--miss-weight", type=float, default=ClusterConfig.miss_weight)
     ap.add_argument("--junction-weight", type=float, default=ClusterConfig.junction_weight)
+    ap.add_argument("--mark-last-block", action="store_true",
+                    help="a trace prompt's partial last block starts at a checkpoint hint, where the next turn "
+                         "parts from it (docs/SIMULATOR.md, \"Mooncake traces\")")
     ap.add_argument("--explain", action="store_true", help="where reusable tokens were, per router")
     ap.add_argument("--jobs", type=int, default=None,
                     help="simulations run in parallel processes (default: one more than the CPUs, at most one "

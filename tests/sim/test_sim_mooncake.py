@@ -29,6 +29,32 @@ def test_hash_ids_become_512_token_runs_with_a_partial_last_block() -> None:
     assert w.content_block_size == 512 and w.concurrency is None
 
 
+def test_a_partial_last_block_is_marked_where_a_longer_prompt_parts() -> None:
+    w = read_mooncake(EXCERPT, mark_last_block=True)
+    assert w.requests[0].checkpoint_hints == (5 * 512,)  # 2,752 tokens: the sixth block is partial
+    assert w.requests[1].checkpoint_hints == ()  # one block: nothing before it to part at
+    assert {r.checkpoint_hints for r in read_mooncake(EXCERPT).requests} == {()}  # the trace as logged
+
+
+@pytest.mark.parametrize("mark", [False, True])
+def test_a_recurrent_hybrids_next_turn_hits_where_the_mark_is(tmp_path: Path, mark: bool) -> None:
+    # Nemotron-H 8B (Mamba layers: a hit needs a state checkpointed exactly there), one request at
+    # a time. Turn 1 has 7 full blocks and a partial one; turn 2 continues it, so it holds a full
+    # block there and parts at 7 * 512 = 3,584, 100 tokens before turn 1's end. Unmarked, turn 1
+    # leaves no state there and turn 2 recomputes everything; marked, turn 1 checkpoints there.
+    def line(ids: list[int], n: int) -> str:
+        return json.dumps({"timestamp": 0, "input_length": n, "output_length": 8, "hash_ids": ids})
+
+    lines = [line(list(range(1, 9)), 7 * 512 + 100)]
+    lines += [line(list(range(1000 * k, 1000 * k + 4)), 4 * 512) for k in range(1, 5)]  # unrelated
+    lines += [line(list(range(1, 8)) + [100, 101], 9 * 512 - 10)]
+    path = tmp_path / "turns.jsonl"
+    path.write_text("\n".join(lines))
+    w = read_mooncake(path, concurrency=1, mark_last_block=mark)
+    result = simulate(w, SimConfig(model="nemotron-h-8b", gpu="h100-80gb", kv_cache_tokens=60_000, max_model_len=8192))
+    assert result.requests[w.requests[-1].request_id]["hit_tokens"] == (3584 if mark else 0)
+
+
 def test_timestamps_are_milliseconds_scaled_by_the_time_scale() -> None:
     assert [r.arrival_time for r in read_mooncake(EXCERPT).requests][:3] == [3.437, 4.297, 14.284]
     assert [r.arrival_time for r in read_mooncake(EXCERPT, time_scale=0.5).requests][:3] == [1.7185, 2.1485, 7.142]
@@ -120,6 +146,17 @@ def test_cli_rejects_conflicting_replay_options_with_status_2(capsys: pytest.Cap
 def test_cli_replay_options_need_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--workload", "chat", "--requests", "2", "--time-scale", "2", "--no-progress"]) == 2
     assert "--time-scale applies to --workload trace" in capsys.readouterr().err
+
+
+def test_cli_marks_last_blocks_of_a_mooncake_trace_only(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main([*ARGS, "--mark-last-block", "--concurrency", "2", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["finished"] == 8
+    ours = tmp_path / "t.jsonl"
+    write_trace(ours, read_mooncake(EXCERPT))
+    assert main([*ARGS[:-5], "--trace", str(ours), "--mark-last-block", "--no-progress"]) == 2
+    assert "give --trace-format mooncake" in capsys.readouterr().err
+    assert main(["simulate", "--workload", "chat", "--requests", "2", "--mark-last-block", "--no-progress"]) == 2
+    assert "--mark-last-block applies to --workload trace" in capsys.readouterr().err
 
 
 def test_a_trace_request_longer_than_max_model_len_is_rejected_not_fatal() -> None:

@@ -228,6 +228,10 @@ def _workload_arguments(work: Any) -> None:
     work.add_argument("--trace-format", choices=("hybridkv", "mooncake"), default=None,
                       help="the trace's format: hybridkv (default) or mooncake (Mooncake FAST'25 traces: "
                            "timestamp in ms, input_length, output_length, hash_ids of 512-token blocks)")
+    work.add_argument("--mark-last-block", action="store_true",
+                      help="mooncake trace: a prompt's partial last block starts at a checkpoint hint, where a "
+                           "longer prompt continuing it parts (a conversation's next turn): window retention "
+                           "keeps the window there")
     work.add_argument("--time-scale", type=positive_float_arg, default=None, metavar="S",
                       help="trace: replay the logged arrival times multiplied by S (open loop; 0.5 is twice as "
                            "fast)")
@@ -286,7 +290,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         raise InvalidInputError(f"--trace is read only with --workload trace, not --workload {args.workload}")
     if args.workload == "trace":
         return _trace_workload(args)
-    for option, value in (("--trace-format", args.trace_format), ("--time-scale", args.time_scale)):
+    for option, value in (("--trace-format", args.trace_format), ("--time-scale", args.time_scale),
+                          ("--mark-last-block", args.mark_last_block or None)):
         if value is not None:
             raise InvalidInputError(f"{option} applies to --workload trace, not --workload {args.workload}")
     requests = args.requests or 600
@@ -315,7 +320,9 @@ def _trace_workload(args: argparse.Namespace) -> Workload:
         from hybridkv.sim.mooncake import read_mooncake
 
         return read_mooncake(args.trace, time_scale=args.time_scale or 1.0, concurrency=args.concurrency,
-                             limit=args.requests)
+                             limit=args.requests, mark_last_block=args.mark_last_block)
+    if args.mark_last_block:
+        raise InvalidInputError("--mark-last-block reads a Mooncake trace's blocks: give --trace-format mooncake")
     from hybridkv.sim.trace import read_trace, replay
 
     return replay(read_trace(args.trace), limit=args.requests, time_scale=args.time_scale,

@@ -33,7 +33,8 @@ def _int_field(obj: dict[str, object], key: str, minimum: int, where: str) -> in
     return value
 
 
-def _request(obj: object, index: int, where: str, block_size: int, time_scale: float | None) -> SimRequest:
+def _request(obj: object, index: int, where: str, block_size: int, time_scale: float | None,
+             mark_last_block: bool) -> SimRequest:
     if not isinstance(obj, dict):
         raise InvalidInputError(f"{where}: expected a JSON object; got {type(obj).__name__}")
     unknown = sorted(set(obj) - _KEYS)
@@ -59,17 +60,23 @@ def _request(obj: object, index: int, where: str, block_size: int, time_scale: f
     last = length - block_size * (blocks - 1)
     segments = tuple((f"mooncake:{h}", block_size) for h in ids[:-1]) + ((f"mooncake:{ids[-1]}", last),)
     arrival = stamp / 1000.0 * time_scale if time_scale is not None else 0.0
+    # A longer prompt holds a full block where this one's last block is partial, so it parts from
+    # this one at the latest where that block starts: the junction of a conversation's next turn.
+    hints = (block_size * (blocks - 1),) if mark_last_block and blocks > 1 and last < block_size else ()
     # A request with no output in the log still samples its first token.
-    return SimRequest(f"mooncake-{index}", arrival, segments, max(1, output))
+    return SimRequest(f"mooncake-{index}", arrival, segments, max(1, output), checkpoint_hints=hints)
 
 
 def read_mooncake(path: str | os.PathLike[str], *, time_scale: float = 1.0, concurrency: int | None = None,
-                  limit: int | None = None, skip: int = 0, block_size: int = MOONCAKE_BLOCK_SIZE) -> Workload:
+                  limit: int | None = None, skip: int = 0, block_size: int = MOONCAKE_BLOCK_SIZE,
+                  mark_last_block: bool = False) -> Workload:
     """The workload of a Mooncake trace file (gzip when the name ends with '.gz'): its first ``limit``
     requests (all by default) after the first ``skip`` in file order, open loop at ``time_scale`` times
     the logged arrivals (counted from the first request read), or a closed loop of ``concurrency``
     requests in flight. Requests are named by their place among those read (``mooncake-0`` first).
-    Errors name ``path:line`` and the field."""
+    ``mark_last_block``: a prompt whose last block is partial has that block's start as checkpoint
+    hint, where a longer prompt that continues it parts from it (docs/SIMULATOR.md, "Mooncake
+    traces"). Errors name ``path:line`` and the field."""
     if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
         raise InvalidInputError(f"concurrency must be a positive integer, got {concurrency!r}")
     if not isinstance(time_scale, (int, float)) or not math.isfinite(time_scale) or time_scale <= 0:
@@ -89,7 +96,7 @@ def read_mooncake(path: str | os.PathLike[str], *, time_scale: float = 1.0, conc
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InvalidInputError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
-        requests.append(_request(obj, len(requests), where, block_size, scale))
+        requests.append(_request(obj, len(requests), where, block_size, scale, mark_last_block))
     if not requests:
         raise InvalidInputError(f"{p}: no requests after the first {skip:,}" if skip
                                 else f"{p}: no requests in the file")
