@@ -34,6 +34,8 @@ def test_a_partial_last_block_is_marked_where_a_longer_prompt_parts() -> None:
     assert w.requests[0].checkpoint_hints == (5 * 512,)  # 2,752 tokens: the sixth block is partial
     assert w.requests[1].checkpoint_hints == ()  # one block: nothing before it to part at
     assert {r.checkpoint_hints for r in read_mooncake(EXCERPT).requests} == {()}  # the trace as logged
+    with pytest.raises(InvalidInputError, match="mark_last_block must be True or False"):
+        read_mooncake(EXCERPT, mark_last_block="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("mark", [False, True])

@@ -230,8 +230,8 @@ def _workload_arguments(work: Any) -> None:
                            "timestamp in ms, input_length, output_length, hash_ids of 512-token blocks)")
     work.add_argument("--mark-last-block", action="store_true",
                       help="mooncake trace: a prompt's partial last block starts at a checkpoint hint, where a "
-                           "longer prompt continuing it parts (a conversation's next turn): window retention "
-                           "keeps the window there")
+                           "longer prompt continuing it parts (a conversation's next turn): a recurrent hybrid "
+                           "checkpoints its state there, and tiers store there")
     work.add_argument("--time-scale", type=positive_float_arg, default=None, metavar="S",
                       help="trace: replay the logged arrival times multiplied by S (open loop; 0.5 is twice as "
                            "fast)")

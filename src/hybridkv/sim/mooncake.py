@@ -85,6 +85,8 @@ def read_mooncake(path: str | os.PathLike[str], *, time_scale: float = 1.0, conc
         raise InvalidInputError(f"limit must be a positive integer, got {limit!r}")
     if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
         raise InvalidInputError(f"skip must be a whole number of requests >= 0, got {skip!r}")
+    if not isinstance(mark_last_block, bool):
+        raise InvalidInputError(f"mark_last_block must be True or False, got {mark_last_block!r}")
     p = os.fspath(path)
     scale = None if concurrency is not None else float(time_scale)
     requests: list[SimRequest] = []
