@@ -20,7 +20,6 @@ from hybridkv.core.block_pool import NULL_BLOCK, BlockPool
 from hybridkv.core.hits import CacheHit
 from hybridkv.core.kinds import KindManager
 from hybridkv.core.sequence import KVSequence
-from hybridkv.core.specs import MambaSpec
 from hybridkv.errors import InvalidInputError
 
 HashesOf = Callable[[KVSequence, KindManager], list[bytes]]
@@ -395,7 +394,7 @@ class WindowRetainer(Retainer):
         # A state checkpointed at one of the sequence's hints was written to be found: dropped, it
         # goes to the LRU, not ``low``. Window blocks there are not spared (docs/ARCHITECTURE.md,
         # "Checkpoint hints": a window's span, wasted where no request parts, costs hits).
-        marked = getattr(seq, "checkpoint_hints", None) if dropped and isinstance(group.spec, MambaSpec) else None
+        marked = getattr(seq, "checkpoint_hints", None) if dropped and group.checkpoints else None
         spared = [group.hit_span(h // align * align) for h in marked] if marked else []
         # The class changes only at span edges: cut ``freed`` there and class each piece once.
         edges = {e for span, _ in windows for e in span}
