@@ -1,6 +1,6 @@
 """Routers compared on a simulated cluster, side by side in one run, against one replica 8x as big.
 
-    python bench/cluster_sim.py [--trace ../shared/traces/mooncake_synthetic_trace.jsonl] [--requests 3000]
+    python bench/cluster_sim.py [--trace ../shared/traces/mooncake_synthetic_trace.jsonl] [--requests 3000|all]
         [--workloads trace,conversations] [--tiers none,host:256GiB] [--instances 8] [--concurrency 64]
         [--routers hybrid_exact,prefix,least_loaded,round_robin] [--jobs N] [--explain] [--json FILE [--per-request]]
 
@@ -21,8 +21,8 @@ with a host tier, its own tier; ``hybridkv.sim.cluster``) behind each router, a 
   has one GPU's compute and takes about six times as long; the pooled one shows what one pool gains
   at the cluster's speed (docs/CLUSTER.md, "The two upper bounds"). ``--no-big`` skips both.
 
-Workloads: ``trace``, the first ``--requests`` requests of a Mooncake trace in file order
-(``trace@N``: the ``--requests`` after its first N, another window of the same trace;
+Workloads: ``trace``, the first ``--requests`` requests of a Mooncake trace in file order (``--requests
+all``: the whole trace; ``trace@N``: the ``--requests`` after its first N, another window of the same trace;
 ``--workloads trace,trace@500,trace@993`` compares the routers on three);
 ``conversations``, ``--conversations`` chats of ``--turns`` turns (each turn's prompt is the previous
 turn's prompt, its answer and a new user message, after a system prompt of ``--system-prompt-len``
@@ -81,6 +81,15 @@ def workload(args: argparse.Namespace, name: str) -> Workload:
                            max_new_tokens=LengthDist(median=args.output_len, sigma=0.5, min_len=8),
                            arrivals=ClosedLoop(args.concurrency), shared_system_prompt=args.shared_system_prompt,
                            seed=args.seed)
+
+
+def request_count(text: str) -> int | None:
+    """``--requests``: a positive number of trace requests, or ``all`` (None: the whole trace)."""
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of requests or 'all'")
+    return int(text)
 
 
 def trace_skip(name: str) -> int | None:
@@ -225,7 +234,8 @@ def report(rows: dict[str, dict[str, Any]], title: str, explain: bool) -> list[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="a Mooncake trace (JSON Lines)")
-    ap.add_argument("--requests", type=int, default=3000, help="the trace's first N requests")
+    ap.add_argument("--requests", type=request_count, default=3000,
+                    help="the trace's first N requests, or 'all' for the whole trace")
     ap.add_argument("--workloads", default="trace,conversations")
     ap.add_argument("--conversations", type=int, default=128)
     ap.add_argument("--turns", type=int, default=12)
