@@ -63,7 +63,8 @@ def retention(prefix_counts: list[int], requests: int) -> list[dict[str, Any]]:
     rows = []
     print(f"window retention: gemma-3-27b (W=1024), pool of 1.47M full-attention tokens, {requests} requests, "
           "28,000-token shared prefixes + 200-token suffixes, 64 output tokens, closed loop x16")
-    print(f"{'prefixes':>8} {'retention':>9} {'hit rate':>9} {'TTFT p50':>9} {'TTFT mean':>10} {'wall':>6}")
+    print(f"{'prefixes':>8} {'retention':>9} {'hit rate':>9} {'TTFT p50':>9} {'TTFT mean':>10} {'preempt':>7} "
+          f"{'wall':>6}")
     for p in prefix_counts:
         w = shared_prefix(requests, p, 28_000, 200, max_new_tokens=64, arrivals=ClosedLoop(16), seed=3)
         for retention in ("none", "window"):
@@ -71,10 +72,11 @@ def retention(prefix_counts: list[int], requests: int) -> list[dict[str, Any]]:
                             kv_cache_tokens=1_470_000, retention=retention)
             t0 = time.perf_counter()
             s = simulate(w, cfg).summary
-            print(f"{p:>8} {retention:>9} {s['prefix_hit_rate']:>9.1%} {s['ttft_p50_s']:>8.3f}s "
-                  f"{s['ttft_mean_s']:>9.3f}s {time.perf_counter() - t0:>5.1f}s", flush=True)
-            rows.append({"prefixes": p, "retention": retention, "prefix_hit_rate": s["prefix_hit_rate"],
-                         "ttft_p50_s": s["ttft_p50_s"], "ttft_mean_s": s["ttft_mean_s"]})
+            print(f"{p:>8} {retention:>9} {s['first_admission_hit_rate']:>9.1%} {s['ttft_p50_s']:>8.3f}s "
+                  f"{s['ttft_mean_s']:>9.3f}s {s['preemptions']:>7} {time.perf_counter() - t0:>5.1f}s", flush=True)
+            rows.append({"prefixes": p, "retention": retention, "prefix_hit_rate": s["first_admission_hit_rate"],
+                         "preemptions": s["preemptions"], "ttft_p50_s": s["ttft_p50_s"],
+                         "ttft_mean_s": s["ttft_mean_s"]})
     return rows
 
 

@@ -82,7 +82,8 @@ def run_variant(args: argparse.Namespace, w: Workload, variant: str) -> dict[str
         simulator.tier_storage = factory  # type: ignore[assignment]
     s = res.summary
     return {"variant": variant, "at_end": resumed_at_end(w, res.requests, args.alignment),
-            "device": s["prefix_hit_rate"], "tier": s["tier_hit_rate"], "total": s["total_hit_rate"],
+            "device": s["first_admission_hit_rate"], "tier": s["first_admission_tier_hit_rate"],
+            "total": s["first_admission_total_hit_rate"],
             "ttft_mean_s": s["ttft_mean_s"], "ttft_p90_s": s["ttft_p90_s"], "preemptions": s["preemptions"],
             "finished": s["finished"], "stored_bytes": s["tier_stored_bytes"], "wall_s": time.perf_counter() - t0,
             "order": sorted(res.requests, key=lambda rid: res.requests[rid]["arrival_s"])}

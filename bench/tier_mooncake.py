@@ -73,8 +73,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     res = simulate(w, config(args, variant))
     s = res.summary
     tier = next(iter(s["tier_stats"].values()), {})
-    return {"variant": variant, "device": s["prefix_hit_rate"], "tier": s["tier_hit_rate"],
-            "total": s["total_hit_rate"],
+    return {"variant": variant, "device": s["first_admission_hit_rate"], "tier": s["first_admission_tier_hit_rate"],
+            "total": s["first_admission_total_hit_rate"], "preemptions": s["preemptions"],
             "ttft_mean_s": s["ttft_mean_s"], "ttft_p50_s": s["ttft_p50_s"], "ttft_p90_s": s["ttft_p90_s"],
             "stored_bytes": s["tier_stored_bytes"], "used_bytes": tier.get("used_bytes", 0),
             "loaded_bytes": tier.get("loaded_bytes", 0), "load_s": s["tier_load_s"],
@@ -107,7 +107,7 @@ def ceilings(args: argparse.Namespace) -> dict[str, float]:
 
 
 HEADER = (f"{'variant':<11} {'device':>7} {'tier':>7} {'total':>7} {'/ceiling':>8} {'TTFT mean':>10} {'p50':>8} "
-          f"{'p90':>8} {'written':>10} {'held':>9} {'loaded':>9} {'wall':>7} {'cpu':>7}")
+          f"{'p90':>8} {'written':>10} {'held':>9} {'loaded':>9} {'preempt':>7} {'wall':>7} {'cpu':>7}")
 
 
 def fmt(r: dict[str, Any], reference: float) -> str:
@@ -115,7 +115,7 @@ def fmt(r: dict[str, Any], reference: float) -> str:
     return (f"{r['variant']:<11} {r['device']:>7.1%} {r['tier']:>7.1%} {r['total']:>7.1%} "
             f"{r['total'] / reference if reference else 0:>8.1%} {r['ttft_mean_s']:>9.2f}s {r['ttft_p50_s']:>7.2f}s "
             f"{r['ttft_p90_s']:>7.2f}s {r['stored_bytes'] / tib:>7.2f}TiB {r['used_bytes'] / tib:>6.2f}TiB "
-            f"{r['loaded_bytes'] / tib:>6.2f}TiB {r['wall_s']:>6.1f}s {r['cpu_s']:>6.1f}s")
+            f"{r['loaded_bytes'] / tib:>6.2f}TiB {r['preemptions']:>7} {r['wall_s']:>6.1f}s {r['cpu_s']:>6.1f}s")
 
 
 def plot(rows: list[dict[str, Any]], ceil: dict[str, float], args: argparse.Namespace, path: str) -> None:

@@ -49,20 +49,21 @@ def one(prefixes: int, requests: int, tiers: str, storage: str = "spans+spill") 
     s = simulate(w, cfg).summary
     return {"prefixes": prefixes, "tiers": tiers, "storage": storage if tiers != "none" else "-",
             "requests": requests,
-            "prefix_hit_rate": s["prefix_hit_rate"], "tier_hit_rate": s["tier_hit_rate"],
-            "total_hit_rate": s["total_hit_rate"], "ttft_mean_s": s["ttft_mean_s"], "ttft_p50_s": s["ttft_p50_s"],
+            "prefix_hit_rate": s["first_admission_hit_rate"], "tier_hit_rate": s["first_admission_tier_hit_rate"],
+            "total_hit_rate": s["first_admission_total_hit_rate"], "preemptions": s["preemptions"],
+            "ttft_mean_s": s["ttft_mean_s"], "ttft_p50_s": s["ttft_p50_s"],
             "ttft_p90_s": s["ttft_p90_s"], "tier_load_s": s["tier_load_s"], "duration_s": s["duration_s"],
             "tier_stats": s["tier_stats"], "wall_s": time.perf_counter() - t0}
 
 
 HEADER = (f"{'prefixes':>8} {'tiers':<22} {'storage':<12} {'device':>7} {'tier':>6} {'total':>6} {'TTFT mean':>10} "
-          f"{'TTFT p50':>9} {'load':>7} {'wall':>6}")
+          f"{'TTFT p50':>9} {'load':>7} {'preempt':>7} {'wall':>6}")
 
 
 def fmt(r: dict[str, Any]) -> str:
     return (f"{r['prefixes']:>8} {r['tiers']:<22} {r['storage']:<12} {r['prefix_hit_rate']:>7.1%} "
             f"{r['tier_hit_rate']:>6.1%} {r['total_hit_rate']:>6.1%} {r['ttft_mean_s']:>9.3f}s "
-            f"{r['ttft_p50_s']:>8.3f}s {r['tier_load_s']:>6.1f}s {r['wall_s']:>5.1f}s")
+            f"{r['ttft_p50_s']:>8.3f}s {r['tier_load_s']:>6.1f}s {r['preemptions']:>7} {r['wall_s']:>5.1f}s")
 
 
 def plot(rows: list[dict[str, Any]], tier_sets: list[str], path: str) -> None:

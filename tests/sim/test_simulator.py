@@ -10,6 +10,7 @@ import pytest
 from hybridkv.cli import main
 from hybridkv.sim.simulator import SimConfig, build_manager, simulate
 from hybridkv.sim.synthetic import SyntheticSequence
+from hybridkv.sim.tiers import parse_tiers
 from hybridkv.sim.trace import write_trace
 from hybridkv.sim.workloads import ClosedLoop, Poisson, SimRequest, Workload, multi_turn_chat, shared_prefix
 
@@ -132,3 +133,16 @@ def test_re_admissions_after_preemption_are_counted_apart() -> None:
     assert s["hit_tokens"] == s["readmitted_hit_tokens"] > 0 and s["prefix_hit_rate"] > 0
     assert s["first_admission_hit_rate"] == s["first_admission_total_hit_rate"] == 0.0
     assert s["queried_tokens"] - s["readmitted_queried_tokens"] == 8 * 1000
+
+
+def test_re_admissions_tier_hits_are_counted_apart() -> None:
+    """The same preempted, unique prompts with a host tier: a victim re-admitted loads its own blocks
+    back from the tier. Those loads count in ``tier_hit_rate`` and are left out of
+    ``first_admission_tier_hit_rate`` (0: nobody shares), which with the device's makes the total."""
+    cfg = SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=2048, max_num_batched_tokens=2048,
+                    kv_cache_tokens=6_000, retention="none", tiers=parse_tiers("host:8GiB"))
+    w = Workload([SimRequest(f"r{i}", 0.0, ((f"unique-{i}", 1000),), 600) for i in range(8)], 8, "unique")
+    s = simulate(w, cfg).summary
+    assert s["finished"] == 8 and s["preemptions"] > 0
+    assert s["tier_hit_tokens"] == s["readmitted_tier_hit_tokens"] > 0 and s["tier_hit_rate"] > 0
+    assert s["first_admission_tier_hit_rate"] == s["first_admission_total_hit_rate"] == 0.0
