@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,14 +121,20 @@ def test_cli_simulate_rejects_bad_options(capsys: pytest.CaptureFixture[str]) ->
     assert "unknown option" in capsys.readouterr().err
 
 
+def _unique_prompts_past_a_small_pool(tiers: str = "none") -> dict[str, Any]:
+    """The summary of 8 unique 1,000-token prompts growing past a 6,000-token pool (the newest are
+    preempted and re-admitted), with ``tiers``."""
+    cfg = SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=2048, max_num_batched_tokens=2048,
+                    kv_cache_tokens=6_000, retention="none", tiers=parse_tiers(tiers))
+    w = Workload([SimRequest(f"r{i}", 0.0, ((f"unique-{i}", 1000),), 600) for i in range(8)], 8, "unique")
+    return simulate(w, cfg).summary
+
+
 def test_re_admissions_after_preemption_are_counted_apart() -> None:
     """Unique prompts that grow past a small pool: the newest is preempted and re-admitted, finding its
     own computed blocks again. Those hits count in ``prefix_hit_rate`` (documented) and are left out
     of ``first_admission_hit_rate``, which here is 0: no request shares anything with another."""
-    cfg = SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=2048, max_num_batched_tokens=2048,
-                    kv_cache_tokens=6_000, retention="none")
-    w = Workload([SimRequest(f"r{i}", 0.0, ((f"unique-{i}", 1000),), 600) for i in range(8)], 8, "unique")
-    s = simulate(w, cfg).summary
+    s = _unique_prompts_past_a_small_pool()
     assert s["finished"] == 8 and s["preemptions"] > 0
     assert s["readmissions"] == s["preemptions"]  # every victim came back
     assert s["hit_tokens"] == s["readmitted_hit_tokens"] > 0 and s["prefix_hit_rate"] > 0
@@ -139,10 +146,8 @@ def test_re_admissions_tier_hits_are_counted_apart() -> None:
     """The same preempted, unique prompts with a host tier: a victim re-admitted loads its own blocks
     back from the tier. Those loads count in ``tier_hit_rate`` and are left out of
     ``first_admission_tier_hit_rate`` (0: nobody shares), which with the device's makes the total."""
-    cfg = SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=2048, max_num_batched_tokens=2048,
-                    kv_cache_tokens=6_000, retention="none", tiers=parse_tiers("host:8GiB"))
-    w = Workload([SimRequest(f"r{i}", 0.0, ((f"unique-{i}", 1000),), 600) for i in range(8)], 8, "unique")
-    s = simulate(w, cfg).summary
+    s = _unique_prompts_past_a_small_pool("host:8GiB")
     assert s["finished"] == 8 and s["preemptions"] > 0
     assert s["tier_hit_tokens"] == s["readmitted_tier_hit_tokens"] > 0 and s["tier_hit_rate"] > 0
     assert s["first_admission_tier_hit_rate"] == s["first_admission_total_hit_rate"] == 0.0
+    assert s["first_admission_total_hit_rate"] == s["first_admission_hit_rate"] + s["first_admission_tier_hit_rate"]

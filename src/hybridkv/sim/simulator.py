@@ -315,8 +315,8 @@ def readmission_keys(stats: Iterable[KVCacheStats]) -> dict[str, Any]:
         "readmissions": readmissions, "readmitted_queried_tokens": r_queried,
         "readmitted_hit_tokens": r_hit, "readmitted_tier_hit_tokens": r_external,
         "first_admission_hit_rate": (hit - r_hit) / first if first else 0.0,
-        "first_admission_total_hit_rate": (hit + external - r_hit - r_external) / first if first else 0.0,
         "first_admission_tier_hit_rate": (external - r_external) / first if first else 0.0,
+        "first_admission_total_hit_rate": (hit + external - r_hit - r_external) / first if first else 0.0,
     }
 
 
